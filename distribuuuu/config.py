@@ -1,0 +1,365 @@
+"""The configuration: one yacs tree, every key with a one-line comment.
+
+Call order: ``load_config(cfg_file, opts)`` = defaults -> merge file -> merge ``KEY VALUE`` list
+-> ``validate`` -> freeze. Every Distribuuuu key keeps its name, type, default and meaning, so
+Distribuuuu's YAML files load unchanged. Errors are ``UserError`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+from typing import Any, Iterable
+
+import yaml
+from yacs.config import CfgNode as CN
+
+from distribuuuu.errors import UserError
+
+_C = CN()
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+_C.MODEL = CN()
+# Architecture name: a torchvision model, a timm model, or one of the aliases in models.py
+_C.MODEL.ARCH = "resnet18"
+# Number of output classes (the size of the classifier head)
+_C.MODEL.NUM_CLASSES = 1000
+# Start from pretrained weights found as a LOCAL file in torch.hub.get_dir()/checkpoints (never downloaded)
+_C.MODEL.PRETRAINED = False
+# Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch; helps small per-GPU batches)
+_C.MODEL.SYNCBN = False
+# Path to a weights file (a checkpoint or a bare state dict) to load before training or evaluating
+_C.MODEL.WEIGHTS = None
+# Feed random tensors instead of real data (times the model alone; Distribuuuu's key)
+_C.MODEL.DUMMY_INPUT = False
+# Number of input channels (1 for grayscale models; data with other channel counts is converted)
+_C.MODEL.IN_CHANS = 3
+# Replace the stride-4 ImageNet stem by a stride-1 3x3 conv for 28-32 px images (ResNet family)
+_C.MODEL.SMALL_STEM = False
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+_C.TRAIN = CN()
+# Mini-batch size PER PROCESS; the global batch is BATCH_SIZE x world size
+_C.TRAIN.BATCH_SIZE = 32
+# Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images)
+_C.TRAIN.IM_SIZE = 224
+# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*), a CIFAR folder, or mnist5k / synthetic
+_C.TRAIN.DATASET = "./data/ILSVRC/"
+# Sub-folder (or split name) of DATASET used for training
+_C.TRAIN.SPLIT = "train"
+# Resume from OUT_DIR/checkpoints/last.pth when it exists
+_C.TRAIN.AUTO_RESUME = True
+# On resume, also restore the optimizer state (False: weights, epoch and schedule only)
+_C.TRAIN.LOAD_OPT = True
+# DataLoader worker processes per training process
+_C.TRAIN.WORKERS = 4
+# Pin host memory of batches (only has an effect with CUDA)
+_C.TRAIN.PIN_MEMORY = True
+# Print a progress line every PRINT_FREQ iterations (rank 0 only)
+_C.TRAIN.PRINT_FREQ = 30
+# The k of the top-k accuracy reported next to top-1 (clipped to the number of classes)
+_C.TRAIN.TOPK = 5
+# Number of samples of the synthetic training set (TRAIN.DATASET synthetic)
+_C.TRAIN.SYNTHETIC_SAMPLES = 1024
+# Evaluate on the val split every EVAL_PERIOD epochs (and always after the last epoch)
+_C.TRAIN.EVAL_PERIOD = 1
+# Keep the newest CKPT_KEEP per-epoch checkpoints (last.pth and best.pth are kept besides)
+_C.TRAIN.CKPT_KEEP = 3
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+_C.TEST = CN()
+# Validation data: a folder path, a CIFAR folder, or mnist5k / synthetic
+_C.TEST.DATASET = "./data/ILSVRC/"
+# Sub-folder (or split name) of DATASET used for validation
+_C.TEST.SPLIT = "val"
+# Mini-batch size per process for evaluation
+_C.TEST.BATCH_SIZE = 200
+# Resize the shorter side to IM_SIZE, then center-crop TRAIN.IM_SIZE (folders only)
+_C.TEST.IM_SIZE = 256
+# Print an evaluation progress line every PRINT_FREQ iterations (rank 0 only)
+_C.TEST.PRINT_FREQ = 10
+# Number of samples of the synthetic validation set (TEST.DATASET synthetic)
+_C.TEST.SYNTHETIC_SAMPLES = 256
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN
+# ---------------------------------------------------------------------------------------------
+_C.CUDNN = CN()
+# Let cuDNN pick the fastest convolution algorithms (fixed input sizes)
+_C.CUDNN.BENCHMARK = True
+# Ask cuDNN and torch for deterministic algorithms (slower; overrides BENCHMARK)
+_C.CUDNN.DETERMINISTIC = False
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and learning-rate schedule (SGD)
+# ---------------------------------------------------------------------------------------------
+_C.OPTIM = CN()
+# Number of training epochs
+_C.OPTIM.MAX_EPOCH = 100
+# Learning-rate policy: 'cos' (half-period cosine) or 'steps' (multiply by LR_MULT at each of STEPS)
+_C.OPTIM.LR_POLICY = "cos"
+# Base learning rate (used as is, or scaled by the global batch when LR_SCALING is 'linear')
+_C.OPTIM.BASE_LR = 0.1
+# Final learning rate of the cosine policy, as a fraction of the base learning rate
+_C.OPTIM.MIN_LR = 0.0
+# Epochs at which the 'steps' policy multiplies the LR by LR_MULT (sorted, starting at 0)
+_C.OPTIM.STEPS = []
+# Multiplier applied at each step of the 'steps' policy
+_C.OPTIM.LR_MULT = 0.1
+# SGD momentum
+_C.OPTIM.MOMENTUM = 0.9
+# SGD dampening (must be 0 with Nesterov momentum)
+_C.OPTIM.DAMPENING = 0.0
+# Use Nesterov momentum
+_C.OPTIM.NESTEROV = True
+# The LR starts at WARMUP_FACTOR x LR and rises linearly to LR over WARMUP_EPOCHS
+_C.OPTIM.WARMUP_FACTOR = 0.1
+# Length of the linear warmup in epochs (may be fractional; 0 disables it)
+_C.OPTIM.WARMUP_EPOCHS = 5
+# L2 weight decay
+_C.OPTIM.WEIGHT_DECAY = 5e-5
+# 'none': the LR is BASE_LR; 'linear': BASE_LR x global batch / REF_BATCH_SIZE (Goyal et al., 2017)
+_C.OPTIM.LR_SCALING = "none"
+# The global batch size at which BASE_LR was tuned (for the linear scaling rule)
+_C.OPTIM.REF_BATCH_SIZE = 128
+
+# ---------------------------------------------------------------------------------------------
+# Distributed run
+# ---------------------------------------------------------------------------------------------
+_C.DIST = CN()
+# Process-group backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+_C.DIST.BACKEND = "auto"
+# Seconds a collective may wait for the other ranks before the run is aborted
+_C.DIST.TIMEOUT_S = 1800
+
+# ---------------------------------------------------------------------------------------------
+# Run-level options
+# ---------------------------------------------------------------------------------------------
+# Output folder: config.yaml, log.txt, metrics.jsonl, checkpoints/
+_C.OUT_DIR = "./exp"
+# File name of the full config written into OUT_DIR
+_C.CFG_DEST = "config.yaml"
+# Seed of every RNG (None: a fresh random seed, logged so the run can be repeated)
+_C.RNG_SEED = None
+# Device: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'
+_C.DEVICE = "auto"
+# Intra-op CPU threads per process (0: the machine's cores / processes on this node)
+_C.NUM_THREADS = 0
+
+# Keys whose default is None, and the type a value given for them must have.
+_NULLABLE_TYPES: dict[str, type] = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
+
+LR_POLICIES = ("cos", "steps")
+LR_SCALINGS = ("none", "linear")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def get_defaults() -> CN:
+    """A fresh, mutable copy of the default config."""
+    return _C.clone()
+
+
+def _flatten(node: CN, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, CN):
+            out.update(_flatten(value, full + "."))
+        else:
+            out[full] = value
+    return out
+
+
+def _flatten_plain(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.extend(_flatten_plain(value, full + "."))
+        else:
+            out.append((full, value))
+    return out
+
+
+def _type_name(t: type) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list"}.get(t, t.__name__)
+
+
+def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
+    """Return value converted to the type of the key's default, or raise UserError."""
+    expected = _NULLABLE_TYPES.get(key, type(default))
+    if value is None:
+        if key in _NULLABLE_TYPES:
+            return None
+        raise UserError(f"config key {key} cannot be None ({source}); expected a {_type_name(expected)}")
+    if expected is tuple:
+        expected = list
+    if isinstance(value, tuple):
+        value = list(value)
+    ok = isinstance(value, expected)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True  # 1 is a fine float
+    if expected is int and isinstance(value, bool):
+        ok = False  # True is not a count
+    if expected is str and key in _NULLABLE_TYPES and isinstance(value, str) and value.lower() in ("none", "null", ""):
+        return None
+    if not ok:
+        raise UserError(
+            f"config key {key} expects a {_type_name(expected)}, got {value!r} "
+            f"({_type_name(type(value))}) from {source}"
+        )
+    return value
+
+
+def _parse_literal(text: str) -> Any:
+    """Command-line values are Python literals; anything else is a plain string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _set(cfg: CN, pairs: Iterable[tuple[str, Any]], source: str) -> None:
+    known = _flatten(_C)
+    for key, value in pairs:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else " (run `distribuuuu config` to list the keys)"
+            raise UserError(f"unknown config key {key}{hint} in {source}")
+        value = _coerce(key, value, known[key], source)
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+
+
+def merge_file(cfg: CN, path: str) -> None:
+    """Merge a YAML file into cfg, checking every key and type."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} does not exist; pass --cfg with a YAML file such as config/resnet18.yaml")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path!r} must hold a mapping of KEY: value, not {type(data).__name__}")
+    _set(cfg, _flatten_plain(data), f"config file {path}")
+
+
+def merge_opts(cfg: CN, opts: list[str]) -> None:
+    """Merge a ``KEY VALUE KEY VALUE ...`` list; values are parsed as Python literals."""
+    if len(opts) % 2:
+        raise UserError(
+            f"overrides come in KEY VALUE pairs, but {len(opts)} words were given: {' '.join(opts)!r}"
+        )
+    pairs = [(opts[i], _parse_literal(opts[i + 1])) for i in range(0, len(opts), 2)]
+    _set(cfg, pairs, "the command line")
+
+
+def validate(cfg: CN) -> None:
+    """Semantic checks that need more than the type of one key."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise UserError(msg)
+
+    for key in ("MODEL.NUM_CLASSES", "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE",
+                "TEST.IM_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
+                "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
+                "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE",
+                "DIST.TIMEOUT_S"):
+        value = _get(cfg, key)
+        need(value > 0, f"config key {key} must be positive, got {value}")
+    for key in ("TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
+                "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING"):
+        value = _get(cfg, key)
+        need(value >= 0, f"config key {key} must be >= 0, got {value}")
+    need(cfg.TRAIN.TOPK <= cfg.MODEL.NUM_CLASSES,
+         f"TRAIN.TOPK ({cfg.TRAIN.TOPK}) must be <= MODEL.NUM_CLASSES ({cfg.MODEL.NUM_CLASSES})")
+    need(cfg.OPTIM.BASE_LR > 0, f"OPTIM.BASE_LR must be positive, got {cfg.OPTIM.BASE_LR}")
+    need(0.0 <= cfg.OPTIM.MIN_LR <= 1.0,
+         f"OPTIM.MIN_LR is a fraction of the base LR and must be in [0, 1], got {cfg.OPTIM.MIN_LR}")
+    need(0.0 <= cfg.OPTIM.MOMENTUM < 1.0, f"OPTIM.MOMENTUM must be in [0, 1), got {cfg.OPTIM.MOMENTUM}")
+    need(0.0 < cfg.OPTIM.WARMUP_FACTOR <= 1.0,
+         f"OPTIM.WARMUP_FACTOR must be in (0, 1], got {cfg.OPTIM.WARMUP_FACTOR}")
+    if cfg.OPTIM.NESTEROV:
+        need(cfg.OPTIM.MOMENTUM > 0 and cfg.OPTIM.DAMPENING == 0,
+             "OPTIM.NESTEROV True needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0 "
+             f"(got MOMENTUM {cfg.OPTIM.MOMENTUM}, DAMPENING {cfg.OPTIM.DAMPENING})")
+    need(cfg.OPTIM.LR_POLICY in LR_POLICIES,
+         f"OPTIM.LR_POLICY must be one of {', '.join(LR_POLICIES)}, got {cfg.OPTIM.LR_POLICY!r}")
+    if cfg.OPTIM.LR_POLICY == "steps":
+        steps = list(cfg.OPTIM.STEPS)
+        need(len(steps) > 0 and steps[0] == 0,
+             f"OPTIM.STEPS must start at 0 for the 'steps' policy (e.g. [0, 30, 60, 90]), got {steps}")
+        need(all(isinstance(s, (int, float)) for s in steps), f"OPTIM.STEPS must hold numbers, got {steps}")
+        need(steps == sorted(steps) and len(set(steps)) == len(steps),
+             f"OPTIM.STEPS must be strictly increasing, got {steps}")
+        need(steps[-1] < cfg.OPTIM.MAX_EPOCH,
+             f"OPTIM.STEPS must lie below OPTIM.MAX_EPOCH ({cfg.OPTIM.MAX_EPOCH}), got {steps}")
+    need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
+         f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
+    need(cfg.DEVICE in DEVICES, f"DEVICE must be one of {', '.join(DEVICES)}, got {cfg.DEVICE!r}")
+    need(cfg.DIST.BACKEND in BACKENDS,
+         f"DIST.BACKEND must be one of {', '.join(BACKENDS)}, got {cfg.DIST.BACKEND!r}")
+    need(not (cfg.DIST.BACKEND == "nccl" and cfg.DEVICE == "cpu"),
+         "DIST.BACKEND nccl needs GPUs, but DEVICE is cpu; use DIST.BACKEND gloo or auto")
+    need(cfg.MODEL.ARCH.strip() != "", "MODEL.ARCH must name a model, e.g. resnet18")
+    need(cfg.OUT_DIR.strip() != "", "OUT_DIR must be a folder path, e.g. ./exp")
+    need(cfg.CFG_DEST.strip() != "" and os.sep not in cfg.CFG_DEST,
+         f"CFG_DEST must be a plain file name such as config.yaml, got {cfg.CFG_DEST!r}")
+    for key in ("TRAIN.DATASET", "TEST.DATASET"):
+        need(_get(cfg, key).strip() != "", f"{key} must be a folder path or one of mnist5k, synthetic")
+
+
+def _get(cfg: CN, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> CN:
+    """Defaults, then the file, then the overrides; validated and frozen."""
+    cfg = get_defaults()
+    if cfg_file:
+        merge_file(cfg, cfg_file)
+    merge_opts(cfg, list(opts or []))
+    validate(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def diff_from_defaults(cfg: CN) -> dict[str, Any]:
+    """Flat {KEY: value} of the keys whose value differs from the default."""
+    defaults = _flatten(_C)
+    return {k: v for k, v in _flatten(cfg).items() if defaults.get(k) != v}
+
+
+def to_yaml(cfg: CN) -> str:
+    return cfg.dump()
+
+
+def dump_to_run_folder(cfg: CN, out_dir: str) -> None:
+    """Write the full config (CFG_DEST) and the diff from the defaults (config_diff.yaml)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, cfg.CFG_DEST), "w") as f:
+        f.write(to_yaml(cfg))
+    nested: dict[str, Any] = {}
+    for key, value in diff_from_defaults(cfg).items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    with open(os.path.join(out_dir, "config_diff.yaml"), "w") as f:
+        yaml.safe_dump(nested, f, sort_keys=True)
