@@ -199,7 +199,7 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
     if value is None:
         if key in _NULLABLE_TYPES:
             return None
-        raise UserError(f"config key {key} cannot be None ({source}); expected a {_type_name(expected)}")
+        raise UserError(f"config key {key} cannot be None ({source}); expected {_a(_type_name(expected))}")
     if expected is tuple:
         expected = list
     if isinstance(value, tuple):
@@ -213,10 +213,14 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
         return None
     if not ok:
         raise UserError(
-            f"config key {key} expects a {_type_name(expected)}, got {value!r} "
+            f"config key {key} expects {_a(_type_name(expected))}, got {value!r} "
             f"({_type_name(type(value))}) from {source}"
         )
     return value
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
 def _parse_literal(text: str) -> Any:

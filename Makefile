@@ -1,0 +1,27 @@
+# The two commands of the quickstart. Both create .venv (once) and install the pinned
+# dependencies (again only when pyproject.toml changes), so a fresh clone needs nothing else.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Two processes on CPU; one per GPU when there are GPUs.
+NPROC  ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf runs/demo
+	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_demo.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs .pytest_cache

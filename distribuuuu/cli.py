@@ -1,0 +1,157 @@
+"""The `distribuuuu` command: train, eval, config, data.
+
+    distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
+    distribuuuu eval   [--cfg FILE] [--nproc-per-node N] [MODEL.WEIGHTS PATH] [KEY VALUE ...]
+    distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
+    distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
+
+The same train/eval run under plain python, torchrun, torch.distributed.launch, srun, or the
+built-in spawner (--nproc-per-node). A user error exits with status 2 and one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+from distribuuuu.errors import USER_ERROR_EXIT, UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as UserError (exit 2, one message) instead of printing usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
+    parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file (see config/)")
+    if with_nproc:
+        parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
+                            help="start N processes on this machine with the built-in spawner "
+                                 "('auto': one per GPU, else one per CPU core)")
+    # torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
+    # environment instead (see distributed.detect), so the value is accepted and ignored here.
+    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", default=None,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="distribuuuu", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_cfg_args(sub.add_parser("train", help="train a model"), with_nproc=True)
+    _add_cfg_args(sub.add_parser("eval", help="evaluate MODEL.WEIGHTS on the val split"), with_nproc=True)
+    _add_cfg_args(sub.add_parser("config", help="print the merged, validated config as YAML"), with_nproc=False)
+    data_parser = sub.add_parser("data", help="dataset utilities")
+    data_sub = data_parser.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
+    export.add_argument("source", choices=["mnist5k"])
+    export.add_argument("dest", help="output folder (gets train/<class>/*.png and val/<class>/*.png)")
+    return parser
+
+
+def _resolve_nproc(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if value == "auto":
+        import torch
+
+        return torch.cuda.device_count() or os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise UserError(f"--nproc-per-node takes a positive integer or 'auto', got {value!r}") from None
+    if n < 1:
+        raise UserError(f"--nproc-per-node must be at least 1, got {n}")
+    return n
+
+
+def _preflight(command: str, cfg, world_size: int) -> None:
+    """Checks that need no process group, run before any starts so no rank is left waiting."""
+    from distribuuuu import data
+
+    if command == "eval":
+        if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
+    elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
+                        "checkpoint or state dict, or leave MODEL.WEIGHTS None")
+    data.check_datasets(cfg, world_size)
+
+
+def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
+    """Run train or eval in this process (any launcher); returns the exit status."""
+    from distribuuuu import config, distributed, engine
+    from distribuuuu.logger import setup_logging
+
+    cfg = config.load_config(cfg_file, opts)
+    info = distributed.detect()
+    _preflight(command, cfg, info.world_size)
+    with distributed.session(cfg) as ctx:
+        setup_logging(cfg.OUT_DIR, ctx.is_main)
+        if command == "train":
+            if ctx.is_main:
+                config.dump_to_run_folder(cfg, cfg.OUT_DIR)
+            engine.fit(cfg, ctx)
+        else:
+            engine.run_eval(cfg, ctx)
+    return 0
+
+
+def _spawned(command: str, cfg_file: str | None, opts: list[str]) -> None:
+    """Entry point of each process started by --nproc-per-node (module-level: it is pickled)."""
+    sys.exit(_guarded(lambda: run(command, cfg_file, opts)))
+
+
+def _guarded(fn: Callable[[], int]) -> int:
+    """Run fn; a UserError becomes one message on stderr and exit status 2."""
+    try:
+        return fn()
+    except UserError as e:
+        rank = os.environ.get("RANK", "0")
+        prefix = "error" if rank == "0" else f"error (rank {rank})"
+        print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "data":
+        from distribuuuu import data
+
+        counts = data.export_mnist5k(args.dest)
+        print(f"wrote {args.source} to {args.dest}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return 0
+    opts = list(args.opts or [])
+    if args.command == "config":
+        from distribuuuu import config
+
+        print(config.to_yaml(config.load_config(args.cfg_file, opts)), end="")
+        return 0
+    nproc = _resolve_nproc(args.nproc)
+    if nproc is None:
+        return run(args.command, args.cfg_file, opts)
+
+    from distribuuuu import config, distributed
+
+    if distributed.detect().launcher != "plain":
+        raise UserError("--nproc-per-node starts its own processes; drop it when running under "
+                        "torchrun, torch.distributed.launch or srun")
+    cfg = config.load_config(args.cfg_file, opts)  # fail here, once, before any child starts
+    _preflight(args.command, cfg, nproc)
+    return distributed.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the process exit status."""
+    return _guarded(lambda: _main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The config system: baseline YAMLs, overrides, validation messages, run-folder dumps."""
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from distribuuuu import config
+from distribuuuu.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]
+
+
+@pytest.mark.parametrize("arch", BASELINES)
+def test_baseline_configs_load_unchanged(arch):
+    path = os.path.join(ROOT, "config", f"{arch}.yaml")
+    cfg = config.load_config(path)
+    assert cfg.MODEL.ARCH == arch
+    assert cfg.OUT_DIR == f"./{arch}"
+    big = arch.startswith(("efficientnet", "regnet"))
+    assert (cfg.OPTIM.BASE_LR, cfg.TRAIN.BATCH_SIZE) == ((0.4, 64) if big else (0.2, 32))
+    assert cfg.OPTIM.WEIGHT_DECAY == (1e-5 if arch == "efficientnet_b0" else 5e-5)
+    # Every other key is at its default.
+    changed = set(config.diff_from_defaults(cfg))
+    assert changed <= {"MODEL.ARCH", "OUT_DIR", "OPTIM.BASE_LR", "TRAIN.BATCH_SIZE", "OPTIM.WEIGHT_DECAY"}
+
+
+def test_every_shipped_config_validates():
+    paths = glob.glob(os.path.join(ROOT, "config", "*.yaml"))
+    assert len(paths) >= len(BASELINES) + 1
+    for path in paths:
+        config.load_config(path)
+
+
+def test_every_key_has_a_comment():
+    source = open(os.path.join(ROOT, "distribuuuu", "config.py")).read().splitlines()
+    for i, line in enumerate(source):
+        if line.startswith("_C.") and " = " in line and "CN()" not in line:
+            assert source[i - 1].lstrip().startswith("#"), f"no comment above: {line}"
+
+
+def test_overrides_parse_as_python_literals():
+    cfg = config.load_config(None, ["OPTIM.STEPS", "[0, 30, 60]", "OPTIM.LR_POLICY", "steps",
+                                    "TRAIN.BATCH_SIZE", "7", "OPTIM.BASE_LR", "1", "MODEL.SYNCBN", "True",
+                                    "TRAIN.DATASET", "/some/path", "RNG_SEED", "5", "MODEL.WEIGHTS", "None"])
+    assert cfg.OPTIM.STEPS == [0, 30, 60]
+    assert cfg.TRAIN.BATCH_SIZE == 7
+    assert cfg.OPTIM.BASE_LR == 1.0 and isinstance(cfg.OPTIM.BASE_LR, float)
+    assert cfg.MODEL.SYNCBN is True
+    assert cfg.TRAIN.DATASET == "/some/path"
+    assert cfg.RNG_SEED == 5 and cfg.MODEL.WEIGHTS is None
+    assert cfg.is_frozen()
+
+
+def test_later_overrides_win_over_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("TRAIN:\n  BATCH_SIZE: 16\nOPTIM:\n  BASE_LR: 0.5\n")
+    cfg = config.load_config(str(path), ["TRAIN.BATCH_SIZE", "8"])
+    assert (cfg.TRAIN.BATCH_SIZE, cfg.OPTIM.BASE_LR) == (8, 0.5)
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["MODEL.ARHC", "resnet18"], "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)"),
+    (["TRAIN.BATCH_SIZE", "abc"], "config key TRAIN.BATCH_SIZE expects an int, got 'abc'"),
+    (["TRAIN.BATCH_SIZE", "2.5"], "config key TRAIN.BATCH_SIZE expects an int, got 2.5"),
+    (["MODEL.SYNCBN", "1"], "config key MODEL.SYNCBN expects a bool, got 1"),
+    (["TRAIN.BATCH_SIZE"], "KEY VALUE pairs"),
+    (["TRAIN.TOPK", "5", "MODEL.NUM_CLASSES", "3"], "TRAIN.TOPK (5) must be <= MODEL.NUM_CLASSES (3)"),
+    (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE must be positive, got 0"),
+    (["TRAIN.IM_SIZE", "-8"], "TRAIN.IM_SIZE must be positive"),
+    (["OPTIM.LR_POLICY", "linear"], "OPTIM.LR_POLICY must be one of cos, steps, got 'linear'"),
+    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[30, 60]"], "OPTIM.STEPS must start at 0"),
+    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 60, 30]"], "strictly increasing"),
+    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 200]"], "below OPTIM.MAX_EPOCH"),
+    (["OPTIM.NESTEROV", "True", "OPTIM.MOMENTUM", "0.0"], "OPTIM.NESTEROV True needs OPTIM.MOMENTUM > 0"),
+    (["DEVICE", "tpu"], "DEVICE must be one of auto, cpu, cuda"),
+    (["OPTIM.MIN_LR", "2.0"], "OPTIM.MIN_LR is a fraction"),
+])
+def test_bad_values_are_user_errors_with_clear_messages(opts, message):
+    with pytest.raises(UserError) as err:
+        config.load_config(None, opts)
+    assert message in str(err.value)
+
+
+def test_bad_file_key_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("TRAIN:\n  BATCH_SIZ: 16\n")
+    with pytest.raises(UserError, match=r"unknown config key TRAIN.BATCH_SIZ \(did you mean TRAIN.BATCH_SIZE\?\) in config file"):
+        config.load_config(str(path))
+    with pytest.raises(UserError, match="does not exist"):
+        config.load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_run_folder_gets_full_config_and_diff(tmp_path):
+    cfg = config.load_config(None, ["MODEL.ARCH", "resnet50", "OUT_DIR", str(tmp_path)])
+    config.dump_to_run_folder(cfg, str(tmp_path))
+    full = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32
+    diff = yaml.safe_load((tmp_path / "config_diff.yaml").read_text())
+    assert diff == {"MODEL": {"ARCH": "resnet50"}, "OUT_DIR": str(tmp_path)}
+    # The dumped file loads back to the same config.
+    assert config.load_config(str(tmp_path / "config.yaml")) == cfg
