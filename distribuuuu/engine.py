@@ -238,4 +238,6 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
              result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"],
              time.perf_counter() - start)
-    return {**result, "weights": weights}
+    record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
+    MetricsWriter(cfg.OUT_DIR, ctx.is_main).write(record)
+    return record

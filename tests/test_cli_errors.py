@@ -1,0 +1,70 @@
+"""Bad input: exit status 2, one clear message, no traceback, no process left behind."""
+
+import os
+
+import pytest
+
+from tests.helpers import TINY, check, distribuuuu
+
+
+def _user_error(proc, *fragments):
+    check(proc, 2)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, proc.stderr  # one message, however many processes were asked for
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_unknown_key():
+    _user_error(distribuuuu("train", "--cfg", TINY, "MODEL.ARHC", "resnet18"),
+                "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
+
+
+def test_wrong_type():
+    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.BATCH_SIZE", "big"),
+                "TRAIN.BATCH_SIZE", "expects an int", "'big'")
+
+
+def test_missing_config_file():
+    _user_error(distribuuuu("train", "--cfg", "no/such.yaml"), "no/such.yaml", "does not exist")
+
+
+def test_missing_dataset_folder(tmp_path):
+    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path / "imagenet")),
+                "TRAIN.DATASET", str(tmp_path / "imagenet"))
+
+
+def test_empty_class_folder(tmp_path):
+    from PIL import Image
+
+    for cls in ("cat", "dog"):
+        os.makedirs(tmp_path / "train" / cls)
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
+    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path)), "dog")
+
+
+def test_unknown_arch():
+    _user_error(distribuuuu("train", "--cfg", TINY, "MODEL.ARCH", "resnt18"),
+                "MODEL.ARCH", "resnet18")
+
+
+def test_missing_weights_file(tmp_path):
+    _user_error(distribuuuu("eval", "--cfg", TINY, "MODEL.WEIGHTS", str(tmp_path / "w.pth")),
+                "MODEL.WEIGHTS", "w.pth")
+
+
+@pytest.mark.timeout(120)
+def test_world_size_larger_than_the_data():
+    _user_error(distribuuuu("train", "--nproc-per-node", "3", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2"),
+                "world size 3")
+
+
+def test_unknown_arch_with_spawned_processes_fails_once_and_cleanly():
+    _user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
+                "MODEL.ARCH")
+
+
+def test_bad_nproc_and_odd_override_list():
+    _user_error(distribuuuu("train", "--nproc-per-node", "zero", "--cfg", TINY), "--nproc-per-node")
+    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.BATCH_SIZE"), "KEY VALUE pairs")

@@ -1,0 +1,126 @@
+"""End-to-end training and evaluation with real processes (gloo on CPU)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
+
+
+def _weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_two_process_ddp_run_ends_with_identical_weights(tmp_path):
+    out = str(tmp_path / "run")
+    proc = check(torchrun(2, "tests/scripts/train_and_dump.py", "--cfg", TINY, "OUT_DIR", out))
+    assert "rank 1/2" in proc.stdout  # every process logs its own placement line
+    w0, w1 = _weights(f"{out}/rank0.pt"), _weights(f"{out}/rank1.pt")
+    assert w0.keys() == w1.keys()
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]), key
+    # The run folder holds what the contract promises.
+    for name in ("config.yaml", "config_diff.yaml", "log.txt", "metrics.jsonl",
+                 "checkpoints/last.pth", "checkpoints/best.pth", "checkpoints/epoch_0002.pth"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    lines = read_metrics(out)
+    train = [m for m in lines if m["split"] == "train"]
+    val = [m for m in lines if m["split"] == "val"]
+    assert [m["epoch"] for m in train] == [1, 2] and [m["epoch"] for m in val] == [1, 2]
+    for m in train:
+        assert {"epoch", "split", "loss", "top1", "top5", "n", "lr", "img_per_s"} <= m.keys()
+        assert m["n"] == 128  # 2 ranks x 4 batches of 16: every training sample once
+    for m in val:
+        assert {"epoch", "split", "loss", "top1", "top5", "n"} <= m.keys()
+        assert m["n"] == 50
+    # The checkpoint holds plain weights that load into the bare model, and its bookkeeping.
+    ckpt = _weights(f"{out}/checkpoints/last.pth")
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    assert (ckpt["epoch"], ckpt["global_step"]) == (2, 8)
+    for key in w0:
+        assert torch.equal(ckpt["model"][key], w0[key]), key
+    assert "done: best val top-1" in open(f"{out}/log.txt").read()
+
+
+def _eval(out_dir, weights, nproc):
+    args = ["eval", "--cfg", TINY, "OUT_DIR", out_dir, "MODEL.WEIGHTS", weights,
+            "TEST.SYNTHETIC_SAMPLES", "50", "TEST.BATCH_SIZE", "32"]
+    if nproc > 1:
+        args[1:1] = ["--nproc-per-node", str(nproc)]
+    check(distribuuuu(*args))
+    return read_metrics(out_dir)[-1]
+
+
+def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
+    out = str(tmp_path / "run")
+    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"))
+    weights = f"{out}/checkpoints/last.pth"
+    # 50 samples: not a multiple of 3, and fewer than the global batch of 3 x 32.
+    one = _eval(str(tmp_path / "eval1"), weights, 1)
+    three = _eval(str(tmp_path / "eval3"), weights, 3)
+    assert one["n"] == three["n"] == 50
+    assert (one["top1"], one["top5"]) == (three["top1"], three["top5"])
+    assert one["loss"] == pytest.approx(three["loss"], rel=1e-6)  # float sums in another order
+
+
+def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
+    out = str(tmp_path / "run")
+    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"))
+    state = _weights(f"{out}/checkpoints/last.pth")["model"]
+    prefixed = str(tmp_path / "ddp_style.pth")
+    torch.save({"state_dict": {"module." + k: v for k, v in state.items()}}, prefixed)
+    plain = _eval(str(tmp_path / "e1"), f"{out}/checkpoints/last.pth", 1)
+    from_prefixed = _eval(str(tmp_path / "e2"), prefixed, 1)
+    assert (plain["top1"], plain["top5"], plain["n"]) == (from_prefixed["top1"], from_prefixed["top5"], from_prefixed["n"])
+
+
+def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", out,
+            "OPTIM.MAX_EPOCH", "4", "TRAIN.SYNTHETIC_SAMPLES", "1024"]
+    straight_out = str(tmp_path / "straight")
+    check(subprocess.run(args[:-6] + ["OUT_DIR", straight_out] + args[-4:], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=240))
+    # Start the same run, and kill it hard once the first checkpoint exists.
+    proc = subprocess.Popen(args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = os.path.join(out, "checkpoints", "epoch_0001.pth")
+    deadline = time.time() + 120
+    while not os.path.exists(first) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    done = _weights(os.path.join(out, "checkpoints", "last.pth"))["epoch"]
+    assert 1 <= done < 4, f"the kill came too late to test anything (epoch {done})"
+
+    resumed = check(subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    assert f"resumed from {out}/checkpoints/last.pth: {done} epochs done" in resumed.stdout
+    epochs = [m["epoch"] for m in read_metrics(out) if m["split"] == "train"]
+    assert epochs[-(4 - done):] == list(range(done + 1, 5))  # continued at the next epoch
+    final = _weights(os.path.join(out, "checkpoints", "last.pth"))
+    assert final["epoch"] == 4
+    # One process, no augmentation, RNG state restored: the resumed run is the straight run.
+    straight = _weights(os.path.join(straight_out, "checkpoints", "last.pth"))
+    for key, value in straight["model"].items():
+        torch.testing.assert_close(final["model"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_mnist5k_quick_run_reaches_stated_accuracy(tmp_path):
+    """The embedded real digits: a tiny ResNet gets >= 95% val top-1 in 3 epochs on one process."""
+    out = str(tmp_path / "mnist")
+    check(distribuuuu("train", "--cfg", os.path.join(ROOT, "config", "mnist5k_demo.yaml"), "OUT_DIR", out,
+                      "OPTIM.MAX_EPOCH", "3", "NUM_THREADS", "2", "DEVICE", "cpu"), 0)
+    val = [m for m in read_metrics(out) if m["split"] == "val"]
+    assert val[-1]["n"] == 1000
+    assert max(m["top1"] for m in val) >= 95.0, val
+
+
+def test_config_command_prints_the_merged_config():
+    proc = check(distribuuuu("config", "--cfg", TINY, "TRAIN.BATCH_SIZE", "3"))
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["TRAIN"]["BATCH_SIZE"] == 3 and cfg["MODEL"]["ARCH"] == "resnet_tiny"
