@@ -79,7 +79,7 @@ def _preflight(command: str, cfg, world_size: int) -> None:
     elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
                         "checkpoint or state dict, or leave MODEL.WEIGHTS None")
-    data.check_datasets(cfg, world_size)
+    data.check_datasets(cfg, world_size, train=(command == "train"))
 
 
 def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
