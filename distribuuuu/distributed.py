@@ -1,0 +1,656 @@
+"""Everything about launchers, process groups and devices, in one place.
+
+No other module reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` or ``SLURM_*``: they call
+``setup(cfg)`` (or ``session(cfg)``) once and use the returned ``DistContext``, or the small
+rank helpers below, which work unchanged (rank 0 of 1) when no process group exists.
+
+How ``detect()`` decides who started us (first match wins):
+
+1. ``launch``: argv holds ``--local-rank``/``--local_rank`` (``=N`` or ``N``) and the environment
+   holds ``RANK`` and ``WORLD_SIZE``: the legacy ``python -m torch.distributed.launch``. It passes
+   the local rank on the command line; ``LOCAL_RANK`` may be missing from the environment (no
+   ``--use-env``), so the argv value is used. A ``--local-rank`` without ``RANK`` is ignored.
+2. ``spawn``: ``DISTRIBUUUU_LAUNCHER=spawn``, set with the other variables by our ``spawn()``.
+3. ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun also sets ``LOCAL_RANK``,
+   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). This wins over Slurm:
+   ``srun torchrun ...`` runs one agent per node and the workers must follow torchrun.
+4. ``slurm``: ``SLURM_PROCID`` is set AND we are a task of a job step started by ``srun``
+   (``SLURM_STEP_ID``/``SLURM_STEPID`` holds a real step number and ``SLURM_STEP_NUM_TASKS`` is set).
+   A bare ``python train.py`` in an sbatch script (the batch step) also sees ``SLURM_PROCID=0``
+   and ``SLURM_NTASKS=8``; treating it as rank 0 of 8 would hang forever, so it is ``plain``.
+   rank = ``SLURM_PROCID``, world = ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``), local rank =
+   ``SLURM_LOCALID``, node = ``SLURM_NODEID``, processes on this node from
+   ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``, ``SLURM_NTASKS_PER_NODE``).
+   Master: ``MASTER_ADDR`` if set, else the first host of the step's node list. Port:
+   ``MASTER_PORT`` if set, else ``10000 + SLURM_JOB_ID % 20000``, so that two jobs sharing a node
+   do not fight over one port (two concurrent steps of ONE job still need ``MASTER_PORT``).
+   Use ``srun --kill-on-bad-exit=1`` so that one failing task stops the others at once.
+5. ``plain``: rank 0 of 1, no process group.
+
+Every value read is checked: a non-integer or inconsistent value (``RANK=4`` with
+``WORLD_SIZE=4``) raises ``UserError`` naming the variable. The legacy launcher appends
+``--local-rank=N`` to the script's arguments: argument parsers drop it with ``strip_local_rank_args``.
+
+What ``setup(cfg)`` chooses, once per process:
+
+- device: ``DEVICE auto`` is ``cuda:<local_rank % visible GPUs>`` when CUDA is available, else CPU.
+- backend: ``DIST.BACKEND auto`` is nccl on CUDA, gloo on CPU.
+- intra-op threads: ``NUM_THREADS`` if > 0; else an ``OMP_NUM_THREADS`` already in the environment
+  (torchrun sets 1 for several processes per node); else the usable cores / processes on the node.
+- cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
+  ``torch.use_deterministic_algorithms(True, warn_only=True)``.
+- the process group (``env://``), only with more than one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import re
+import socket
+import subprocess
+import sys
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distribuuuu.errors import USER_ERROR_EXIT, UserError
+
+LAUNCHERS = ("plain", "torchrun", "launch", "slurm", "spawn")
+LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
+SPAWN_MASTER_ADDR = "127.0.0.1"
+# Step ids >= this are Slurm's special steps (batch script, extern, interactive, pending);
+# srun's own steps count up from 0. Older Slurm versions write "batch"/"extern" instead.
+_SLURM_SPECIAL_STEP_ID = 0xFFFFFFF0
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection: a pure function of (environ, argv)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process."""
+
+    launcher: str  # one of LAUNCHERS
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """Read an integer variable; a missing one without default, or a non-integer, is a UserError."""
+    if name not in env:
+        if default is None:
+            raise UserError(f"environment variable {name} is not set, but the launcher should have set it")
+        return default
+    value = env[name]
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _argv_local_rank(argv: Sequence[str]) -> int | None:
+    """The value of --local-rank/--local_rank in argv (either `--flag=N` or `--flag N`), or None."""
+    for i, arg in enumerate(argv):
+        for flag in LOCAL_RANK_FLAGS:
+            if arg == flag:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{flag} is given without a value")
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg[len(flag) + 1 :]
+            else:
+                continue
+            try:
+                return int(value)
+            except ValueError:
+                raise UserError(f"{flag} {value!r} is not an integer") from None
+    return None
+
+
+def strip_local_rank_args(argv: Sequence[str]) -> list[str]:
+    """argv without the --local-rank/--local_rank option the legacy launcher appends."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in LOCAL_RANK_FLAGS:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in LOCAL_RANK_FLAGS)):
+            out.append(arg)
+    return out
+
+
+def _master(env: Mapping[str, str], world_size: int, who: str) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT as set by torchrun, launch or spawn (required with > 1 process)."""
+    if world_size > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+        raise UserError(f"{who} started {world_size} processes but MASTER_ADDR/MASTER_PORT are not both set")
+    return env.get("MASTER_ADDR", SPAWN_MASTER_ADDR), _int(env, "MASTER_PORT", 0)
+
+
+def _from_rank_env(launcher: str, env: Mapping[str, str], local_rank: int | None = None) -> LaunchInfo:
+    """torchrun, legacy launch and spawn all speak the same RANK/WORLD_SIZE/... dialect."""
+    rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if local_rank is None:
+        if "LOCAL_RANK" not in env and world_size > 1:
+            raise UserError(
+                f"RANK and WORLD_SIZE are set but LOCAL_RANK is not (launcher {launcher}); "
+                "set LOCAL_RANK too, or start the processes with torchrun"
+            )
+        local_rank = _int(env, "LOCAL_RANK", 0)
+    elif "LOCAL_RANK" in env and _int(env, "LOCAL_RANK") != local_rank:
+        raise UserError(f"LOCAL_RANK={env['LOCAL_RANK']} disagrees with --local-rank {local_rank}")
+    # Missing LOCAL_WORLD_SIZE (torch 1.x launch): assume one node; it only sizes thread pools.
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    node_var = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
+    node_rank = _int(env, node_var, rank // max(local_world_size, 1))
+    addr, port = _master(env, world_size, launcher)
+    return LaunchInfo(launcher, rank, local_rank, world_size, local_world_size, node_rank, addr, port)
+
+
+def _is_srun_step(env: Mapping[str, str]) -> bool:
+    """True in a task of a step started by srun; False in the sbatch batch step or a salloc shell."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if step is None or "SLURM_STEP_NUM_TASKS" not in env:
+        return False
+    try:
+        return int(step) < _SLURM_SPECIAL_STEP_ID
+    except ValueError:
+        return False  # "batch", "extern", "interactive"
+
+
+def _slurm_local_world_size(env: Mapping[str, str], node_rank: int) -> int:
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if name in env:
+            counts = parse_tasks_per_node(env[name])
+            if node_rank >= len(counts):
+                raise UserError(f"SLURM_NODEID={node_rank} is out of range for {name}={env[name]!r}")
+            return counts[node_rank]
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    raise UserError("cannot tell how many Slurm tasks run on this node: SLURM_STEP_TASKS_PER_NODE is not set")
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    if "MASTER_ADDR" in env:
+        return env["MASTER_ADDR"]
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if name in env:
+            try:
+                return parse_hostlist(env[name])[0]
+            except UserError:
+                # A hostlist form we do not parse: ask Slurm itself (the only impure path here).
+                try:
+                    out = subprocess.run(["scontrol", "show", "hostnames", env[name]],
+                                         capture_output=True, text=True, check=True, timeout=30)
+                    return out.stdout.split()[0]
+                except (OSError, subprocess.SubprocessError, IndexError):
+                    raise UserError(
+                        f"cannot read the master host from {name}={env[name]!r}; set MASTER_ADDR"
+                    ) from None
+    raise UserError("cannot find the master host: no SLURM_STEP_NODELIST / SLURM_JOB_NODELIST; set MASTER_ADDR")
+
+
+def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
+    rank = _int(env, "SLURM_PROCID")
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS")
+    local_rank, node_rank = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_NODEID")
+    local_world_size = _slurm_local_world_size(env, node_rank)
+    addr = _slurm_master_addr(env)
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        job = env.get("SLURM_JOB_ID", env.get("SLURM_JOBID"))
+        if job is None:
+            raise UserError("SLURM_JOB_ID is not set, so no master port can be derived; set MASTER_PORT")
+        port = 10000 + _int({"SLURM_JOB_ID": job}, "SLURM_JOB_ID") % 20000
+    return LaunchInfo("slurm", rank, local_rank, world_size, local_world_size, node_rank, addr, port)
+
+
+def _validate(info: LaunchInfo) -> LaunchInfo:
+    """Catch inconsistent launcher variables here, not as a hang in init_process_group."""
+    names = {  # the variable each field came from, for the message
+        "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"),
+    }.get(info.launcher, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"))
+    rank_n, local_n, world_n, local_world_n, node_n = names
+    checks = [
+        (info.world_size >= 1, f"{world_n}={info.world_size} must be >= 1"),
+        (0 <= info.rank < info.world_size, f"{rank_n}={info.rank} must be in [0, {world_n}={info.world_size})"),
+        (info.local_world_size >= 1, f"{local_world_n}={info.local_world_size} must be >= 1"),
+        (0 <= info.local_rank < info.local_world_size,
+         f"{local_n}={info.local_rank} must be in [0, {local_world_n}={info.local_world_size})"),
+        (info.local_world_size <= info.world_size,
+         f"{local_world_n}={info.local_world_size} exceeds {world_n}={info.world_size}"),
+        (info.node_rank >= 0, f"{node_n}={info.node_rank} must be >= 0"),
+        (0 <= info.master_port < 65536, f"MASTER_PORT={info.master_port} must be in [0, 65535]"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(f"bad {info.launcher} launch: {msg}")
+    return info
+
+
+def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> LaunchInfo:
+    """Who started this process, and where it sits (rules in the module docstring)."""
+    env = os.environ if environ is None else environ
+    argv = sys.argv if argv is None else argv
+    has_rank_env = "RANK" in env and "WORLD_SIZE" in env
+    argv_local_rank = _argv_local_rank(argv)
+    if argv_local_rank is not None and has_rank_env:
+        info = _from_rank_env("launch", env, local_rank=argv_local_rank)
+    elif env.get("DISTRIBUUUU_LAUNCHER") == "spawn":
+        info = _from_rank_env("spawn", env)
+    elif has_rank_env:
+        info = _from_rank_env("torchrun", env)
+    elif "SLURM_PROCID" in env and _is_srun_step(env):
+        info = _from_slurm(env)
+    else:
+        info = LaunchInfo("plain", 0, 0, 1, 1, 0, SPAWN_MASTER_ADDR, 0)
+    return _validate(info)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm's compact notations
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_top_level(spec: str) -> list[str]:
+    """Split on commas outside brackets: "a[1,3],b" -> ["a[1,3]", "b"]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise UserError(f"hostlist {spec!r}: nested brackets are not valid")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise UserError(f"hostlist {spec!r}: ']' without '['")
+        elif ch == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    if depth:
+        raise UserError(f"hostlist {spec!r}: '[' without ']'")
+    parts.append(spec[start:])
+    return parts
+
+
+def _expand_brackets(body: str, spec: str) -> list[str]:
+    """ "01-03,07" -> ["01", "02", "03", "07"]; the width of the low end sets the zero padding."""
+    out: list[str] = []
+    for item in body.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if not m:
+            raise UserError(f"hostlist {spec!r}: bad range {item!r} in [{body}]")
+        lo, hi = m.group(1), m.group(2)
+        if hi is None:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise UserError(f"hostlist {spec!r}: range {item!r} runs backwards")
+        out.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def parse_hostlist(spec: str) -> list[str]:
+    """Expand a Slurm hostlist: "node[01-04,07],gpu2" -> node01..node04, node07, gpu2.
+
+    Zero padding is kept ("n[08-11]" -> n08, n09, n10, n11). Several bracket groups in one name
+    give every combination in order ("r[1-2]n[3-4]" -> r1n3, r1n4, r2n3, r2n4), as scontrol does.
+    Anything else (nested brackets, empty names, backward ranges) raises UserError.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(spec.strip()):
+        part = part.strip()
+        if not part:
+            raise UserError(f"hostlist {spec!r} has an empty host name")
+        # Alternate literal text and bracket bodies: "r", "1-2", "n", "3-4", "".
+        pieces = re.split(r"\[([^\]]*)\]", part)
+        choices = [[p] if i % 2 == 0 else _expand_brackets(p, spec) for i, p in enumerate(pieces)]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
+    return hosts
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's tasks-per-node notation: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for item in spec.strip().split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise UserError(f"tasks-per-node {spec!r}: cannot read {item!r} (expected N or N(xM))")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup and teardown
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The launch, plus the device and backend this process uses."""
+
+    info: LaunchInfo
+    device: torch.device
+    backend: str  # the backend of the process group ("nccl"/"gloo"); chosen even for one process
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.info.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.info.world_size > 1
+
+
+def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
+    want = cfg.DEVICE
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("DEVICE is cuda but no CUDA GPU is visible to this process; use DEVICE cpu or auto")
+    count = torch.cuda.device_count()
+    # srun may bind one GPU per task (CUDA_VISIBLE_DEVICES), so local_rank % count is the GPU in
+    # every setup; elsewhere all GPUs of the node are visible, and more processes than GPUs is an error.
+    if info.launcher != "slurm" and info.local_world_size > count:
+        raise UserError(
+            f"{info.local_world_size} processes on this node but only {count} GPU(s); "
+            "start at most one process per GPU, or use DEVICE cpu"
+        )
+    return torch.device("cuda", info.local_rank % count)
+
+
+def _choose_backend(cfg: Any, device: torch.device) -> str:
+    backend = cfg.DIST.BACKEND
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("DIST.BACKEND nccl needs CUDA GPUs, but this run uses the CPU; use DIST.BACKEND gloo or auto")
+    return backend
+
+
+def _num_threads(cfg: Any, info: LaunchInfo) -> int | None:
+    """Intra-op threads for this process, or None to keep what torch read from OMP_NUM_THREADS.
+
+    Order: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS is kept (torchrun sets it
+    to 1 when it starts several processes per node and prints so; NUM_THREADS overrides it);
+    else the cores this process may use, split evenly between the processes on the node.
+    """
+    if cfg.NUM_THREADS > 0:
+        return cfg.NUM_THREADS
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if info.launcher == "slurm" and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, min(cores, int(os.environ["SLURM_CPUS_PER_TASK"])))
+    return max(1, cores // info.local_world_size)
+
+
+def _set_cudnn(cfg: Any) -> None:
+    deterministic = bool(cfg.CUDNN.DETERMINISTIC)
+    if deterministic:
+        # cuBLAS needs this before its first call to be deterministic; a user's value is kept.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = bool(cfg.CUDNN.BENCHMARK) and not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    # warn_only: ops without a deterministic kernel warn instead of stopping the run. Called only
+    # on a change: the first call imports parts of torch that cost seconds at every start.
+    if deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    elif deterministic and not torch.is_deterministic_algorithms_warn_only_enabled():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _is_addr_in_use(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "address already in use" in text or "eaddrinuse" in text
+
+
+def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float) -> None:
+    if not dist.is_available():
+        raise UserError("this PyTorch build has no torch.distributed; run a single process")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; call distributed.teardown() before setup() again")
+    if info.launcher in ("slurm", "spawn"):
+        # init_method="env://" reads these; torchrun and launch have set them already.
+        os.environ.update(
+            MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port), RANK=str(info.rank),
+            WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+            LOCAL_WORLD_SIZE=str(info.local_world_size),
+        )
+    try:
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
+        )
+    except (dist.DistNetworkError, RuntimeError) as e:
+        if _is_addr_in_use(e):
+            raise UserError(
+                f"master port {info.master_port} on {info.master_addr} is already in use; "
+                "pick another with MASTER_PORT=... or --master-port ..."
+            ) from None
+        raise
+
+
+def setup(cfg: Any) -> DistContext:
+    """Detect the launch, pick device/backend/threads/cuDNN flags, join the process group.
+
+    The process group is created only with more than one process. Prints one ``[dist]`` line
+    per process. With Slurm and spawn it exports MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    to os.environ first (init_method env:// reads them).
+    """
+    info = detect()
+    device = _choose_device(cfg, info)
+    backend = _choose_backend(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = _num_threads(cfg, info)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    _set_cudnn(cfg)
+    if info.world_size > 1:
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S)
+    master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
+    print(
+        f"[dist] rank {info.rank}/{info.world_size} | local rank {info.local_rank}/{info.local_world_size} "
+        f"| node {info.node_rank} | master {master} | device {device} "
+        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}",
+        flush=True,
+    )
+    return DistContext(info, device, backend)
+
+
+def teardown() -> None:
+    """Destroy the process group if there is one; safe to call twice or without setup()."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def session(cfg: Any) -> Iterator[DistContext]:
+    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error and Ctrl-C too)."""
+    ctx = setup(cfg)
+    try:
+        yield ctx
+    finally:
+        teardown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank helpers and collectives: they all work without a process group (one process)
+# ---------------------------------------------------------------------------------------------
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if _initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if _initialized() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if _initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum t over all processes, in place, and return it. With nccl, t must be on the GPU."""
+    if _initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """The picklable obj of rank src, on every rank."""
+    if not _initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in spawner: `distribuuuu train --nproc-per-node N`
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port: int, args: tuple) -> None:
+    """First code of every spawned child: export the launcher variables, run the worker."""
+    # Left over from an outer torchrun, this would make env:// join torchrun's store instead.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR=SPAWN_MASTER_ADDR,
+        MASTER_PORT=str(port), DISTRIBUUUU_LAUNCHER="spawn",
+    )
+    # The exit code is the child's message to the parent, so decide it here: torch's wrapper would
+    # turn Ctrl-C into status 0 and hide a traceback in a pickle file.
+    try:
+        worker(*args)
+    except UserError as e:  # the CLI normally reports these itself; this is the safety net
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+def _stop(processes: Sequence[Any], grace_s: float = 5.0) -> None:
+    """SIGTERM every live child, then SIGKILL whatever is still there after grace_s."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(grace_s)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _status_of(exitcode: int) -> int:
+    """A child's exit code as a shell status: signals become 128 + signal number."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: int | None = None) -> int:
+    """Run ``worker(*args)`` in nprocs fresh processes on this host; return the exit status.
+
+    Each child sees the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK=0, MASTER_ADDR=127.0.0.1, MASTER_PORT) and DISTRIBUUUU_LAUNCHER=spawn, so its
+    ``setup()`` needs nothing else. worker must be a module-level function (it is pickled), and
+    the script that calls spawn() must guard its entry point with ``if __name__ == "__main__"``.
+
+    Returns 0 when all children exit 0, else the status of the first child that failed: its own
+    exit code (2 for a UserError), 1 for an exception (its traceback is printed by the child),
+    128+N for a signal. The other children are then stopped, none is left behind. Ctrl-C stops
+    all children and returns 130. port: MASTER_PORT to use (default: a free one; another program
+    may grab it before rank 0 binds it, which then fails with a clear "in use" UserError).
+    """
+    if nprocs < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {nprocs}")
+    outer = detect()
+    if outer.launcher != "plain" and not (outer.launcher == "slurm" and outer.world_size == 1):
+        raise UserError(
+            f"this process was already started by {outer.launcher} ({outer.world_size} processes); "
+            f"drop --nproc-per-node, or let {outer.launcher} start the processes"
+        )
+    port = free_port() if port is None else port
+    print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
+    context = None
+    try:
+        context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
+                                     nprocs=nprocs, join=False, start_method="spawn")
+        # join() returns True once all exited 0, and on the first failure stops the rest and raises.
+        while not context.join():
+            pass
+        return 0
+    except mp.ProcessExitedException as e:
+        status = _status_of(e.exit_code)
+        print(f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; "
+              "the other processes were stopped", file=sys.stderr, flush=True)
+        return status
+    except mp.ProcessRaisedException as e:  # only if a worker bypassed _spawn_entry's handler
+        print(e, file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        if context is not None:
+            _stop(context.processes)
+        print("[spawn] interrupted; all processes stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        # Belt and braces for any other way out: no child may outlive the parent's return.
+        if context is not None:
+            _stop(context.processes, grace_s=1.0)
