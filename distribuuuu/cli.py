@@ -71,8 +71,9 @@ def _resolve_nproc(value: str | None) -> int | None:
 
 def _preflight(command: str, cfg, world_size: int) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting."""
-    from distribuuuu import data
+    from distribuuuu import data, models
 
+    models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     if command == "eval":
         if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")

@@ -59,12 +59,15 @@ def _eval(out_dir, weights, nproc):
 
 def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
     out = str(tmp_path / "run")
-    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"))
+    # A barely trained model, so that the counts are neither 0 nor everything.
+    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1",
+                      "TRAIN.SYNTHETIC_SAMPLES", "32", "OPTIM.BASE_LR", "0.01"))
     weights = f"{out}/checkpoints/last.pth"
     # 50 samples: not a multiple of 3, and fewer than the global batch of 3 x 32.
     one = _eval(str(tmp_path / "eval1"), weights, 1)
     three = _eval(str(tmp_path / "eval3"), weights, 3)
     assert one["n"] == three["n"] == 50
+    assert 0 < one["top1"] < one["top5"] < 100, one
     assert (one["top1"], one["top5"]) == (three["top1"], three["top5"])
     assert one["loss"] == pytest.approx(three["loss"], rel=1e-6)  # float sums in another order
 

@@ -1,0 +1,387 @@
+"""Models by name, and the safe loading and saving of their weights.
+
+``build_model(cfg)`` resolves MODEL.ARCH (an alias below, else any torchvision classification
+model, else any timm model), applies NUM_CLASSES, IN_CHANS and SMALL_STEM, then loads weights
+from LOCAL files only (PRETRAINED or WEIGHTS). It returns a plain CPU module: the engine moves it
+to the device, converts BatchNorm (``convert_syncbn``) and wraps it in DDP, in that order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import os
+import pickle
+from typing import Any
+
+import safetensors.torch
+import timm
+import timm.layers
+import torch
+import torch.nn as nn
+import torchvision
+from timm.models import adapt_input_conv
+from timm.models.resnet import BasicBlock
+from timm.models.resnet import ResNet as TimmResNet
+
+from distribuuuu.errors import UserError
+
+log = logging.getLogger("distribuuuu")
+
+# MODEL.ARCH aliases -> (library, name there): Distribuuuu's baseline table, plus tiny CPU models.
+ALIASES: dict[str, tuple[str, str]] = {
+    "resnet18": ("torchvision", "resnet18"),
+    "resnet50": ("torchvision", "resnet50"),
+    "efficientnet_b0": ("torchvision", "efficientnet_b0"),
+    "regnetx_160": ("timm", "regnetx_160"),
+    "regnety_160": ("timm", "regnety_160"),
+    "regnety_320": ("timm", "regnety_320"),
+    "botnet50": ("timm", "botnet50ts_256"),  # ResNet-50 with self-attention in the last stage
+    "resnet_tiny": ("tiny", "resnet_tiny"),
+    "resnet_mini": ("tiny", "resnet_mini"),
+}
+
+# Stage widths of the tiny ResNets (one BasicBlock per stage), for CPU demos and tests.
+TINY_WIDTHS: dict[str, tuple[int, int, int, int]] = {
+    "resnet_tiny": (16, 32, 64, 128),
+    "resnet_mini": (32, 64, 128, 256),
+}
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _torchvision_names() -> frozenset[str]:
+    return frozenset(torchvision.models.list_models(module=torchvision.models))
+
+
+@functools.lru_cache(maxsize=None)
+def _timm_names() -> frozenset[str]:
+    return frozenset(timm.list_models())
+
+
+def resolve_arch(arch: str) -> tuple[str, str]:
+    """MODEL.ARCH -> (library, name): an alias first, then torchvision, then timm."""
+    if arch in ALIASES:
+        return ALIASES[arch]
+    if arch in _torchvision_names():
+        return "torchvision", arch
+    if arch.split(".", 1)[0] in _timm_names():  # timm also takes "name.pretrained_tag"
+        return "timm", arch
+    known = sorted(set(ALIASES) | _torchvision_names() | _timm_names())
+    close = difflib.get_close_matches(arch, known, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise UserError(
+        f"unknown MODEL.ARCH {arch!r}{hint}; any torchvision or timm classification model name works, "
+        f"or one of {', '.join(ALIASES)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction
+# ---------------------------------------------------------------------------------------------
+def _tiny_resnet(widths: tuple[int, ...], num_classes: int, in_chans: int) -> nn.Module:
+    """A ResNet with one BasicBlock per stage, built from timm's ResNet class.
+
+    timm's plain 7x7 stem is always 64 wide, which would cost more than a 16-wide network; its
+    'deep' stem (3x3 convs of widths w/2, w/2, w) scales with the stage widths instead.
+    zero_init_last=False: with SMALL_STEM, zero-initialised residual branches leave the network
+    nearly linear at the start, and a few-epoch demo learns several times slower (measured on MNIST).
+    """
+    return TimmResNet(BasicBlock, [1, 1, 1, 1], channels=widths, stem_type="deep", stem_width=widths[0] // 2,
+                      zero_init_last=False, num_classes=num_classes, in_chans=in_chans)
+
+
+def _create_timm(name: str, num_classes: int, in_chans: int, im_size: int) -> nn.Module:
+    kwargs: dict[str, Any] = {"num_classes": num_classes, "in_chans": in_chans}
+    pcfg = timm.models.get_pretrained_cfg(name.split(".", 1)[0])
+    if pcfg is not None and pcfg.fixed_input_size:
+        # Attention position embeddings (BoTNet, ViT, ...) are sized for one input: ours.
+        kwargs["img_size"] = im_size
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except TypeError as e:
+        if "img_size" not in str(e):
+            raise
+        del kwargs["img_size"]  # a fixed-size model that picks its size itself
+        return timm.create_model(name, pretrained=False, **kwargs)
+
+
+def _create_torchvision(name: str, num_classes: int, in_chans: int, im_size: int) -> nn.Module:
+    kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
+    # ViT and MaxViT build position embeddings / attention windows for one input size.
+    if name.startswith("vit_"):
+        kwargs["image_size"] = im_size
+    elif name.startswith("maxvit_"):
+        kwargs["input_size"] = (im_size, im_size)
+    model = torchvision.models.get_model(name, **kwargs)
+    if in_chans != 3:
+        # torchvision has no in_chans argument: swap the RGB input conv for one of in_chans inputs.
+        conv_name, conv = _first_conv(model)
+        if conv.in_channels != 3 or conv.groups != 1:
+            raise UserError(f"MODEL.IN_CHANS {in_chans} is not supported for {name}: its first "
+                            "convolution is not a plain 3-channel one; use MODEL.IN_CHANS 3")
+        new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                        conv.dilation, bias=conv.bias is not None, padding_mode=conv.padding_mode)
+        model.set_submodule(conv_name, new)
+    return model
+
+
+def _first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            return name, module
+    raise UserError(f"{type(model).__name__} has no convolution to take MODEL.IN_CHANS; use MODEL.IN_CHANS 3")
+
+
+def _use_small_stem(model: nn.Module, arch: str) -> None:
+    """3x3 stride-1 first conv and no max-pool, so 28-32 px images keep their size into layer1."""
+    if not isinstance(model, (torchvision.models.ResNet, TimmResNet)):
+        raise UserError(
+            f"MODEL.SMALL_STEM True supports the ResNet family only (torchvision or timm ResNets such as "
+            f"resnet18, resnet50, resnet_tiny), not MODEL.ARCH {arch}; set MODEL.SMALL_STEM False"
+        )
+    _, first = _first_conv(model.conv1)  # conv1 is a Sequential in timm's deep stems
+    out_chans = model.bn1.num_features  # what the stem hands to layer1
+    conv = nn.Conv2d(first.in_channels, out_chans, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")  # as both libraries do
+    model.conv1 = conv
+    model.maxpool = nn.Identity()
+
+
+def build_model(cfg) -> nn.Module:
+    """The model named by cfg.MODEL.ARCH, on the CPU, not wrapped and not SyncBN-converted."""
+    arch = cfg.MODEL.ARCH
+    lib, name = resolve_arch(arch)
+    args = (cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
+    if lib == "tiny":
+        model = _tiny_resnet(TINY_WIDTHS[name], *args[:2])
+    elif lib == "timm":
+        model = _create_timm(name, *args)
+    else:
+        model = _create_torchvision(name, *args)
+    if cfg.MODEL.SMALL_STEM:
+        _use_small_stem(model, arch)
+    if cfg.MODEL.WEIGHTS:
+        # WEIGHTS is loaded strictly and replaces every tensor, so PRETRAINED would change nothing.
+        if cfg.MODEL.PRETRAINED:
+            log.info("MODEL.WEIGHTS is set, so MODEL.PRETRAINED weights are not looked up")
+        load_weights(model, cfg.MODEL.WEIGHTS)
+    elif cfg.MODEL.PRETRAINED:
+        _load_pretrained(model, arch)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretrained weights: local files only
+# ---------------------------------------------------------------------------------------------
+def pretrained_candidates(arch: str) -> tuple[list[str], str]:
+    """Where PRETRAINED looks for the weights of arch, and where they can be obtained."""
+    lib, name = resolve_arch(arch)
+    folder = os.path.join(torch.hub.get_dir(), "checkpoints")
+    if lib == "torchvision":
+        # The file name torchvision itself would download to, so an existing hub cache just works.
+        url = torchvision.models.get_model_weights(name).DEFAULT.url
+        return [os.path.join(folder, os.path.basename(url))], f"fetch it on a machine with internet from {url}"
+    names = dict.fromkeys([name, arch])  # timm's name, then the alias, without repeats
+    paths = [os.path.join(folder, n + ext) for n in names for ext in (".safetensors", ".pth")]
+    pcfg = timm.models.get_pretrained_cfg(name.split(".", 1)[0]) if lib == "timm" else None
+    hub = getattr(pcfg, "hf_hub_id", None)
+    where = f"e.g. model.safetensors of https://huggingface.co/{hub}, renamed" if hub else ""
+    return paths, where
+
+
+def _load_pretrained(model: nn.Module, arch: str) -> None:
+    paths, where = pretrained_candidates(arch)
+    found = [p for p in paths if os.path.isfile(p)]
+    if not found:
+        hints = ([f"or {os.path.basename(paths[1])}"] if len(paths) > 1 else []) + ([where] if where else [])
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise UserError(
+            f"MODEL.PRETRAINED True needs the weights of {arch} as a local file (nothing is downloaded): "
+            f"put them at {paths[0]}{hint}, or set MODEL.WEIGHTS to a weights file instead"
+        )
+    # A new head size (fine-tuning on fewer classes) and a changed stem (IN_CHANS, SMALL_STEM) are expected.
+    _load_file(model, found[0], "MODEL.PRETRAINED", allow_head_mismatch=True, adapt_stem=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and saving weights
+# ---------------------------------------------------------------------------------------------
+def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
+    """The state dict in a file: a distribuuuu checkpoint, {"state_dict": ...}, a bare one, or safetensors."""
+    if not os.path.isfile(path):
+        raise UserError(f"{label} {path} does not exist; give the path of a weights file "
+                        "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, or .safetensors)")
+    if path.endswith(".safetensors"):
+        try:
+            return safetensors.torch.load_file(path, device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
+    try:
+        # weights_only: tensors and plain containers only; a pickle cannot run code while loading.
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch wraps the real reason in boilerplate; keep the line that says it.
+        boiler = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith(boiler)]
+        why = next((ln for ln in lines if "GLOBAL" in ln), None)
+        if why is None:  # not a refusal: the bytes are simply not a torch.save file
+            raise UserError(f"{label} {path} cannot be read as a PyTorch weights file "
+                            f"({lines[0] if lines else e})") from None
+        raise UserError(
+            f"refused to load {label} {path}: it holds Python objects besides tensors, and unpickling them "
+            f"could run code, so torch.load(weights_only=True) refused it ({why}). "
+            "If you trust the file, re-save its state dict: torch.save(model.state_dict(), 'clean.pth')"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - truncated zip, not a torch file, ...
+        raise UserError(f"{label} {path} cannot be read as a PyTorch weights file ({type(e).__name__}: {e})") from None
+    for key in ("model", "state_dict"):  # distribuuuu checkpoints, then most other trainers
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not (isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values())):
+        raise UserError(f"{label} {path} holds no state dict: expected a distribuuuu checkpoint (key 'model'), "
+                        "a dict with 'state_dict', or a dict of parameter name -> tensor")
+    return obj
+
+
+def _strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if state and all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix):]: v for k, v in state.items()}
+                stripped = True
+    return dict(state)
+
+
+def _head_keys(model: nn.Module) -> set[str]:
+    """Names of the classifier's tensors: the last Linear (last conv if none, e.g. SqueezeNet), plus
+    the other class-score layers beside it (GoogLeNet/Inception aux heads, DeiT's distillation head)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    layers = layers or [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    if not layers:
+        return set()
+    def width(m: nn.Module) -> int:
+        return m.out_features if isinstance(m, nn.Linear) else m.out_channels
+
+    last_name, last = layers[-1]
+    heads = {last_name} | {n for n, m in layers if width(m) == width(last)
+                           and ("aux" in n.lower() or "head" in n)}
+    return {f"{h}.{p}" for h in heads for p in ("weight", "bias")}
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else f" ({len(keys)})")
+
+
+def _load_file(model: nn.Module, path: str, label: str, allow_head_mismatch: bool = False,
+               adapt_stem: bool = False) -> None:
+    """Check every name and shape against the model, then load; each problem is a UserError."""
+    model = unwrap(model)
+    where = f"{label} {path}"
+    state = _strip_wrapper_prefixes(_read_state_dict(path, label))
+    own = model.state_dict()
+    head = _head_keys(model)
+    notes: list[str] = []
+    fresh: set[str] = set()  # tensors deliberately left as initialised
+
+    mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if adapt_stem and mismatched:
+        stem = _first_conv(model)[0] + ".weight"
+        if stem in mismatched:
+            w, want = state[stem], own[stem]
+            if w.shape[0] == want.shape[0] and w.shape[2:] == want.shape[2:]:
+                state[stem] = adapt_input_conv(want.shape[1], w)  # timm's rule: sum or repeat RGB
+                notes.append(f"{stem} adapted from {w.shape[1]} to {want.shape[1]} input channels")
+            else:
+                del state[stem]
+                fresh.add(stem)
+                notes.append(f"{stem} kept freshly initialised (the file's {_fmt_shape(w)} does not fit "
+                             f"{_fmt_shape(want)}, e.g. after MODEL.SMALL_STEM)")
+            mismatched.remove(stem)
+
+    bad_head = [k for k in mismatched if k in head]
+    others = [k for k in mismatched if k not in head]
+    if others:
+        k = others[0]
+        more = f" (and {len(others) - 1} more tensors)" if len(others) > 1 else ""
+        raise UserError(
+            f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
+            f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
+            "MODEL.SMALL_STEM or TRAIN.IM_SIZE settings"
+        )
+    if bad_head:
+        k = sorted(bad_head, key=lambda n: not n.endswith(".weight"))[0]
+        if not allow_head_mismatch:
+            raise UserError(
+                f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the "
+                f"model; set MODEL.NUM_CLASSES {state[k].shape[0]} to match"
+            )
+        notes.append(f"classifier {', '.join(sorted(bad_head))} left freshly initialised "
+                     f"({state[k].shape[0]} classes in the file, {own[k].shape[0]} in the model)")
+        for key in bad_head:
+            del state[key]
+        fresh |= set(bad_head)
+
+    # Counters such as BatchNorm's num_batches_tracked are not weights; old files lack them.
+    missing = [k for k in own if k not in state and k not in fresh and not k.endswith("num_batches_tracked")
+               and not (allow_head_mismatch and k in head)]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        parts = ([f"missing from the file: {_few(missing)}"] if missing else []) + \
+                ([f"not in the model: {_few(unexpected)}"] if unexpected else [])
+        raise UserError(f"{where} does not fit the {type(model).__name__} built from MODEL.ARCH; tensors "
+                        + "; tensors ".join(parts))
+    model.load_state_dict(state, strict=False)  # every difference was checked above
+    log.info("loaded %d tensors from %s%s", len(state), where, "".join(f"; {n}" for n in notes))
+
+
+def load_weights(model: nn.Module, path: str, allow_head_mismatch: bool = False) -> None:
+    """Load MODEL.WEIGHTS strictly: every tensor name and shape must match.
+
+    allow_head_mismatch: a classifier of another size is left freshly initialised (and reported)
+    instead of being an error, for fine-tuning on another number of classes.
+    """
+    _load_file(model, path, "MODEL.WEIGHTS", allow_head_mismatch=allow_head_mismatch)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel (.module) and torch.compile (._orig_mod) wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without wrapper prefixes: loadable by plain torchvision / timm models."""
+    return unwrap(model).state_dict()
+
+
+def convert_syncbn(model: nn.Module) -> nn.Module:
+    """BatchNorm -> SyncBatchNorm (statistics over the global batch).
+
+    timm's converter, because torch's would turn timm's BatchNormAct2d (RegNet, BoTNet) into a
+    plain SyncBatchNorm and silently drop the activation fused into it.
+    """
+    return timm.layers.convert_sync_batchnorm(model)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (trainable or not) of the unwrapped model."""
+    return sum(p.numel() for p in unwrap(model).parameters())
