@@ -542,6 +542,26 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def average_buffers(module: torch.nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) over all processes.
+
+    DDP keeps parameters identical but each rank's running statistics follow its own batches
+    (DDP only copies rank 0's at the start of the next forward). Averaging them once per epoch
+    makes every rank evaluate, and rank 0 save, the same model. One coalesced all-reduce.
+    """
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if not _initialized() or not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= get_world_size()
+    offset = 0
+    with torch.no_grad():
+        for b in buffers:
+            b.copy_(flat[offset: offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """The picklable obj of rank src, on every rank."""
     if not _initialized():

@@ -181,6 +181,7 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     while state.epoch < cfg.OPTIM.MAX_EPOCH:
         train_loader.sampler.set_epoch(state.epoch)  # a new shuffle each epoch, the same on all ranks
         train = train_epoch(model, train_loader, optimizer, criterion, cfg, ctx, state, peak_lr)
+        distributed.average_buffers(model)  # one model on every rank for eval and the checkpoint
         state.epoch += 1
         metrics.write({"epoch": state.epoch, "split": "train", **train, "step": state.global_step})
         log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",

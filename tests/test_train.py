@@ -114,13 +114,13 @@ def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
 
 
 def test_mnist5k_quick_run_reaches_stated_accuracy(tmp_path):
-    """The embedded real digits: a tiny ResNet gets >= 95% val top-1 in 3 epochs on one process."""
+    """The embedded real digits: a tiny ResNet gets >= 96% val top-1 in 5 epochs on one process."""
     out = str(tmp_path / "mnist")
     check(distribuuuu("train", "--cfg", os.path.join(ROOT, "config", "mnist5k_demo.yaml"), "OUT_DIR", out,
-                      "OPTIM.MAX_EPOCH", "3", "NUM_THREADS", "2", "DEVICE", "cpu"), 0)
+                      "OPTIM.MAX_EPOCH", "5", "NUM_THREADS", "2", "DEVICE", "cpu"), 0)
     val = [m for m in read_metrics(out) if m["split"] == "val"]
     assert val[-1]["n"] == 1000
-    assert max(m["top1"] for m in val) >= 95.0, val
+    assert max(m["top1"] for m in val) >= 96.0, val
 
 
 def test_config_command_prints_the_merged_config():
