@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -86,19 +87,33 @@ def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
     return path
 
 
-def load(path: str) -> dict[str, Any]:
-    """Load a checkpoint safely; a pickle that would run code is refused with a UserError."""
+class UnreadableCheckpoint(UserError):
+    """The file is not a torch.save file: truncated, corrupt, or something else entirely."""
+
+
+def load(path: str, label: str = "checkpoint") -> dict[str, Any]:
+    """torch.load(weights_only=True): tensors and plain containers only, so loading runs no code.
+
+    A file whose pickle names other Python objects is refused (UserError); a file that cannot be
+    read at all raises UnreadableCheckpoint (a UserError too, which auto-resume skips).
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"{label} {path} does not exist")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"checkpoint {path} does not exist") from None
-    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and others
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise UserError(
-                f"refused to load {path}: it holds Python objects that could run code when unpickled "
-                "(torch.load weights_only=True). Only load files you trust; re-save them as plain tensors."
-            ) from None
-        raise
+    except pickle.UnpicklingError as e:
+        # torch wraps the reason in boilerplate; the line naming a GLOBAL is a refusal.
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "GLOBAL" in ln), None)
+        if why is None:
+            raise UnreadableCheckpoint(f"{label} {path} cannot be read as a PyTorch file ({lines[-1] if lines else e})") from None
+        raise UserError(
+            f"refused to load {label} {path}: it holds Python objects besides tensors, and unpickling them "
+            f"could run code, so torch.load(weights_only=True) refused it ({why}). If you trust the file, "
+            "re-save its state dict: torch.save(model.state_dict(), 'clean.pth')"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - truncated zip archives raise RuntimeError and others
+        raise UnreadableCheckpoint(f"{label} {path} cannot be read as a PyTorch file ({type(e).__name__}: {e})") from None
 
 
 def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -110,10 +125,8 @@ def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
             continue
         try:
             return load(path), path
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: try an older one
-            log.warning("skipping unreadable checkpoint %s (%s: %s)", path, type(e).__name__, e)
+        except UnreadableCheckpoint as e:  # a truncated or corrupt file: try an older one
+            log.warning("skipping unreadable checkpoint %s (%s)", path, e)
     return None, None
 
 

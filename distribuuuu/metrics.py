@@ -20,29 +20,33 @@ def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -
 
 
 class Counter:
-    """Sums of loss, top-1 hits, top-k hits and samples: [loss_sum, hit1, hitk, n]."""
+    """Sums of loss, top-1 hits and top-k hits (on the device) and of samples (on the host)."""
 
     def __init__(self, device: torch.device, topk: int) -> None:
         self.ks = (1, topk)
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss_sum, hit1, hitk
+        self.n = 0  # known on the host: no device round trip to count it
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
         """Add one batch; ``loss`` is the batch mean (as returned by the criterion)."""
         n = target.numel()
         hits = topk_hits(logits.detach(), target, self.ks).to(torch.float64)
-        batch = torch.stack([loss.detach().to(torch.float64) * n, hits[0], hits[1],
-                             torch.tensor(n, dtype=torch.float64, device=hits.device)])
-        self.sums += batch
+        self.sums[0] += loss.detach().to(torch.float64) * n
+        self.sums[1:] += hits
+        self.n += n
 
     def reduce(self) -> "Counter":
-        """Sum over all ranks (one all-reduce); returns self."""
-        distributed.all_reduce_sum(self.sums)
+        """Sum over all ranks with one all-reduce; returns self."""
+        both = torch.cat([self.sums, self.sums.new_tensor([self.n])])
+        distributed.all_reduce_sum(both)
+        self.sums, self.n = both[:3], int(both[3].item())
         return self
 
     def result(self) -> dict[str, float]:
         """loss (mean), top1/top5 in percent, n (samples counted). One host sync."""
-        loss_sum, hit1, hitk, n = self.sums.tolist()
-        if n == 0:
+        if self.n == 0:
             return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "n": 0}
-        return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "top5": 100.0 * hitk / n, "n": int(n)}
+        loss_sum, hit1, hitk = self.sums.tolist()
+        n = self.n
+        return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "top5": 100.0 * hitk / n, "n": n}

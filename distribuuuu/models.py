@@ -12,7 +12,6 @@ import difflib
 import functools
 import logging
 import os
-import pickle
 from typing import Any
 
 import safetensors.torch
@@ -25,6 +24,7 @@ from timm.models import adapt_input_conv
 from timm.models.resnet import BasicBlock
 from timm.models.resnet import ResNet as TimmResNet
 
+from distribuuuu import checkpoint
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -222,24 +222,7 @@ def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
             return safetensors.torch.load_file(path, device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
-    try:
-        # weights_only: tensors and plain containers only; a pickle cannot run code while loading.
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # torch wraps the real reason in boilerplate; keep the line that says it.
-        boiler = ("Weights only load failed", "Please file an issue", "Check the documentation")
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith(boiler)]
-        why = next((ln for ln in lines if "GLOBAL" in ln), None)
-        if why is None:  # not a refusal: the bytes are simply not a torch.save file
-            raise UserError(f"{label} {path} cannot be read as a PyTorch weights file "
-                            f"({lines[0] if lines else e})") from None
-        raise UserError(
-            f"refused to load {label} {path}: it holds Python objects besides tensors, and unpickling them "
-            f"could run code, so torch.load(weights_only=True) refused it ({why}). "
-            "If you trust the file, re-save its state dict: torch.save(model.state_dict(), 'clean.pth')"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - truncated zip, not a torch file, ...
-        raise UserError(f"{label} {path} cannot be read as a PyTorch weights file ({type(e).__name__}: {e})") from None
+    obj = checkpoint.load(path, label)  # weights_only=True: loading runs no code
     for key in ("model", "state_dict"):  # distribuuuu checkpoints, then most other trainers
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -1,0 +1,118 @@
+"""Unit tests of the small pieces: top-k counting, the LR schedule, checkpoint files."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from distribuuuu import checkpoint, optim
+from distribuuuu.config import load_config
+from distribuuuu.errors import UserError
+from distribuuuu.metrics import Counter, topk_hits
+
+
+def test_topk_hits_counts_and_clips_k_to_the_number_of_classes():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.7, 0.2, 0.1], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    target = torch.tensor([1, 1, 0, 2])
+    assert topk_hits(logits, target, (1, 2)).tolist() == [1, 2]
+    assert topk_hits(logits, target, (1, 5)).tolist() == [1, 4]  # k=5 > 3 classes: everything
+
+
+def test_counter_means_and_percentages():
+    c = Counter(torch.device("cpu"), topk=2)
+    c.update(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([0]), torch.tensor(1.0))
+    c.update(torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]), torch.tensor([1, 0]), torch.tensor(4.0))
+    r = c.reduce().result()  # no process group: reduce is the identity
+    assert r["n"] == 3
+    assert r["loss"] == pytest.approx((1.0 + 2 * 4.0) / 3)
+    assert r["top1"] == pytest.approx(100 / 3) and r["top5"] == pytest.approx(200 / 3)
+    assert math.isnan(Counter(torch.device("cpu"), 2).result()["top1"])
+
+
+def test_cosine_schedule_with_warmup():
+    cfg = load_config(None, ["OPTIM.MAX_EPOCH", "10", "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1",
+                             "OPTIM.MIN_LR", "0.01"])
+    cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * e / 10)) + 0.01  # noqa: E731
+    assert optim.lr_factor(cfg, 0.0) == pytest.approx(0.1)  # warmup starts at WARMUP_FACTOR
+    assert optim.lr_factor(cfg, 1.0) == pytest.approx(cos(1.0) * 0.55)  # halfway through warmup
+    assert optim.lr_factor(cfg, 2.0) == pytest.approx(cos(2.0))  # warmup over
+    assert optim.lr_factor(cfg, 10.0) == pytest.approx(0.01)  # ends at MIN_LR
+    # Monotone after warmup.
+    values = [optim.lr_factor(cfg, 2 + i / 10) for i in range(80)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_steps_schedule_and_linear_scaling():
+    cfg = load_config(None, ["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 3, 6]", "OPTIM.LR_MULT", "0.1",
+                             "OPTIM.MAX_EPOCH", "9", "OPTIM.WARMUP_EPOCHS", "0",
+                             "OPTIM.LR_SCALING", "linear", "OPTIM.BASE_LR", "0.1"])
+    assert [optim.lr_factor(cfg, e) for e in (0, 2.99, 3, 5.5, 6, 8.9)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01, 0.01])
+    assert optim.peak_lr(cfg, 256) == pytest.approx(0.2)  # 0.1 x 256 / 128
+    plain = load_config(None, ["OPTIM.BASE_LR", "0.1"])
+    assert optim.peak_lr(plain, 256) == pytest.approx(0.1)
+
+
+def _state(epoch):
+    return {"model": {"w": torch.full((2,), float(epoch))}, "epoch": epoch}
+
+
+def test_checkpoints_keep_k_and_last_best(tmp_path):
+    out = str(tmp_path)
+    for epoch in range(1, 6):
+        checkpoint.save(_state(epoch), out, is_best=(epoch == 2), keep=2)
+    names = sorted(os.listdir(checkpoint.checkpoint_dir(out)))
+    assert names == ["best.pth", "epoch_0004.pth", "epoch_0005.pth", "last.pth"]
+    assert checkpoint.load(os.path.join(out, "checkpoints", "best.pth"))["epoch"] == 2
+    ckpt, path = checkpoint.load_latest(out)
+    assert ckpt["epoch"] == 5 and path.endswith("last.pth")
+
+
+def test_a_corrupt_last_checkpoint_falls_back_to_an_older_one(tmp_path, caplog):
+    out = str(tmp_path)
+    for epoch in (1, 2):
+        checkpoint.save(_state(epoch), out, is_best=False, keep=3)
+    last = os.path.join(out, "checkpoints", "last.pth")
+    os.remove(last)
+    with open(last, "wb") as f:
+        f.write(b"not a checkpoint")
+    with open(os.path.join(out, "checkpoints", "epoch_0002.pth"), "r+b") as f:
+        f.truncate(20)
+    ckpt, path = checkpoint.load_latest(out)
+    assert ckpt["epoch"] == 1 and path.endswith("epoch_0001.pth")
+    assert "skipping unreadable checkpoint" in caplog.text
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):
+    out = str(tmp_path)
+    checkpoint.save(_state(1), out, is_best=False, keep=3)
+
+    class Exploding:
+        def __reduce__(self):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        checkpoint.save({"model": {}, "epoch": 2, "boom": Exploding()}, out, is_best=False, keep=3)
+    assert sorted(os.listdir(checkpoint.checkpoint_dir(out))) == ["epoch_0001.pth", "last.pth"]
+    assert checkpoint.load_latest(out)[0]["epoch"] == 1
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    path = tmp_path / "evil.pth"
+    torch.save({"model": _RunsCode()}, path)
+    with pytest.raises(UserError, match="refused to load checkpoint"):
+        checkpoint.load(str(path))
+
+
+def test_rng_state_round_trip():
+    state = checkpoint.rng_state()
+    a = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    checkpoint.set_rng_state(state)
+    b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
