@@ -29,7 +29,7 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint, data, distributed, models, optim
 from distribuuuu.distributed import DistContext
 from distribuuuu.errors import UserError
-from distribuuuu.logger import LOGGER_NAME, MetricsWriter, format_seconds
+from distribuuuu.logger import LOGGER_NAME, MetricsWriter, Progress, format_seconds
 from distribuuuu.metrics import Counter
 
 log = logging.getLogger(LOGGER_NAME)
@@ -78,13 +78,13 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
     counter = Counter(ctx.device, cfg.TRAIN.TOPK)
     iters = len(loader)
     epoch = state.epoch  # 0-based index of the epoch being trained
+    progress = Progress(cfg, ctx.is_main, ctx.world_size, epoch, iters)
     lr = peak_lr
-    window_start, window_data, window_iters = time.perf_counter(), 0.0, 0
     epoch_start = tick = time.perf_counter()
     for it, (images, target) in enumerate(loader):
         images = images.to(ctx.device, non_blocking=True)
         target = target.to(ctx.device, non_blocking=True)
-        window_data += time.perf_counter() - tick
+        data_s = time.perf_counter() - tick
 
         lr = peak_lr * optim.lr_factor(cfg, epoch + it / iters)
         optim.set_lr(optimizer, lr)
@@ -95,22 +95,10 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
         optimizer.step()
         state.global_step += 1
         counter.update(logits, target, loss)  # on-device sums: no host sync here
-
-        window_iters += 1
-        if ctx.is_main and ((it + 1) % cfg.TRAIN.PRINT_FREQ == 0 or it + 1 == iters):
-            # The only host sync of the loop, on print steps; numbers are rank 0's running averages.
-            running = counter.result()
-            step_time = (time.perf_counter() - window_start) / window_iters
-            left = (iters - it - 1) + (cfg.OPTIM.MAX_EPOCH - epoch - 1) * iters
-            log.info(
-                "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | "
-                "acc@1 %.2f | acc@%d %.2f | lr %.5f | %.0f img/s",
-                epoch + 1, cfg.OPTIM.MAX_EPOCH, it + 1, iters, format_seconds(left * step_time),
-                step_time, window_data / window_iters, running["loss"], running["top1"],
-                cfg.TRAIN.TOPK, running["top5"], lr, images.size(0) * ctx.world_size / step_time,
-            )
-            window_start, window_data, window_iters = time.perf_counter(), 0.0, 0
+        # Shows rank 0's running averages every PRINT_FREQ iterations: the loop's only host sync.
+        progress.step(it, data_s, images.size(0), lr, counter.result)
         tick = time.perf_counter()
+    progress.close()
     seconds = time.perf_counter() - epoch_start
     result = counter.reduce().result()
     result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds)
