@@ -79,12 +79,15 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
     iters = len(loader)
     epoch = state.epoch  # 0-based index of the epoch being trained
     progress = Progress(cfg, ctx.is_main, ctx.world_size, epoch, iters)
-    lr = peak_lr
+    lr, data_total = peak_lr, 0.0
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     epoch_start = tick = time.perf_counter()
     for it, (images, target) in enumerate(loader):
         images = images.to(ctx.device, non_blocking=True)
         target = target.to(ctx.device, non_blocking=True)
         data_s = time.perf_counter() - tick
+        data_total += data_s
 
         lr = peak_lr * optim.lr_factor(cfg, epoch + it / iters)
         optim.set_lr(optimizer, lr)
@@ -101,8 +104,18 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
     progress.close()
     seconds = time.perf_counter() - epoch_start
     result = counter.reduce().result()
-    result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds)
+    result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds,
+                  data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device))
     return result
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory of this epoch, or this process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 @torch.no_grad()
