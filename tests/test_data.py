@@ -12,6 +12,7 @@ from PIL import Image
 from _data_helpers import (make_cfg, write_fake_cifar10, write_fake_cifar100, write_image,
                            write_image_tree)
 from distribuuuu import data
+from distribuuuu.data.samplers import ResumableDistributedSampler
 from distribuuuu.data import sources
 from distribuuuu.errors import UserError
 
@@ -113,10 +114,44 @@ def test_val_loader_is_exact_over_ranks():
     assert torch.equal(matches.sum(0), torch.ones(7, dtype=torch.long))
 
 
+@pytest.mark.parametrize("size, world", [(64, 1), (64, 3), (10, 4), (7, 2)])
+def test_resumable_sampler_shards_disjointly_and_drops_only_the_tail(size, world):
+    shards = []
+    for rank in range(world):
+        s = ResumableDistributedSampler(range(size), world, rank, seed=3)
+        s.set_epoch(2)
+        shards.append(list(s))
+        assert len(shards[-1]) == len(s) == size // world
+    flat = [i for shard in shards for i in shard]
+    assert len(set(flat)) == len(flat) == size // world * world  # no sample twice
+
+
+def test_resumable_sampler_continues_with_the_next_samples_for_any_world_size():
+    size, seed, epoch = 60, 1, 4
+    full = ResumableDistributedSampler(range(size), 1, 0, seed)
+    full.set_epoch(epoch)
+    order = list(full)
+    # 2 ranks consumed 3 batches of 4 each: 24 samples. Resume with 3 ranks.
+    consumed = 24
+    rest = []
+    for rank in range(3):
+        s = ResumableDistributedSampler(range(size), 3, rank, seed)
+        s.set_epoch(epoch, start=consumed)
+        rest.append(list(s))
+    assert sorted(i for shard in rest for i in shard) == sorted(order[consumed:])
+    # and with the same world size the shards are exactly the unseen part of each rank's shard
+    for rank in range(2):
+        a = ResumableDistributedSampler(range(size), 2, rank, seed)
+        a.set_epoch(epoch)
+        b = ResumableDistributedSampler(range(size), 2, rank, seed)
+        b.set_epoch(epoch, start=consumed)
+        assert list(b) == list(a)[consumed // 2:]
+
+
 def test_train_loader_order_follows_epoch_and_seed():
     cfg = cfg_with(SYN, RNG_SEED=5)
     a, b = data.build_train_loader(cfg, 0, 1, CPU), data.build_train_loader(cfg, 0, 1, CPU)
-    assert isinstance(a.sampler, torch.utils.data.DistributedSampler)
+    assert isinstance(a.sampler, ResumableDistributedSampler)
     a.sampler.set_epoch(0)
     b.sampler.set_epoch(0)
     order0 = list(a.sampler)

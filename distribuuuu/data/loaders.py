@@ -8,11 +8,11 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
-from distribuuuu.data.samplers import ShardedEvalSampler
+from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
 
 
@@ -106,11 +106,11 @@ def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, d
 
 
 def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> DataLoader:
-    """Shuffled by a DistributedSampler even for one process, so the engine can always call
-    loader.sampler.set_epoch(epoch); the same seed on every rank gives disjoint shards."""
+    """Shuffled by a ResumableDistributedSampler even for one process, so the engine can always
+    call loader.sampler.set_epoch(epoch, start); the same seed on every rank gives disjoint shards."""
     dataset = build_dataset(cfg, train=True)
     seed = cfg.RNG_SEED or 0
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
     # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
     drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
     return _loader(cfg, dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)

@@ -1,9 +1,10 @@
-"""Samplers: the exact evaluation sampler (training uses torch's DistributedSampler as is)."""
+"""Samplers: a resumable shuffled sampler for training and an exact one for evaluation."""
 
 from __future__ import annotations
 
 from typing import Iterator, Sized
 
+import torch
 from torch.utils.data import Sampler
 
 
@@ -30,3 +31,37 @@ class ShardedEvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self._indices())
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """One seeded permutation per epoch, sharded over ranks, able to start part-way through.
+
+    Every rank draws the same permutation (seed + epoch), skips the ``start`` samples that all
+    ranks together already consumed this epoch, and takes every W-th of the rest. Written by hand
+    because torch's DistributedSampler cannot start mid-epoch, and pads with repeated samples
+    where this one drops the (fewer than W) left-over samples, so an epoch never counts a sample
+    twice. Because the position is counted in samples, not batches, a run can resume with another
+    world size and continue with the very next unseen samples.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0) -> None:
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        self.size, self.num_replicas, self.rank, self.seed = len(dataset), num_replicas, rank, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Shuffle for ``epoch``, skipping the first ``start`` samples of its permutation."""
+        if not 0 <= start <= self.size:
+            raise ValueError(f"start {start} is not in [0, {self.size}]")
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        rest = torch.randperm(self.size, generator=g)[self.start:]
+        usable = len(rest) // self.num_replicas * self.num_replicas
+        return iter(rest[self.rank:usable:self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return (self.size - self.start) // self.num_replicas
