@@ -1,9 +1,12 @@
 """Checkpoints: atomic writes, keep-k pruning, auto-resume, safe loading.
 
-Layout under OUT_DIR/checkpoints/: ``epoch_0007.pth`` (the newest TRAIN.CKPT_KEEP are kept),
-``last.pth`` and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
+Layout under OUT_DIR/checkpoints/: ``epoch_0007.pth`` at epoch ends, ``step_00001234.pth``
+mid-epoch (the newest TRAIN.CKPT_KEEP of each kind are kept), ``last.pth`` (the newest of all)
+and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
   model (state dict without any ``module.`` prefix), optimizer, epoch (epochs completed),
-  global_step, best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/cuda] of rank 0).
+  samples_in_epoch (position in the epoch in progress, all ranks together), global_step,
+  best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/cuda] states of every rank),
+  world_size, train_sums (metrics of the part-done epoch).
 Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``.
 """
 
@@ -25,7 +28,7 @@ from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
 
-_EPOCH_FILE = re.compile(r"epoch_(\d+)\.pth$")
+_NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
 def checkpoint_dir(out_dir: str) -> str:
@@ -64,24 +67,27 @@ def _atomic_link(src: str, dst: str) -> None:
             os.remove(tmp)
 
 
-def epoch_checkpoints(out_dir: str) -> list[str]:
-    """Per-epoch checkpoint paths, oldest first."""
-    paths = glob.glob(os.path.join(checkpoint_dir(out_dir), "epoch_*.pth"))
-    return sorted((p for p in paths if _EPOCH_FILE.search(p)),
-                  key=lambda p: int(_EPOCH_FILE.search(p).group(1)))
+def numbered_checkpoints(out_dir: str, kind: str) -> list[str]:
+    """The epoch_*.pth (kind "epoch") or step_*.pth (kind "step") files, oldest first."""
+    paths = glob.glob(os.path.join(checkpoint_dir(out_dir), f"{kind}_*.pth"))
+    return sorted((p for p in paths if _NUMBERED.search(p)), key=lambda p: int(_NUMBERED.search(p).group(2)))
 
 
 def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
-    """Write epoch_NNNN.pth, point last.pth (and best.pth) at it, then prune old epoch files."""
+    """Write epoch_NNNN.pth (or step_NNNNNNNN.pth mid-epoch), point last.pth (and best.pth) at it,
+    then prune the oldest files of that kind beyond ``keep``."""
     folder = checkpoint_dir(out_dir)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"epoch_{state['epoch']:04d}.pth")
+    kind = "step" if state.get("samples_in_epoch") else "epoch"
+    number = state["global_step"] if kind == "step" else state["epoch"]
+    path = os.path.join(folder, f"{kind}_{number:08d}.pth" if kind == "step" else f"epoch_{number:04d}.pth")
     _atomic_save(state, path)
     _atomic_link(path, os.path.join(folder, "last.pth"))
     if is_best:
         _atomic_link(path, os.path.join(folder, "best.pth"))
     # Prune only now that the new checkpoint is complete.
-    for old in epoch_checkpoints(out_dir)[:-keep] if keep > 0 else epoch_checkpoints(out_dir):
+    existing = numbered_checkpoints(out_dir, kind)
+    for old in existing[:-keep] if keep > 0 else existing:
         if old != path:
             os.remove(old)
     return path
@@ -117,9 +123,10 @@ def load(path: str, label: str = "checkpoint") -> dict[str, Any]:
 
 
 def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The newest readable checkpoint: last.pth, else the newest epoch file that loads."""
+    """The newest readable checkpoint: last.pth, else the newest epoch/step file that loads."""
+    numbered = numbered_checkpoints(out_dir, "epoch") + numbered_checkpoints(out_dir, "step")
     candidates = [os.path.join(checkpoint_dir(out_dir), "last.pth")]
-    candidates += list(reversed(epoch_checkpoints(out_dir)))
+    candidates += sorted(numbered, key=os.path.getmtime, reverse=True)
     for path in candidates:
         if not os.path.isfile(path):
             continue
@@ -131,25 +138,30 @@ def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def rng_state() -> dict[str, Any]:
-    """RNG states as plain tensors/lists (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
+    """This process's RNG states as plain Python values (bytes, ints, lists): they pickle for
+    all_gather_object and load with weights_only=True."""
+    name, key, *rest = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-        "torch": torch.get_rng_state(),
+        "numpy": [name, key.tobytes(), *rest],
+        "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((name, np.frombuffer(key, dtype=np.uint32).copy(), *rest))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
 
 
 def _as_tuple(x: Any) -> Any:

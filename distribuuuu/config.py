@@ -68,8 +68,20 @@ _C.TRAIN.TOPK = 5
 _C.TRAIN.SYNTHETIC_SAMPLES = 1024
 # Evaluate on the val split every EVAL_PERIOD epochs (and always after the last epoch)
 _C.TRAIN.EVAL_PERIOD = 1
-# Keep the newest CKPT_KEEP per-epoch checkpoints (last.pth and best.pth are kept besides)
+# Keep the newest CKPT_KEEP per-epoch (and per-step) checkpoints (last.pth and best.pth are kept besides)
 _C.TRAIN.CKPT_KEEP = 3
+# Also checkpoint every CKPT_PERIOD_STEPS optimizer steps, mid-epoch (0: only at epoch ends)
+_C.TRAIN.CKPT_PERIOD_STEPS = 0
+# Also checkpoint every CKPT_PERIOD_MIN minutes of wall time, mid-epoch (0: off)
+_C.TRAIN.CKPT_PERIOD_MIN = 0.0
+# Non-finite loss or gradients: 'skip' the step, 'stop' the run, or 'off' (no check: one host sync less per step)
+_C.TRAIN.NONFINITE = "skip"
+# With NONFINITE 'skip': stop the run after this many consecutive non-finite steps
+_C.TRAIN.NONFINITE_MAX_SKIPS = 10
+# Signals that mean "checkpoint now and exit" (preemption), e.g. Slurm's --signal=USR1@90
+_C.TRAIN.PREEMPT_SIGNALS = ["SIGTERM", "SIGUSR1"]
+# Under Slurm, after a preemption checkpoint rank 0 runs `scontrol requeue $SLURM_JOB_ID`
+_C.TRAIN.REQUEUE = False
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation
@@ -160,6 +172,8 @@ LR_POLICIES = ("cos", "steps")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
+NONFINITE_MODES = ("skip", "stop", "off")
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
 def get_defaults() -> CN:
@@ -283,7 +297,8 @@ def validate(cfg: CN) -> None:
                 "DIST.TIMEOUT_S"):
         value = _get(cfg, key)
         need(value > 0, f"config key {key} must be positive, got {value}")
-    for key in ("TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
+    for key in ("TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN", "TRAIN.NONFINITE_MAX_SKIPS",
+                "TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
                 "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING"):
         value = _get(cfg, key)
         need(value >= 0, f"config key {key} must be >= 0, got {value}")
@@ -312,6 +327,10 @@ def validate(cfg: CN) -> None:
              f"OPTIM.STEPS must lie below OPTIM.MAX_EPOCH ({cfg.OPTIM.MAX_EPOCH}), got {steps}")
     need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
+    need(cfg.TRAIN.NONFINITE in NONFINITE_MODES,
+         f"TRAIN.NONFINITE must be one of {', '.join(NONFINITE_MODES)}, got {cfg.TRAIN.NONFINITE!r}")
+    bad = [s for s in cfg.TRAIN.PREEMPT_SIGNALS if s not in PREEMPT_SIGNALS]
+    need(not bad, f"TRAIN.PREEMPT_SIGNALS may hold {', '.join(PREEMPT_SIGNALS)}, got {bad}")
     need(cfg.DEVICE in DEVICES, f"DEVICE must be one of {', '.join(DEVICES)}, got {cfg.DEVICE!r}")
     need(cfg.DIST.BACKEND in BACKENDS,
          f"DIST.BACKEND must be one of {', '.join(BACKENDS)}, got {cfg.DIST.BACKEND!r}")

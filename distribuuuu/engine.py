@@ -4,12 +4,14 @@
   1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged)
   2. model: build_model -> SyncBN (MODEL.SYNCBN, several processes) -> device -> DDP (several processes)
   3. optimizer (SGD) and the per-iteration LR: peak_lr(global batch) x lr_factor(fractional epoch)
-  4. data: training loader (DistributedSampler) and validation loader (exact sharding)
-  5. resume from OUT_DIR/checkpoints (TRAIN.AUTO_RESUME); MODEL.WEIGHTS was applied in build_model
-  6. per epoch: sampler.set_epoch -> train_epoch -> evaluate -> metrics.jsonl -> checkpoint (rank 0)
+  4. data: training loader (resumable shuffled shards) and validation loader (exact sharding)
+  5. resume from OUT_DIR/checkpoints (TRAIN.AUTO_RESUME), at the very next batch; MODEL.WEIGHTS
+     was applied in build_model
+  6. per epoch: train_epoch (step checkpoints, preemption) -> evaluate -> metrics.jsonl -> checkpoint
   7. a one-line summary
 ``evaluate`` is exact for any world size: each rank counts its own disjoint shard, and the counts
-are summed with one all-reduce at the end.
+are summed with one all-reduce at the end. Checkpoints are collective (all ranks call
+``save_checkpoint``: the per-rank RNG states are gathered) and written by rank 0.
 """
 
 from __future__ import annotations
@@ -26,23 +28,39 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, distributed, models, optim
+from distribuuuu import checkpoint, data, distributed, faults, models, optim
 from distribuuuu.distributed import DistContext
 from distribuuuu.errors import UserError
 from distribuuuu.logger import LOGGER_NAME, MetricsWriter, Progress, format_seconds
 from distribuuuu.metrics import Counter
+from distribuuuu.summary import write_run_record
 
 log = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass
 class TrainState:
-    """What the loop carries from one epoch to the next (and into checkpoints)."""
+    """What the loop carries from step to step, and what a checkpoint restores."""
 
     epoch: int = 0  # epochs completed
+    samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
     global_step: int = 0  # optimizer steps taken
     best_top1: float = float("-inf")
     best_epoch: int = 0
+    bad_steps: int = 0  # consecutive non-finite steps
+    resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; a step checkpoint was written and the run must end."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum} after a checkpoint")
+        self.signum = signum
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradients stayed non-finite (TRAIN.NONFINITE)."""
 
 
 def seed_everything(cfg: CfgNode, rank: int) -> int:
@@ -70,15 +88,34 @@ def build_model(cfg: CfgNode, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
+def _grads_finite(model: torch.nn.Module) -> bool:
+    """Whether every gradient is finite. DDP has already averaged the gradients, so a NaN on any
+    rank is a NaN on all of them and every rank reaches the same answer without a collective."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)  # one multi-tensor kernel instead of a loop
+    return bool(torch.isfinite(torch.stack(norms)).all())  # the host sync this check costs
+
+
 def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Optimizer,
                 criterion: torch.nn.Module, cfg: CfgNode, ctx: DistContext, state: TrainState,
-                peak_lr: float) -> dict[str, float]:
-    """One pass over this rank's shard; returns the epoch's metrics summed over all ranks."""
+                peak_lr: float, ckpt_timer: "CheckpointTimer") -> dict[str, float]:
+    """Train on this rank's shard from state.samples_in_epoch to the end of the epoch.
+
+    Returns the epoch's metrics summed over all ranks. Raises Preempted after writing a step
+    checkpoint when a preemption signal arrived on any rank.
+    """
     model.train()
     counter = Counter(ctx.device, cfg.TRAIN.TOPK)
+    if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before the restart
+        counter.add(state.resumed_sums)
+    state.resumed_sums = None
+    global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size
+    epoch_samples = len(loader.dataset) // global_batch * global_batch  # a full epoch, all ranks
+    loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # the same shuffle on all ranks
     iters = len(loader)
-    epoch = state.epoch  # 0-based index of the epoch being trained
-    progress = Progress(cfg, ctx.is_main, ctx.world_size, epoch, iters)
+    progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
     lr, data_total = peak_lr, 0.0
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -89,17 +126,31 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
         data_s = time.perf_counter() - tick
         data_total += data_s
 
-        lr = peak_lr * optim.lr_factor(cfg, epoch + it / iters)
+        lr = peak_lr * optim.lr_factor(cfg, state.epoch + state.samples_in_epoch / epoch_samples)
         optim.set_lr(optimizer, lr)
         logits = model(images)
         loss = criterion(logits, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
-        state.global_step += 1
-        counter.update(logits, target, loss)  # on-device sums: no host sync here
-        # Shows rank 0's running averages every PRINT_FREQ iterations: the loop's only host sync.
+        state.samples_in_epoch += global_batch
+        if cfg.TRAIN.NONFINITE != "off" and not _grads_finite(model):
+            _on_nonfinite(cfg, state)  # skip this step (or raise NonFiniteLoss)
+        else:
+            state.bad_steps = 0
+            optimizer.step()
+            state.global_step += 1
+            counter.update(logits, target, loss)  # on-device sums: no host sync here
+        # Shows rank 0's running averages every PRINT_FREQ iterations: the loop's other host sync.
         progress.step(it, data_s, images.size(0), lr, counter.result)
+
+        stop_signal = faults.stop_signal()
+        by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
+        stop, by_time = distributed.any_rank([stop_signal is not None, ctx.is_main and ckpt_timer.due()])
+        if (stop or by_steps or by_time) and state.samples_in_epoch < epoch_samples:
+            save_checkpoint(cfg, ctx, model, optimizer, state, ckpt_timer, train_sums=counter.sums_with_n())
+        if stop:
+            progress.close()
+            raise Preempted(stop_signal or 0)
         tick = time.perf_counter()
     progress.close()
     seconds = time.perf_counter() - epoch_start
@@ -107,6 +158,17 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
     result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds,
                   data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device))
     return result
+
+
+def _on_nonfinite(cfg: CfgNode, state: TrainState) -> None:
+    state.bad_steps += 1
+    if cfg.TRAIN.NONFINITE == "stop" or state.bad_steps > cfg.TRAIN.NONFINITE_MAX_SKIPS:
+        raise NonFiniteLoss(
+            f"non-finite loss or gradients at step {state.global_step + 1} ({state.bad_steps} in a row; "
+            f"TRAIN.NONFINITE {cfg.TRAIN.NONFINITE}, NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS}); "
+            "lower OPTIM.BASE_LR or check the data")
+    log.warning("non-finite loss or gradients: step skipped on every rank (%d in a row, at most %d)",
+                state.bad_steps, cfg.TRAIN.NONFINITE_MAX_SKIPS)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -138,8 +200,49 @@ def evaluate(model: torch.nn.Module, loader: Any, criterion: torch.nn.Module, cf
     return counter.reduce().result()
 
 
-def _resume(cfg: CfgNode, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            state: TrainState) -> None:
+class CheckpointTimer:
+    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.period_s, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+
+def _all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
+    floats = [t for t in state_dict.values() if t.is_floating_point()]
+    return not floats or bool(torch.isfinite(torch.stack(torch._foreach_norm(floats))).all())
+
+
+def save_checkpoint(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, state: TrainState, timer: CheckpointTimer,
+                    is_best: bool = False, train_sums: torch.Tensor | None = None) -> None:
+    """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run."""
+    rng = distributed.all_gather_object(checkpoint.rng_state())  # each rank's own streams
+    if train_sums is not None:  # a mid-epoch checkpoint carries the epoch's metrics so far
+        train_sums = distributed.all_reduce_sum(train_sums.clone()).tolist()
+    timer.reset()
+    if ctx.is_main:
+        weights = models.state_dict_for_saving(model)
+        if not _all_finite(weights):
+            log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
+        else:
+            path = checkpoint.save(
+                {"model": weights, "optimizer": optimizer.state_dict(), "epoch": state.epoch,
+                 "samples_in_epoch": state.samples_in_epoch, "global_step": state.global_step,
+                 "best_top1": state.best_top1, "best_epoch": state.best_epoch, "cfg": cfg.dump(),
+                 "rng": rng, "world_size": ctx.world_size, "train_sums": train_sums},
+                cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
+            log.info("saved %s%s", path, " (best)" if is_best else "")
+    distributed.barrier()  # nobody races ahead (or exits) while rank 0 writes
+
+
+def _resume(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, state: TrainState) -> None:
     """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there."""
     if not cfg.TRAIN.AUTO_RESUME:
         return
@@ -150,11 +253,21 @@ def _resume(cfg: CfgNode, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if cfg.TRAIN.LOAD_OPT and "optimizer" in ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
     state.epoch, state.global_step = ckpt["epoch"], ckpt["global_step"]
+    state.samples_in_epoch = ckpt.get("samples_in_epoch", 0)
     state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
-    if "rng" in ckpt and distributed.get_rank() == 0:
-        checkpoint.set_rng_state(ckpt["rng"])
-    log.info("resumed from %s: %d epochs done, step %d, best top-1 %.2f",
-             path, state.epoch, state.global_step, state.best_top1)
+    state.resumed_sums = ckpt.get("train_sums")
+    saved_world = ckpt.get("world_size", ctx.world_size)
+    if saved_world == ctx.world_size:
+        checkpoint.set_rng_state(ckpt["rng"][ctx.rank])
+    else:
+        # The sampler position is counted in samples, so the epoch goes on with the next unseen
+        # samples; each rank's RNG streams cannot be carried over and keep their fresh seeds.
+        log.warning("resuming %d processes from a checkpoint of %d: the global batch is now %d and the "
+                    "peak LR %g; the epoch continues at sample %d; RNG streams are re-seeded",
+                    ctx.world_size, saved_world, cfg.TRAIN.BATCH_SIZE * ctx.world_size,
+                    optim.peak_lr(cfg, cfg.TRAIN.BATCH_SIZE * ctx.world_size), state.samples_in_epoch)
+    log.info("resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best top-1 %.2f",
+             path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step, state.best_top1)
 
 
 def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
@@ -177,13 +290,13 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         raise UserError("the training loader has no batches; lower TRAIN.BATCH_SIZE or use more data")
 
     state = TrainState()
-    _resume(cfg, model, optimizer, state)
+    _resume(cfg, ctx, model, optimizer, state)
     metrics = MetricsWriter(cfg.OUT_DIR, ctx.is_main)
+    timer = CheckpointTimer(cfg.TRAIN.CKPT_PERIOD_MIN)
     while state.epoch < cfg.OPTIM.MAX_EPOCH:
-        train_loader.sampler.set_epoch(state.epoch)  # a new shuffle each epoch, the same on all ranks
-        train = train_epoch(model, train_loader, optimizer, criterion, cfg, ctx, state, peak_lr)
+        train = train_epoch(model, train_loader, optimizer, criterion, cfg, ctx, state, peak_lr, timer)
         distributed.average_buffers(model)  # one model on every rank for eval and the checkpoint
-        state.epoch += 1
+        state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         metrics.write({"epoch": state.epoch, "split": "train", **train, "step": state.global_step})
         log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
                  state.epoch, cfg.OPTIM.MAX_EPOCH, train["loss"], train["top1"], cfg.TRAIN.TOPK,
@@ -198,14 +311,7 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
             log.info("[val] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | best top-1 %.2f%% (epoch %d)",
                      state.epoch, cfg.OPTIM.MAX_EPOCH, val["loss"], val["top1"], cfg.TRAIN.TOPK,
                      val["top5"], val["n"], state.best_top1, state.best_epoch)
-        if ctx.is_main:
-            path = checkpoint.save(
-                {"model": models.state_dict_for_saving(model), "optimizer": optimizer.state_dict(),
-                 "epoch": state.epoch, "global_step": state.global_step, "best_top1": state.best_top1,
-                 "best_epoch": state.best_epoch, "cfg": cfg.dump(), "rng": checkpoint.rng_state()},
-                cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
-            log.info("saved %s%s", path, " (best)" if is_best else "")
-        distributed.barrier()  # nobody races ahead while rank 0 writes
+        save_checkpoint(cfg, ctx, model, optimizer, state, timer, is_best=is_best)
 
     summary = {"best_top1": state.best_top1, "best_epoch": state.best_epoch, "epochs": state.epoch,
                "wall_s": time.perf_counter() - wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}

@@ -36,10 +36,18 @@ class Counter:
         self.sums[1:] += hits
         self.n += n
 
+    def sums_with_n(self) -> torch.Tensor:
+        """[loss_sum, hit1, hitk, n] as one float64 tensor (for checkpoints of a part-done epoch)."""
+        return torch.cat([self.sums, self.sums.new_tensor([self.n])])
+
+    def add(self, sums_with_n: list[float]) -> None:
+        """Add sums saved by ``sums_with_n`` (after a reduce): the part of an epoch done before a restart."""
+        self.sums += self.sums.new_tensor(sums_with_n[:3])
+        self.n += int(sums_with_n[3])
+
     def reduce(self) -> "Counter":
         """Sum over all ranks with one all-reduce; returns self."""
-        both = torch.cat([self.sums, self.sums.new_tensor([self.n])])
-        distributed.all_reduce_sum(both)
+        both = distributed.all_reduce_sum(self.sums_with_n())
         self.sums, self.n = both[:3], int(both[3].item())
         return self
 
