@@ -48,6 +48,9 @@ def _atomic_save(obj: Any, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:  # torch wraps ENOSPC in a RuntimeError: say plainly what happened
+        raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); "
+                      "the previous checkpoint is intact") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -105,11 +105,13 @@ def test_elastic_restart_after_kill_9_resumes_from_the_step_checkpoint(tmp_path)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     ckpt_dir = os.path.join(out, "checkpoints")
-    while time.monotonic() < deadline and not any(n.startswith("step_") for n in os.listdir(ckpt_dir)
-                                                   if os.path.isdir(ckpt_dir)):
+
+    def step_checkpoint_exists():
+        return os.path.isdir(ckpt_dir) and any(n.startswith("step_") for n in os.listdir(ckpt_dir))
+
+    while time.monotonic() < deadline and not step_checkpoint_exists() and proc.poll() is None:
         time.sleep(0.1)
-        if not os.path.isdir(ckpt_dir):
-            os.makedirs(ckpt_dir, exist_ok=True)
+    assert step_checkpoint_exists(), "no step checkpoint appeared"
     # kill -9 one worker (rank 1) mid-epoch
     pids = subprocess.run(["pgrep", "-f", f"{SCRIPT}.*{out}"], capture_output=True, text=True).stdout.split()
     workers = [p for p in pids if int(p) != proc.pid]
