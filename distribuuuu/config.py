@@ -64,6 +64,8 @@ _C.TRAIN.PIN_MEMORY = True
 _C.TRAIN.PRINT_FREQ = 30
 # The k of the top-k accuracy reported next to top-1 (clipped to the number of classes)
 _C.TRAIN.TOPK = 5
+# Unreadable image files: 'skip' (log, count, use the next readable one) or 'fail' (stop the run)
+_C.TRAIN.BAD_IMAGES = "skip"
 # Number of samples of the synthetic training set (TRAIN.DATASET synthetic)
 _C.TRAIN.SYNTHETIC_SAMPLES = 1024
 # Evaluate on the val split every EVAL_PERIOD epochs (and always after the last epoch)
@@ -173,6 +175,7 @@ LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 NONFINITE_MODES = ("skip", "stop", "off")
+BAD_IMAGE_MODES = ("skip", "fail")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
@@ -327,6 +330,8 @@ def validate(cfg: CN) -> None:
              f"OPTIM.STEPS must lie below OPTIM.MAX_EPOCH ({cfg.OPTIM.MAX_EPOCH}), got {steps}")
     need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
+    need(cfg.TRAIN.BAD_IMAGES in BAD_IMAGE_MODES,
+         f"TRAIN.BAD_IMAGES must be one of {', '.join(BAD_IMAGE_MODES)}, got {cfg.TRAIN.BAD_IMAGES!r}")
     need(cfg.TRAIN.NONFINITE in NONFINITE_MODES,
          f"TRAIN.NONFINITE must be one of {', '.join(NONFINITE_MODES)}, got {cfg.TRAIN.NONFINITE!r}")
     bad = [s for s in cfg.TRAIN.PREEMPT_SIGNALS if s not in PREEMPT_SIGNALS]

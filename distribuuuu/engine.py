@@ -155,6 +155,11 @@ def train_epoch(model: torch.nn.Module, loader: Any, optimizer: torch.optim.Opti
     progress.close()
     seconds = time.perf_counter() - epoch_start
     result = counter.reduce().result()
+    bad_count = torch.tensor([data.take_bad_image_count(loader)], device=ctx.device)
+    bad = int(distributed.all_reduce_sum(bad_count)[0])
+    if bad:  # each file was named in the log when it was met
+        log.warning("epoch %d: %d unreadable training images skipped (TRAIN.BAD_IMAGES skip)", state.epoch + 1, bad)
+    result["bad_images"] = bad
     result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds,
                   data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device))
     return result
@@ -275,6 +280,7 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     wall_start = time.perf_counter()
     seed_everything(cfg, ctx.rank)
     model = build_model(cfg, ctx)
+    write_run_record(cfg, ctx, models.unwrap(model))  # env.json, model.txt; a collective
     optimizer = optim.build_optimizer(cfg, model)
     criterion = torch.nn.CrossEntropyLoss().to(ctx.device)
     train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
@@ -313,6 +319,7 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
                      val["top5"], val["n"], state.best_top1, state.best_epoch)
         save_checkpoint(cfg, ctx, model, optimizer, state, timer, is_best=is_best)
 
+    metrics.close()
     summary = {"best_top1": state.best_top1, "best_epoch": state.best_epoch, "epochs": state.epoch,
                "wall_s": time.perf_counter() - wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
     log.info("done: best val top-1 %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",

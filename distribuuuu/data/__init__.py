@@ -16,8 +16,8 @@ Typical use (the engine): ``check_datasets`` before the process group starts, th
 
 from distribuuuu.data.check import check_datasets
 from distribuuuu.data.export import export_mnist5k
-from distribuuuu.data.loaders import build_dataset, build_train_loader, build_val_loader
+from distribuuuu.data.loaders import build_dataset, build_train_loader, build_val_loader, take_bad_image_count
 from distribuuuu.data.samplers import ShardedEvalSampler
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_dataset",
-           "export_mnist5k", "ShardedEvalSampler"]
+           "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count"]

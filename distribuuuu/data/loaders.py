@@ -78,7 +78,7 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
         classes = val_folder_classes(cfg, classes)
     tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans)
     loader = functools.partial(sources.open_image, mode="L" if chans == 1 else "RGB")
-    return sources.ImageFolderWithClasses(split_dir, classes, transform=tf, loader=loader)
+    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=loader)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -121,3 +121,9 @@ def build_val_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.dev
     dataset = build_dataset(cfg, train=False)
     sampler = ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
     return _loader(cfg, dataset, sampler, cfg.TEST.BATCH_SIZE, False, rank, device, stream=1)
+
+
+def take_bad_image_count(loader: DataLoader) -> int:
+    """Unreadable images this process's loader skipped since the last call (0 for tensor sources)."""
+    take = getattr(loader.dataset, "take_bad_count", None)
+    return take() if take else 0

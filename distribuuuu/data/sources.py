@@ -8,6 +8,8 @@ transform is set (loaders.build_dataset picks the transforms). Errors a user can
 from __future__ import annotations
 
 import functools
+import logging
+import multiprocessing
 import os
 import pickle
 import zlib
@@ -283,15 +285,53 @@ def open_image(path: str, mode: str) -> Image.Image:
 
 
 class ImageFolderWithClasses(datasets.ImageFolder):
-    """torchvision's ImageFolder with the class list given instead of found.
+    """torchvision's ImageFolder with the class list given instead of found, and bad files handled.
 
-    Given, so that a val split that lacks some class folders keeps the train split's label
-    indices; class folders without images are allowed here (check_datasets reports them).
+    The class list is given, so that a val split that lacks some class folders keeps the train
+    split's label indices; class folders without images are allowed here (check_datasets reports
+    them). A file that cannot be decoded (truncated, empty, not an image) is, with bad_images
+    'skip', logged by name, counted, and replaced by the next readable sample, so that every rank
+    keeps its batch size and DDP its step count; with 'fail' it stops the run naming the file.
     """
 
-    def __init__(self, root: str, classes: list[str], **kwargs) -> None:
+    MAX_BAD_IN_A_ROW = 32
+
+    def __init__(self, root: str, classes: list[str], bad_images: str = "skip", **kwargs) -> None:
         self._given_classes = list(classes)
         super().__init__(root, allow_empty=True, **kwargs)
+        self.bad_images = bad_images
+        # Shared with the DataLoader's worker processes, which inherit it when they start.
+        self.bad_count = multiprocessing.Value("i", 0)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         return self._given_classes, {c: i for i, c in enumerate(self._given_classes)}
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        for attempt in range(min(len(self), self.MAX_BAD_IN_A_ROW)):
+            path, label = self.samples[(index + attempt) % len(self)]
+            try:
+                image = self.loader(path)
+            except (OSError, ValueError, Image.DecompressionBombError) as e:
+                if self.bad_images == "fail":
+                    raise BadImageError(f"cannot decode image {path} ({type(e).__name__}: {e}); remove it, "
+                                        "or set TRAIN.BAD_IMAGES skip to skip unreadable files") from None
+                logging.getLogger("distribuuuu").warning("skipping unreadable image %s (%s: %s)",
+                                                         path, type(e).__name__, e)
+                with self.bad_count.get_lock():
+                    self.bad_count.value += 1
+                continue
+            if self.transform is not None:
+                image = self.transform(image)
+            return image, label
+        raise BadImageError(f"{self.MAX_BAD_IN_A_ROW} unreadable images in a row in {self.root}; "
+                            "is this an image folder?")
+
+    def take_bad_count(self) -> int:
+        """Unreadable files met since the last call (all workers of this process)."""
+        with self.bad_count.get_lock():
+            count, self.bad_count.value = self.bad_count.value, 0
+        return count
+
+
+class BadImageError(RuntimeError):
+    """An image that cannot be decoded, with TRAIN.BAD_IMAGES fail."""
