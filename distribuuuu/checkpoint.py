@@ -19,6 +19,8 @@ import pickle
 import random
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,3 +172,96 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _as_tuple(x: Any) -> Any:
     """random.setstate wants tuples all the way down; pickling may give lists."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------------------------------------
+# The state of a run: what the loop carries and what a checkpoint restores
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """Counters of the run (the model, optimizer, scaler and EMA hold the rest)."""
+
+    epoch: int = 0  # epochs completed
+    samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
+    global_step: int = 0  # optimizer steps taken
+    best_metric: float = float("-inf")  # TRAIN.BEST_METRIC's best value so far
+    best_epoch: int = 0
+    evals_since_best: int = 0  # for TRAIN.PATIENCE
+    bad_steps: int = 0  # consecutive non-finite steps
+    resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
+
+    COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
+
+
+class CheckpointTimer:
+    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.period_s, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+
+def _all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
+    floats = [t for t in state_dict.values() if t.is_floating_point()]
+    return not floats or bool(torch.isfinite(torch.stack(torch._foreach_norm(floats))).all())
+
+
+def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict[str, Any], state: TrainState, timer: CheckpointTimer, is_best: bool = False,
+             train_sums: torch.Tensor | None = None) -> None:
+    """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run;
+    ``extra`` holds the state of other parts (grad scaler, EMA)."""
+    from distribuuuu import distributed, models  # models imports this module
+
+    rng = distributed.all_gather_object(rng_state())  # each rank's own streams
+    if train_sums is not None:  # a mid-epoch checkpoint carries the epoch's metrics so far
+        train_sums = distributed.all_reduce_sum(train_sums.clone()).tolist()
+    timer.reset()
+    if ctx.is_main:
+        weights = models.state_dict_for_saving(model)
+        if not _all_finite(weights):
+            log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
+        else:
+            counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
+            path = save({"model": weights, "optimizer": optimizer.state_dict(), **extra, **counters,
+                         "cfg": cfg.dump(), "rng": rng, "world_size": ctx.world_size, "train_sums": train_sums},
+                        cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
+            log.info("saved %s%s", path, " (best)" if is_best else "")
+    distributed.barrier()  # nobody races ahead (or exits) while rank 0 writes
+
+
+def resume_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               state: TrainState) -> dict[str, Any] | None:
+    """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
+    the checkpoint (for the other parts' state) or None."""
+    from distribuuuu import models
+
+    if not cfg.TRAIN.AUTO_RESUME:
+        return None
+    ckpt, path = load_latest(cfg.OUT_DIR)
+    if ckpt is None:
+        return None
+    models.unwrap(model).load_state_dict(ckpt["model"])
+    if cfg.TRAIN.LOAD_OPT and "optimizer" in ckpt:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    for key in TrainState.COUNTERS:
+        setattr(state, key, ckpt.get(key, getattr(state, key)))
+    state.resumed_sums = ckpt.get("train_sums")
+    saved_world = ckpt.get("world_size", ctx.world_size)
+    if saved_world == ctx.world_size:
+        set_rng_state(ckpt["rng"][ctx.rank])
+    else:
+        # The sampler position is counted in samples, so the epoch goes on with the next unseen
+        # samples; each rank's RNG streams cannot be carried over and keep their fresh seeds.
+        log.warning("resuming %d processes from a checkpoint of %d: the global batch and the LR are "
+                    "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
+                    "are re-seeded", ctx.world_size, saved_world, state.samples_in_epoch)
+    log.info("resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
+             path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step,
+             cfg.TRAIN.BEST_METRIC, state.best_metric)
+    return ckpt

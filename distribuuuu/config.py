@@ -85,6 +85,32 @@ _C.TRAIN.PREEMPT_SIGNALS = ["SIGTERM", "SIGUSR1"]
 # Under Slurm, after a preemption checkpoint rank 0 runs `scontrol requeue $SLURM_JOB_ID`
 _C.TRAIN.REQUEUE = False
 
+# Mixed precision: 'off', 'bf16' (autocast; also on CPU) or 'fp16' (autocast + GradScaler; CUDA)
+_C.TRAIN.AMP = "off"
+# Keep activations in channels_last memory format (faster convolutions on recent GPUs)
+_C.TRAIN.CHANNELS_LAST = False
+# Compile the model with torch.compile (compile time is logged apart, not counted as throughput)
+_C.TRAIN.COMPILE = False
+# Gradient accumulation: micro-batches per optimizer step (global batch = BATCH_SIZE x world x ACCUM_STEPS)
+_C.TRAIN.ACCUM_STEPS = 1
+# Clip the global gradient norm to this value (0: no clipping)
+_C.TRAIN.CLIP_GRAD_NORM = 0.0
+# Label smoothing of the cross-entropy loss (0: none)
+_C.TRAIN.LABEL_SMOOTHING = 0.0
+# Mixup alpha (0: off); with mixup/cutmix, top-1 is still counted against the hard labels
+_C.TRAIN.MIXUP_ALPHA = 0.0
+# CutMix alpha (0: off)
+_C.TRAIN.CUTMIX_ALPHA = 0.0
+# EMA of the weights: decay per step at OPTIM.REF_BATCH_SIZE (0: no EMA); the decay used is
+# EMA_DECAY ** (global batch / REF_BATCH_SIZE), so the average spans the same number of samples
+_C.TRAIN.EMA_DECAY = 0.0
+# Metric that picks best.pth and drives early stopping: 'top1' (raw model) or 'ema_top1'
+_C.TRAIN.BEST_METRIC = "top1"
+# Stop after PATIENCE evaluations without a new best (0: never)
+_C.TRAIN.PATIENCE = 0
+# Stop once val top-1 reaches this (percent; 0: never); the time to reach it is logged
+_C.TRAIN.TARGET_TOP1 = 0.0
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +143,7 @@ _C.CUDNN.DETERMINISTIC = False
 _C.OPTIM = CN()
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 100
-# Learning-rate policy: 'cos' (half-period cosine) or 'steps' (multiply by LR_MULT at each of STEPS)
+# LR policy: 'cos' (half-period cosine), 'steps' (x LR_MULT at each of STEPS), 'linear' (to MIN_LR), 'constant'
 _C.OPTIM.LR_POLICY = "cos"
 # Base learning rate (used as is, or scaled by the global batch when LR_SCALING is 'linear')
 _C.OPTIM.BASE_LR = 0.1
@@ -125,6 +151,10 @@ _C.OPTIM.BASE_LR = 0.1
 _C.OPTIM.MIN_LR = 0.0
 # Epochs at which the 'steps' policy multiplies the LR by LR_MULT (sorted, starting at 0)
 _C.OPTIM.STEPS = []
+# Optimizer: 'sgd' (torch, with MOMENTUM/DAMPENING/NESTEROV), 'adamw', 'lamb' or 'lars' (timm's)
+_C.OPTIM.OPTIMIZER = "sgd"
+# Exempt normalization weights and biases from weight decay
+_C.OPTIM.NO_WD_NORM_BIAS = False
 # Multiplier applied at each step of the 'steps' policy
 _C.OPTIM.LR_MULT = 0.1
 # SGD momentum
@@ -170,7 +200,10 @@ _C.NUM_THREADS = 0
 # Keys whose default is None, and the type a value given for them must have.
 _NULLABLE_TYPES: dict[str, type] = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
 
-LR_POLICIES = ("cos", "steps")
+LR_POLICIES = ("cos", "steps", "linear", "constant")
+AMP_MODES = ("off", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw", "lamb", "lars")
+BEST_METRICS = ("top1", "ema_top1")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -330,6 +363,21 @@ def validate(cfg: CN) -> None:
              f"OPTIM.STEPS must lie below OPTIM.MAX_EPOCH ({cfg.OPTIM.MAX_EPOCH}), got {steps}")
     need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
+    for key, allowed in (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS),
+                         ("TRAIN.BEST_METRIC", BEST_METRICS)):
+        need(_get(cfg, key) in allowed, f"{key} must be one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
+    need(cfg.TRAIN.ACCUM_STEPS >= 1, f"TRAIN.ACCUM_STEPS must be at least 1, got {cfg.TRAIN.ACCUM_STEPS}")
+    need(0.0 <= cfg.TRAIN.EMA_DECAY < 1.0, f"TRAIN.EMA_DECAY must be in [0, 1), got {cfg.TRAIN.EMA_DECAY}")
+    need(cfg.TRAIN.BEST_METRIC != "ema_top1" or cfg.TRAIN.EMA_DECAY > 0,
+         "TRAIN.BEST_METRIC ema_top1 needs an EMA: set TRAIN.EMA_DECAY (e.g. 0.9998)")
+    need(0.0 <= cfg.TRAIN.LABEL_SMOOTHING < 1.0,
+         f"TRAIN.LABEL_SMOOTHING must be in [0, 1), got {cfg.TRAIN.LABEL_SMOOTHING}")
+    mixing = cfg.TRAIN.MIXUP_ALPHA > 0 or cfg.TRAIN.CUTMIX_ALPHA > 0
+    need(not mixing or cfg.TRAIN.BATCH_SIZE % 2 == 0,
+         f"mixup/cutmix pair samples within a batch: TRAIN.BATCH_SIZE must be even, got {cfg.TRAIN.BATCH_SIZE}")
+    for key in ("TRAIN.CLIP_GRAD_NORM", "TRAIN.MIXUP_ALPHA", "TRAIN.CUTMIX_ALPHA", "TRAIN.PATIENCE",
+                "TRAIN.TARGET_TOP1"):
+        need(_get(cfg, key) >= 0, f"config key {key} must be >= 0, got {_get(cfg, key)}")
     need(cfg.TRAIN.BAD_IMAGES in BAD_IMAGE_MODES,
          f"TRAIN.BAD_IMAGES must be one of {', '.join(BAD_IMAGE_MODES)}, got {cfg.TRAIN.BAD_IMAGES!r}")
     need(cfg.TRAIN.NONFINITE in NONFINITE_MODES,

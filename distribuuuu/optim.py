@@ -9,20 +9,28 @@ from __future__ import annotations
 import math
 
 import torch
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from yacs.config import CfgNode
 
 
+def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
+    """One group with weight decay on everything (Distribuuuu), or, with OPTIM.NO_WD_NORM_BIAS,
+    a second group without it for 1-d parameters (norm weights, biases), as timm does."""
+    if not cfg.OPTIM.NO_WD_NORM_BIAS:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    return param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
+
+
 def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """SGD over all parameters (as Distribuuuu), multi-tensor (foreach) kernels."""
-    return torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.OPTIM.BASE_LR,
-        momentum=cfg.OPTIM.MOMENTUM,
-        dampening=cfg.OPTIM.DAMPENING,
-        nesterov=cfg.OPTIM.NESTEROV,
-        weight_decay=cfg.OPTIM.WEIGHT_DECAY,
-        foreach=True,
-    )
+    """torch's SGD with Distribuuuu's keys, or timm's AdamW / LAMB / LARS; multi-tensor kernels."""
+    o = cfg.OPTIM
+    groups = param_groups(cfg, model)
+    if o.OPTIMIZER == "sgd":
+        return torch.optim.SGD(groups, lr=o.BASE_LR, momentum=o.MOMENTUM, dampening=o.DAMPENING,
+                               nesterov=o.NESTEROV, weight_decay=o.WEIGHT_DECAY, foreach=True)
+    # timm's factory knows LAMB and LARS; MOMENTUM is used where the optimizer has one.
+    return create_optimizer_v2(groups, opt=o.OPTIMIZER, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY,
+                               momentum=o.MOMENTUM, filter_bias_and_bn=False)
 
 
 def peak_lr(cfg: CfgNode, global_batch: int) -> float:
@@ -38,9 +46,13 @@ def lr_factor(cfg: CfgNode, epoch: float) -> float:
     if o.LR_POLICY == "cos":
         cos = 0.5 * (1.0 + math.cos(math.pi * epoch / o.MAX_EPOCH))
         factor = (1.0 - o.MIN_LR) * cos + o.MIN_LR
-    else:  # "steps": one LR_MULT per step already passed
+    elif o.LR_POLICY == "steps":  # one LR_MULT per step already passed
         passed = sum(1 for s in o.STEPS if epoch >= s) - 1
         factor = o.LR_MULT ** passed
+    elif o.LR_POLICY == "linear":
+        factor = 1.0 - (1.0 - o.MIN_LR) * epoch / o.MAX_EPOCH
+    else:  # "constant" (after the warmup)
+        factor = 1.0
     if epoch < o.WARMUP_EPOCHS:
         alpha = epoch / o.WARMUP_EPOCHS
         factor *= o.WARMUP_FACTOR * (1.0 - alpha) + alpha
