@@ -219,6 +219,8 @@ def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.
     from distribuuuu import distributed, models  # models imports this module
 
     rng = distributed.all_gather_object(rng_state())  # each rank's own streams
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: collect the shards on rank 0
+        optimizer.consolidate_state_dict(to=0)
     if train_sums is not None:  # a mid-epoch checkpoint carries the epoch's metrics so far
         train_sums = distributed.all_reduce_sum(train_sums.clone()).tolist()
     timer.reset()

@@ -111,6 +111,13 @@ _C.TRAIN.PATIENCE = 0
 # Stop once val top-1 reaches this (percent; 0: never); the time to reach it is logged
 _C.TRAIN.TARGET_TOP1 = 0.0
 
+# Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR, else DataLoader),
+# 'memory' (the whole set as one tensor on the device, batched augmentation; not for folders) or 'loader'
+_C.TRAIN.DATA_PIPELINE = "auto"
+# Image folders: 'fast' (libjpeg-turbo decode, reduced-size JPEG decoding when the crop allows,
+# uint8 batches normalized on the device) or 'pil' (torchvision's per-sample PIL recipe)
+_C.TRAIN.IMAGE_DECODE = "fast"
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +189,17 @@ _C.DIST = CN()
 _C.DIST.BACKEND = "auto"
 # Seconds a collective may wait for the other ranks before the run is aborted
 _C.DIST.TIMEOUT_S = 1800
+# Data parallelism: 'ddp' (DistributedDataParallel), 'zero1' (DDP + optimizer state sharded with
+# ZeroRedundancyOptimizer), or 'dp' (DataParallel over this machine's GPUs in ONE process)
+_C.DIST.STRATEGY = "ddp"
+# DDP gradient bucket size in MiB (all-reduce granularity, overlapped with the backward pass)
+_C.DIST.BUCKET_CAP_MB = 25
+# DDP: gradients are views into the all-reduce buckets (saves one copy of the gradients)
+_C.DIST.GRADIENT_AS_BUCKET_VIEW = False
+# DDP: the graph is the same every step (lets DDP skip per-step bookkeeping)
+_C.DIST.STATIC_GRAPH = False
+# DDP: allow parameters that get no gradient in a step (costs an extra graph traversal)
+_C.DIST.FIND_UNUSED_PARAMETERS = False
 
 # ---------------------------------------------------------------------------------------------
 # Run-level options
@@ -207,6 +225,7 @@ BEST_METRICS = ("top1", "ema_top1")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("ddp", "zero1", "dp")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -329,7 +348,7 @@ def validate(cfg: CN) -> None:
     for key in ("MODEL.NUM_CLASSES", "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE",
                 "TEST.IM_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
                 "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
-                "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE",
+                "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE", "DIST.BUCKET_CAP_MB",
                 "DIST.TIMEOUT_S"):
         value = _get(cfg, key)
         need(value > 0, f"config key {key} must be positive, got {value}")
@@ -363,7 +382,7 @@ def validate(cfg: CN) -> None:
              f"OPTIM.STEPS must lie below OPTIM.MAX_EPOCH ({cfg.OPTIM.MAX_EPOCH}), got {steps}")
     need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
-    for key, allowed in (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS),
+    for key, allowed in (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
                          ("TRAIN.BEST_METRIC", BEST_METRICS)):
         need(_get(cfg, key) in allowed, f"{key} must be one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
     need(cfg.TRAIN.ACCUM_STEPS >= 1, f"TRAIN.ACCUM_STEPS must be at least 1, got {cfg.TRAIN.ACCUM_STEPS}")

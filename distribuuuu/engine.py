@@ -74,9 +74,14 @@ def build_model(cfg: CfgNode, ctx: DistContext) -> torch.nn.Module:
     if cfg.TRAIN.CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
     log.info("model %s: %.2fM parameters", cfg.MODEL.ARCH, models.count_parameters(model) / 1e6)
-    if ctx.distributed:
+    d = cfg.DIST
+    if ctx.distributed:  # 'ddp' and 'zero1' (whose difference is in the optimizer)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = DDP(model, device_ids=device_ids)
+        model = DDP(model, device_ids=device_ids, bucket_cap_mb=d.BUCKET_CAP_MB, static_graph=d.STATIC_GRAPH,
+                    gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
+                    find_unused_parameters=d.FIND_UNUSED_PARAMETERS)
+    elif d.STRATEGY == "dp" and torch.cuda.device_count() > 1:
+        model = torch.nn.DataParallel(model)  # one process drives all GPUs (the seed's snmc_dp)
     if cfg.TRAIN.COMPILE:
         model = torch.compile(model)  # compiles lazily, at the first step (timed apart)
     return model

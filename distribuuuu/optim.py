@@ -6,10 +6,12 @@ run recomputes the same LR from its epoch and step.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from yacs.config import CfgNode
 
 
@@ -26,11 +28,23 @@ def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimiz
     o = cfg.OPTIM
     groups = param_groups(cfg, model)
     if o.OPTIMIZER == "sgd":
-        return torch.optim.SGD(groups, lr=o.BASE_LR, momentum=o.MOMENTUM, dampening=o.DAMPENING,
-                               nesterov=o.NESTEROV, weight_decay=o.WEIGHT_DECAY, foreach=True)
-    # timm's factory knows LAMB and LARS; MOMENTUM is used where the optimizer has one.
-    return create_optimizer_v2(groups, opt=o.OPTIMIZER, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY,
-                               momentum=o.MOMENTUM, filter_bias_and_bn=False)
+        cls, kwargs = torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV,
+                                           foreach=True)
+    else:
+        # timm's factory knows LAMB and LARS; MOMENTUM is used where the optimizer has one.
+        probe = create_optimizer_v2(groups, opt=o.OPTIMIZER, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY,
+                                    momentum=o.MOMENTUM, filter_bias_and_bn=False)
+        if cfg.DIST.STRATEGY != "zero1":
+            return probe
+        # Rebuild it the same way under ZeRO: its class and the defaults its constructor takes.
+        cls = type(probe)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in probe.defaults.items() if k in accepted and k not in ("lr", "weight_decay")}
+    if cfg.DIST.STRATEGY == "zero1" and torch.distributed.is_initialized():
+        # ZeRO stage 1: each rank keeps the optimizer state of its share of the parameters only
+        # and broadcasts its updated share after the step.
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY, **kwargs)
+    return cls(groups, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY, **kwargs)
 
 
 def peak_lr(cfg: CfgNode, global_batch: int) -> float:

@@ -121,3 +121,71 @@ def test_torch_compile_runs_and_logs_compile_time_apart(tmp_path):
     proc = check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", "TRAIN.COMPILE", "True"),)
     assert "torch.compile + first step" in proc.stdout
     assert read_metrics(out)[-1]["n"] == 50
+
+
+def _zero_vs_ddp_worker(out_dir):
+    """Runs in each of 2 spawned processes: a few steps under ddp and under zero1 from the same
+    start; saves the weights and the bytes of optimizer state this rank holds."""
+    import os
+
+    from distribuuuu import distributed, engine, models
+    from distribuuuu import optim as optim_
+    from distribuuuu.config import load_config
+    from distribuuuu.stepper import Stepper
+
+    results = {}
+    base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+    with distributed.session(base) as ctx:
+        for strategy in ("ddp", "zero1"):
+            cfg = load_config(TINY, ["DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+            torch.manual_seed(0)
+            model = engine.build_model(cfg, ctx)
+            opt = optim_.build_optimizer(cfg, model)
+            stepper = Stepper(cfg, ctx.device, model, opt, global_batch=32)
+            g = torch.Generator().manual_seed(ctx.rank)
+            for _ in range(3):
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                stepper.micro_step(x, y)
+            inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
+            state_bytes = sum(t.numel() * t.element_size() for s in inner.state.values()
+                              for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+            results[strategy] = (models.state_dict_for_saving(model), state_bytes)
+            if strategy == "zero1":
+                opt.consolidate_state_dict(to=0)
+                if ctx.rank == 0:
+                    results["zero1_full_state_entries"] = len(opt.state_dict()["state"])
+    torch.save(results, os.path.join(out_dir, f"zero_rank{ctx.rank}.pt"))
+
+
+def test_zero1_matches_ddp_and_shards_the_optimizer_state(tmp_path):
+    from distribuuuu import distributed
+
+    assert distributed.spawn(_zero_vs_ddp_worker, 2, args=(str(tmp_path),)) == 0
+    r0 = torch.load(tmp_path / "zero_rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "zero_rank1.pt", weights_only=True)
+    ddp_w, ddp_bytes = r0["ddp"]
+    zero_w, zero_bytes0 = r0["zero1"]
+    for k in ddp_w:  # the same maths, only where the optimizer state lives differs
+        torch.testing.assert_close(zero_w[k], ddp_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k in ddp_w:  # replicas agree (BatchNorm running statistics follow each rank's own batches)
+        if "running" not in k and "num_batches" not in k:
+            assert torch.equal(r1["zero1"][0][k], zero_w[k]), k
+    zero_bytes1 = r1["zero1"][1]
+    # Each rank holds about half of AdamW's state (parameters are split in whole tensors).
+    assert zero_bytes0 + zero_bytes1 == pytest.approx(ddp_bytes, rel=0.01)
+    assert max(zero_bytes0, zero_bytes1) < 0.75 * ddp_bytes
+    assert r0["zero1_full_state_entries"] == len([p for p in ddp_w if "running" not in p and "num_batches" not in p])
+
+
+def test_zero1_checkpoints_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    check(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out, "DIST.STRATEGY", "zero1",
+                      "OPTIM.MAX_EPOCH", "1"))
+    assert len(torch.load(f"{out}/checkpoints/last.pth", weights_only=True)["optimizer"]["state"]) > 0
+    proc = check(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out, "DIST.STRATEGY", "zero1"))
+    assert "resumed from" in proc.stdout and read_metrics(out)[-1]["epoch"] == 2
+
+
+def test_dp_runs_in_one_process_and_refuses_several():
+    proc = distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY", "dp")
+    assert proc.returncode == 2 and "DIST.STRATEGY dp is ONE process" in proc.stderr
