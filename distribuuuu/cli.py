@@ -1,9 +1,13 @@
-"""The `distribuuuu` command: train, eval, config, data.
+"""The `distribuuuu` command: train, eval, config, data, plot, bench, predict, export.
 
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] [MODEL.WEIGHTS PATH] [KEY VALUE ...]
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
+    distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
+    distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
+    distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE ...   top-5 classes
+    distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
 
 The same train/eval run under plain python, torchrun, torch.distributed.launch, srun, or the
 built-in spawner (--nproc-per-node). A user error exits with status 2 and one message.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -32,6 +37,9 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
                                  "('auto': one per GPU, else one per CPU core)")
+        parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                            help="with --nproc-per-node: the rendezvous port (default: MASTER_PORT if "
+                                 "set, else a free one); a port in use is replaced by a free one")
     # torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
     # environment instead (see distributed.detect), so the value is accepted and ignored here.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", default=None,
@@ -50,7 +58,69 @@ def build_parser() -> argparse.ArgumentParser:
     export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
     export.add_argument("source", choices=["mnist5k"])
     export.add_argument("dest", help="output folder (gets train/<class>/*.png and val/<class>/*.png)")
+    _add_tool_parsers(sub)
     return parser
+
+
+def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
+    """plot, bench, predict, export: what users look at (see their modules' docstrings)."""
+    plot = sub.add_parser("plot", help="learning-curve PNGs of one or more run folders")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="OUT_DIR of a training run")
+    plot.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots, or ./plots)")
+    bench = sub.add_parser("bench", help="time the model, the data loader and the step; --scaling sweeps processes")
+    _add_cfg_args(bench, with_nproc=False)
+    bench.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    bench.add_argument("--scaling", default=None, metavar="LIST",
+                       help="process counts such as 1,2,4: train the same short run with each")
+    bench.add_argument("--epochs", type=int, default=1, help="epochs of each --scaling run (the last is timed)")
+    bench.add_argument("--out", default=None, help="results folder (default OUT_DIR/bench)")
+    predict = sub.add_parser("predict", help="top-k classes of image files")
+    _add_cfg_args(predict, with_nproc=False)
+    predict.add_argument("--topk", type=int, default=5, help="how many classes to print per image")
+    export = sub.add_parser("export", help="TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked")
+    _add_cfg_args(export, with_nproc=False)
+    export.add_argument("--out", default=None, help="output folder (default OUT_DIR/export)")
+    export.add_argument("--tol", type=float, default=1e-4, help="largest allowed |exported - eager| on the logits")
+    export.add_argument("--batch", type=int, default=4, help="batch size of the check")
+
+
+TOOLS = ("plot", "bench", "predict", "export")
+
+
+def _options_first(tokens: list[str]) -> list[str]:
+    """The tools' --options may also follow the KEY VALUE pairs and paths (argparse's REMAINDER
+    would take them as config keys): move each, with its value, to the front."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(tokens):
+        take = (1 if "=" in tokens[i] else 2) if tokens[i].startswith("--") else 0
+        if take:
+            front += tokens[i:i + take]
+        else:
+            rest.append(tokens[i])
+        i += take or 1
+    return front + rest
+
+
+def _run_tool(args: argparse.Namespace) -> int:
+    opts = list(getattr(args, "opts", None) or [])
+    if args.command == "plot":
+        from distribuuuu import plot
+
+        return plot.main(args.run_dirs, args.out)
+    if args.command == "bench":
+        from distribuuuu import bench
+
+        return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.scaling, args.epochs, args.out)
+    if args.command == "predict":
+        from distribuuuu import predict
+
+        return predict.main(args.cfg_file, opts, args.topk)
+    from distribuuuu import export
+
+    return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
 
 
 def _resolve_nproc(value: str | None) -> int | None:
@@ -74,6 +144,9 @@ def _preflight(command: str, cfg, world_size: int) -> None:
     from distribuuuu import data, models
 
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
+    if cfg.DIST.STRATEGY == "dp" and world_size > 1:
+        raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
+                        "were started; run it with plain python, or use DIST.STRATEGY ddp")
     if command == "eval":
         if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
@@ -85,7 +158,7 @@ def _preflight(command: str, cfg, world_size: int) -> None:
 
 def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     """Run train or eval in this process (any launcher); returns the exit status."""
-    from distribuuuu import config, distributed, engine
+    from distribuuuu import config, distributed, engine, faults
     from distribuuuu.logger import setup_logging
 
     cfg = config.load_config(cfg_file, opts)
@@ -93,12 +166,18 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     _preflight(command, cfg, info.world_size)
     with distributed.session(cfg) as ctx:
         setup_logging(cfg.OUT_DIR, ctx.is_main)
-        if command == "train":
-            if ctx.is_main:
-                config.dump_to_run_folder(cfg, cfg.OUT_DIR)
-            engine.fit(cfg, ctx)
-        else:
+        if command == "eval":
             engine.run_eval(cfg, ctx)
+            return 0
+        if ctx.is_main:
+            config.dump_to_run_folder(cfg, cfg.OUT_DIR)
+        try:
+            with faults.preemption_signals(cfg.TRAIN.PREEMPT_SIGNALS):
+                engine.fit(cfg, ctx)
+        except engine.Preempted as stop:
+            if cfg.TRAIN.REQUEUE and ctx.is_main:
+                distributed.slurm_requeue()
+            return 128 + stop.signum  # "ended by this signal", after the checkpoint
     return 0
 
 
@@ -116,13 +195,21 @@ def _guarded(fn: Callable[[], int]) -> int:
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (distributed.Terminated): see handle_stop_signals
+        signum = int(getattr(e, "signum", signal.SIGINT))
+        rank = os.environ.get("RANK", "0")
+        who = "" if rank == "0" else f" (rank {rank})"
+        print(f"stopped by {signal.Signals(signum).name}{who}", file=sys.stderr, flush=True)
+        return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        argv = [argv[0], *_options_first(argv[1:])]
     args = build_parser().parse_args(argv)
+    if args.command in TOOLS:
+        return _run_tool(args)
     if args.command == "data":
         from distribuuuu import data
 
@@ -137,6 +224,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     nproc = _resolve_nproc(args.nproc)
     if nproc is None:
+        if args.master_port is not None:
+            raise UserError("--master-port goes with --nproc-per-node; under torchrun or "
+                            "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
     from distribuuuu import config, distributed
@@ -146,7 +236,7 @@ def _main(argv: Sequence[str] | None) -> int:
                         "torchrun, torch.distributed.launch or srun")
     cfg = config.load_config(args.cfg_file, opts)  # fail here, once, before any child starts
     _preflight(args.command, cfg, nproc)
-    return distributed.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts))
+    return distributed.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,8 @@ What ``setup(cfg)`` chooses, once per process:
 - cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
   ``torch.use_deterministic_algorithms(True, warn_only=True)``.
 - the process group (``env://``), only with more than one process.
+- stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
+  with 130 / 143 (``handle_stop_signals``); ``teardown()`` puts the old handlers back.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ import datetime
 import itertools
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -438,6 +443,9 @@ def _is_addr_in_use(err: BaseException) -> bool:
     return "address already in use" in text or "eaddrinuse" in text
 
 
+_groups_made = 0  # process groups this process has created (all ranks create them in step)
+
+
 def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float) -> None:
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; run a single process")
@@ -450,10 +458,21 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
             WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
             LOCAL_WORLD_SIZE=str(info.local_world_size),
         )
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        # The env:// store, with keys private to this restart: after torchrun --max-restarts
+        # restarts the workers, the store still holds the dead workers' gloo addresses, and
+        # connecting to those fails ("connectFullMesh ... Connection refused"). The same holds
+        # for a second group in one process when the store outlives the first (torchrun's and
+        # our spawner's store live in the launcher): hence the count of groups made here.
+        global _groups_made
+        store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = f"distribuuuu/restart{restart}/group{_groups_made}"
+        _groups_made += 1
         dist.init_process_group(
-            backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend, store=dist.PrefixStore(prefix, store),
+            rank=info.rank, world_size=info.world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
         )
     except (dist.DistNetworkError, RuntimeError) as e:
@@ -490,23 +509,103 @@ def setup(cfg: Any) -> DistContext:
         f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}",
         flush=True,
     )
+    # Only now: until the group exists a signal may end the process at once (nothing to clean
+    # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
+    handle_stop_signals()
     return DistContext(info, device, backend)
 
 
 def teardown() -> None:
-    """Destroy the process group if there is one; safe to call twice or without setup()."""
+    """Destroy the process group if there is one, restore the signal handlers setup() replaced.
+
+    Safe to call twice or without setup().
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    restore_signal_handlers()
 
 
 @contextmanager
 def session(cfg: Any) -> Iterator[DistContext]:
-    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error and Ctrl-C too)."""
+    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
     ctx = setup(cfg)
     try:
         yield ctx
     finally:
-        teardown()
+        try:
+            teardown()
+        except KeyboardInterrupt:  # the stop signal landed in this cleanup: finish it, then go on
+            teardown()
+            raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals: Ctrl-C (SIGINT) and SIGTERM end a process the same, clean way
+# ---------------------------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception. A KeyboardInterrupt, so it unwinds exactly like Ctrl-C."""
+
+    signum = signal.SIGTERM
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping: int | None = None  # the stop signal this process is ending for, if any
+_saved_handlers: dict[int, Any] = {}
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    global _stopping
+    if _stopping is not None:
+        return  # already on the way out: a second exception would cut the cleanup short
+    _stopping = signum
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def handle_stop_signals() -> None:
+    """Make SIGINT and SIGTERM stop this process cleanly. Called by setup() and spawn().
+
+    The policy, in one place:
+
+    - The first SIGINT or SIGTERM raises in the main thread: KeyboardInterrupt for SIGINT (what
+      Python does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM. Both unwind through
+      the same code: ``session()`` destroys the process group, the CLI prints one line and exits
+      with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM. The spawner first passes
+      SIGTERM to its children and waits for them (``STOP_GRACE_S``).
+    - Later SIGINT/SIGTERM are ignored while the process winds down: a terminal's Ctrl-C reaches
+      every process of the job and the launcher then forwards a signal of its own. Launchers
+      follow up with SIGKILL when a process does not exit in time (torchrun and spawn: 30 s).
+    - A signal that was already ignored (``nohup``, ``cmd &`` in a script) stays ignored.
+
+    During ``engine.fit``, ``faults.preemption_signals`` takes over the signals named in
+    TRAIN.PREEMPT_SIGNALS (SIGTERM by default): they first write a checkpoint at the next step,
+    then end the run with the same status; a second one comes back here.
+    """
+    global _stopping
+    if threading.current_thread() is not threading.main_thread():
+        return  # Python delivers signals to the main thread only
+    _stopping = None
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+        if previous is signal.SIG_IGN or previous is _on_stop_signal:
+            continue
+        _saved_handlers[signum] = previous
+        signal.signal(signum, _on_stop_signal)
+
+
+def restore_signal_handlers() -> None:
+    """Put back the handlers handle_stop_signals() replaced; kept while a stop is under way."""
+    if _stopping is not None or threading.current_thread() is not threading.main_thread():
+        return
+    for signum, previous in list(_saved_handlers.items()):
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        del _saved_handlers[signum]
+
+
+def stop_status(exc: KeyboardInterrupt) -> int:
+    """The exit status of a process stopped by exc: 128 + signal, 130 for Ctrl-C, 143 for SIGTERM."""
+    return 128 + int(getattr(exc, "signum", signal.SIGINT))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,6 +675,45 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable obj, in rank order, on every rank ([obj] for one process)."""
+    if not _initialized():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flags: Sequence[bool]) -> list[bool]:
+    """For each flag, whether it is set on ANY rank: one small all-reduce, so all ranks agree.
+
+    Used at step boundaries for decisions that must be collective (stop after a signal, a
+    time-based checkpoint): a rank acting alone would leave the others waiting in a collective.
+    """
+    if not _initialized():
+        return [bool(f) for f in flags]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def slurm_requeue() -> bool:
+    """Put this Slurm job back in the queue (`scontrol requeue $SLURM_JOB_ID`); False if not Slurm.
+
+    The requeued job starts the same batch script again, and TRAIN.AUTO_RESUME picks up the
+    checkpoint. The sbatch script needs --requeue (and --signal=USR1@90 for an early warning).
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        print("[preempt] TRAIN.REQUEUE is set but this is not a Slurm job: nothing requeued", flush=True)
+        return False
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    print(f"[preempt] scontrol requeue {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}",
+          flush=True)
+    return done.returncode == 0
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -583,14 +721,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STOP_GRACE_S = 30.0  # how long stopped children may take to exit before SIGKILL (torchrun's default too)
+
+
+def _host_store(port: int) -> tuple[Any, int]:
+    """Start the rendezvous store in the spawner, as torchrun's agent does; return it and its port.
+
+    The children only connect to it (see _spawn_entry), so no other program can take the port
+    between our choosing it and rank 0 binding it. port 0 lets the OS choose; a port in use is
+    replaced by a free one, and the log says so.
+    """
+    if port:
+        try:
+            return dist.TCPStore(SPAWN_MASTER_ADDR, port, is_master=True, wait_for_workers=False), port
+        except (dist.DistNetworkError, RuntimeError) as e:
+            if not _is_addr_in_use(e):
+                raise
+    store = dist.TCPStore(SPAWN_MASTER_ADDR, 0, is_master=True, wait_for_workers=False)
+    if port:
+        print(f"[spawn] master port {port} is in use; using free port {store.port} instead", flush=True)
+    return store, store.port
+
+
 def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port: int, args: tuple) -> None:
     """First code of every spawned child: export the launcher variables, run the worker."""
-    # Left over from an outer torchrun, this would make env:// join torchrun's store instead.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # TORCHELASTIC_USE_AGENT_STORE=True: env:// connects to the store the spawner hosts at
+    # MASTER_ADDR:MASTER_PORT instead of having rank 0 start one (torchrun's protocol).
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR=SPAWN_MASTER_ADDR,
-        MASTER_PORT=str(port), DISTRIBUUUU_LAUNCHER="spawn",
+        MASTER_PORT=str(port), DISTRIBUUUU_LAUNCHER="spawn", TORCHELASTIC_USE_AGENT_STORE="True",
     )
     # The exit code is the child's message to the parent, so decide it here: torch's wrapper would
     # turn Ctrl-C into status 0 and hide a traceback in a pickle file.
@@ -599,21 +759,22 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
     except UserError as e:  # the CLI normally reports these itself; this is the safety net
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
+        sys.exit(stop_status(e))
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
 
 
-def _stop(processes: Sequence[Any], grace_s: float = 5.0) -> None:
+def _stop(processes: Sequence[Any], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every live child, then SIGKILL whatever is still there after grace_s."""
     for p in processes:
         if p.is_alive():
             p.terminate()
+    deadline = time.monotonic() + grace_s
     for p in processes:
-        p.join(grace_s)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in processes:
         if p.is_alive():
             p.kill()
@@ -633,11 +794,16 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     ``setup()`` needs nothing else. worker must be a module-level function (it is pickled), and
     the script that calls spawn() must guard its entry point with ``if __name__ == "__main__"``.
 
+    port: the rendezvous port; default MASTER_PORT from the environment, else one the OS picks.
+    The spawner listens on it itself before any child starts (_host_store); a port in use is
+    replaced by a free one and logged.
+
     Returns 0 when all children exit 0, else the status of the first child that failed: its own
     exit code (2 for a UserError), 1 for an exception (its traceback is printed by the child),
-    128+N for a signal. The other children are then stopped, none is left behind. Ctrl-C stops
-    all children and returns 130. port: MASTER_PORT to use (default: a free one; another program
-    may grab it before rank 0 binds it, which then fails with a clear "in use" UserError).
+    128+N for a signal. The other children are then stopped, none is left behind. SIGINT (Ctrl-C)
+    or SIGTERM to the spawner: every child gets SIGTERM and STOP_GRACE_S seconds to exit (then
+    SIGKILL), and the status is 130 or 143. A spawner killed outright (SIGKILL) takes the
+    children with it: torch.multiprocessing asks Linux to send them SIGINT then (PR_SET_PDEATHSIG).
     """
     if nprocs < 1:
         raise UserError(f"--nproc-per-node must be >= 1, got {nprocs}")
@@ -647,10 +813,15 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
             f"this process was already started by {outer.launcher} ({outer.world_size} processes); "
             f"drop --nproc-per-node, or let {outer.launcher} start the processes"
         )
-    port = free_port() if port is None else port
-    print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
+    if port is None:
+        port = _int(os.environ, "MASTER_PORT", 0)
+    if not 0 <= port < 65536:
+        raise UserError(f"master port {port} must be in [0, 65535]")
+    handle_stop_signals()
     context = None
     try:
+        store, port = _host_store(port)  # kept alive until the children are done
+        print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
         context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
                                      nprocs=nprocs, join=False, start_method="spawn")
         # join() returns True once all exited 0, and on the first failure stops the rest and raises.
@@ -665,12 +836,15 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     except mp.ProcessRaisedException as e:  # only if a worker bypassed _spawn_entry's handler
         print(e, file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM to the spawner (handle_stop_signals)
+        status = stop_status(e)
         if context is not None:
             _stop(context.processes)
-        print("[spawn] interrupted; all processes stopped", file=sys.stderr, flush=True)
-        return 130
+        print(f"[spawn] stopped by {signal.Signals(status - 128).name}; all processes stopped",
+              file=sys.stderr, flush=True)
+        return status
     finally:
         # Belt and braces for any other way out: no child may outlive the parent's return.
         if context is not None:
             _stop(context.processes, grace_s=1.0)
+        restore_signal_handlers()

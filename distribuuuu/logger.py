@@ -1,11 +1,17 @@
-"""Logging for people (console + OUT_DIR/log.txt) and for programs (OUT_DIR/metrics.jsonl).
+"""Logging for people (console, OUT_DIR/log.txt, a progress bar) and for programs (OUT_DIR/metrics.jsonl,
+metrics.csv and TensorBoard events in OUT_DIR/tb).
 
 Only rank 0 talks at INFO level and writes files; other ranks log warnings and errors to stderr,
 so a failure on any rank is still seen.
+
+Progress during an epoch is a tqdm bar when stdout is a terminal and plain periodic lines when it is
+not (a log file or a pipe gets no bar noise); ``DISTRIBUUUU_PROGRESS=bar`` or ``lines`` forces one.
+With the bar, the periodic lines still go to log.txt.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -17,6 +23,32 @@ from typing import Any, Callable
 from yacs.config import CfgNode
 
 LOGGER_NAME = "distribuuuu"
+PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
+
+# metrics.csv columns, in this order; keys a record brings beyond these are appended.
+CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "top5", "topk", "n", "lr", "img_per_s",
+               "time_s", "data_frac", "peak_mem_mb"]
+# The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch.
+TB_KEYS = ("loss", "top1", "top5", "lr", "img_per_s", "data_frac", "peak_mem_mb")
+
+
+def _to_console(record: logging.LogRecord) -> bool:
+    """Records logged with extra={"console": False} go to log.txt only (the bar shows them)."""
+    return getattr(record, "console", True)
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """While a progress bar is on screen, a log line is printed above it (tqdm.write), not through it."""
+
+    bar: Any = None  # the active tqdm bar of this process, if any
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.bar is None:
+            return super().emit(record)
+        try:
+            self.bar.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
 
 
 def setup_logging(out_dir: str | None, is_main: bool) -> logging.Logger:
@@ -28,8 +60,9 @@ def setup_logging(out_dir: str | None, is_main: bool) -> logging.Logger:
     log.propagate = False
     log.setLevel(logging.INFO if is_main else logging.WARNING)
     fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
+    console = _ConsoleHandler(sys.stdout if is_main else sys.stderr)
     console.setFormatter(fmt)
+    console.addFilter(_to_console)
     log.addHandler(console)
     if is_main and out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -47,17 +80,66 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to OUT_DIR/metrics.jsonl (rank 0 only; others no-op)."""
+    """Rank 0 appends each record to OUT_DIR/metrics.jsonl and metrics.csv, and writes its numbers
+    as TensorBoard scalars to OUT_DIR/tb (records with an epoch only). Other ranks: no-op."""
 
-    def __init__(self, out_dir: str, enabled: bool) -> None:
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True) -> None:
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.enabled = enabled
+        self.csv_path = os.path.join(out_dir, "metrics.csv")
+        self.tb_dir = os.path.join(out_dir, "tb")
+        self.enabled, self.tensorboard = enabled, tensorboard
+        self._tb: Any = None  # the SummaryWriter, made at the first epoch record (eval runs make none)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = {k: _clean(v) for k, v in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            f.write(json.dumps(record) + "\n")
+        self._write_csv(record)
+        if self.tensorboard and isinstance(record.get("epoch"), int):
+            self._write_tb(record)
+
+    def _write_csv(self, record: dict[str, Any]) -> None:
+        header = CSV_COLUMNS
+        if os.path.isfile(self.csv_path):
+            with open(self.csv_path, newline="") as f:
+                header = next(csv.reader(f), CSV_COLUMNS)
+        new = [k for k in record if k not in header]
+        if new or not os.path.isfile(self.csv_path):
+            # A key never seen before widens the table: rewrite it, older rows get empty cells.
+            rows = []
+            if os.path.isfile(self.csv_path):
+                with open(self.csv_path, newline="") as f:
+                    rows = list(csv.DictReader(f))
+            header = header + new
+            with open(self.csv_path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=header)
+                w.writeheader()
+                w.writerows(rows)
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=header).writerow(record)
+
+    def _write_tb(self, record: dict[str, Any]) -> None:
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # tensorboard is a dependency; a broken install only costs the events
+                logging.getLogger(LOGGER_NAME).warning("no TensorBoard events: %s", e)
+                self.tensorboard = False
+                return
+            self._tb = SummaryWriter(self.tb_dir)
+        split = record.get("split", "train")
+        for key in TB_KEYS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(f"{split}/{key}", value, record["epoch"])
+        self._tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def format_seconds(seconds: float) -> str:
@@ -67,9 +149,29 @@ def format_seconds(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-class Progress:
-    """Rank 0's view of one training epoch: a line every TRAIN.PRINT_FREQ iterations and at the end.
+def progress_mode() -> str:
+    """'bar' or 'lines': DISTRIBUUUU_PROGRESS forces one, else a bar only when stdout is a terminal."""
+    want = os.environ.get(PROGRESS_ENV, "auto").strip().lower()
+    if want in ("bar", "lines"):
+        return want
+    if want not in ("", "auto"):
+        logging.getLogger(LOGGER_NAME).warning("%s=%s is not auto, bar or lines; using auto", PROGRESS_ENV, want)
+    return "bar" if sys.stdout.isatty() else "lines"
 
+
+def _terminal_columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+class Progress:
+    """Rank 0's view of one training epoch.
+
+    Lines mode: a line every TRAIN.PRINT_FREQ iterations and at the end. Bar mode: a tqdm bar moved
+    every iteration (tqdm redraws at most a few times a second), its loss / acc / img/s refreshed
+    on the same print steps, and the periodic lines written to log.txt only.
     ``step`` is called every iteration and costs next to nothing; only on print steps does it ask
     for the running metrics (a host sync) and time the window since the last line.
     """
@@ -78,6 +180,16 @@ class Progress:
         self.enabled, self.world_size, self.epoch, self.iters = enabled, world_size, epoch, iters
         self.max_epoch, self.freq, self.topk = cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PRINT_FREQ, cfg.TRAIN.TOPK
         self.log = logging.getLogger(LOGGER_NAME)
+        self.bar = None
+        if enabled and progress_mode() == "bar":
+            from tqdm import tqdm
+
+            # A terminal that reports no size (a bare pty: 0 x 0) would get no bar at all.
+            sized = _terminal_columns() > 0
+            self.bar = tqdm(total=iters, desc=f"epoch {epoch + 1}/{self.max_epoch}", file=sys.stdout,
+                            dynamic_ncols=sized, ncols=None if sized else 120, nrows=None if sized else 24,
+                            leave=True, mininterval=0.5)
+            _ConsoleHandler.bar = self.bar
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -87,19 +199,29 @@ class Progress:
              running: Callable[[], dict[str, float]]) -> None:
         self.window_iters += 1
         self.window_data += data_s
+        if self.bar is not None:
+            self.bar.update(1)
         if not self.enabled or ((it + 1) % self.freq and it + 1 != self.iters):
             return
         stats = running()
         step_s = (time.perf_counter() - self.window_start) / self.window_iters
         left = (self.iters - it - 1) + (self.max_epoch - self.epoch - 1) * self.iters
+        img_s = batch * self.world_size / step_s
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"loss {stats['loss']:.4f}, acc@1 {stats['top1']:.2f}, acc@{self.topk} {stats['top5']:.2f}, "
+                f"{img_s:.0f} img/s, run eta {format_seconds(left * step_s)}", refresh=False)
         self.log.info(
             "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | "
             "acc@1 %.2f | acc@%d %.2f | lr %.5f | %.0f img/s",
             self.epoch + 1, self.max_epoch, it + 1, self.iters, format_seconds(left * step_s), step_s,
             self.window_data / self.window_iters, stats["loss"], stats["top1"], self.topk, stats["top5"],
-            lr, batch * self.world_size / step_s,
+            lr, img_s, extra={"console": self.bar is None},
         )
         self._reset_window()
 
     def close(self) -> None:
-        """End of the epoch (a progress bar would be closed here)."""
+        """End of the epoch: the bar stays on screen, finished."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = _ConsoleHandler.bar = None

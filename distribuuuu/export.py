@@ -1,0 +1,145 @@
+"""`distribuuuu export`: the trained model as TorchScript, ONNX and safetensors, each checked.
+
+    distribuuuu export --cfg FILE [--out DIR] [--tol 1e-4] [--batch 4] MODEL.WEIGHTS PATH [KEY VALUE ...]
+
+Writes into --out (default OUT_DIR/export):
+  model.torchscript.pt  torch.jit.trace of the eval-mode model (load: torch.jit.load)
+  model.onnx            ONNX with a dynamic batch dimension, when the onnx package is installed
+  model.safetensors     the weights alone (load: MODEL.WEIGHTS model.safetensors, or safetensors.torch)
+  export.json           input shape, files and the differences measured below
+Each file is loaded back and run on a random batch (and on a batch of another size, which catches
+shapes baked into a trace); the largest absolute difference from the eager model's logits is
+printed, and the command exits with status 1 if one exceeds --tol. Exports run on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+from distribuuuu.errors import UserError
+
+DEFAULT_TOL = 1e-4  # absolute, on logits: float32 reorderings stay around 1e-6
+
+
+def _max_diff(run: Callable[[Any], Any], batches: list[Any], expected: list[Any]) -> float:
+    import torch
+
+    with torch.no_grad():
+        return max(float((torch.as_tensor(run(x)).float() - y).abs().max()) for x, y in zip(batches, expected))
+
+
+def _torchscript(model: Any, batches: list[Any], expected: list[Any], path: str) -> float:
+    import torch
+
+    with warnings.catch_warnings():
+        # torch 2.9+ marks torch.jit as deprecated in favour of torch.export; TorchScript is still
+        # what C++ (libtorch) and many serving tools load, so it is kept, without the noise.
+        warnings.simplefilter("ignore", FutureWarning)
+        with torch.no_grad():
+            torch.jit.trace(model, batches[0]).save(path)
+        loaded = torch.jit.load(path, map_location="cpu")
+    return _max_diff(loaded, batches, expected)
+
+
+def _safetensors(cfg: Any, model: Any, batches: list[Any], expected: list[Any], path: str) -> float:
+    import safetensors.torch
+
+    from distribuuuu import models
+
+    safetensors.torch.save_model(model, path)  # handles tensors shared between parameters
+    fresh_cfg = cfg.clone()
+    fresh_cfg.defrost()
+    fresh_cfg.MODEL.WEIGHTS = None
+    fresh_cfg.MODEL.PRETRAINED = False
+    fresh = models.build_model(fresh_cfg)
+    models.load_weights(fresh, path)  # the loader MODEL.WEIGHTS uses: names and shapes checked
+    return _max_diff(fresh.eval(), batches, expected)
+
+
+def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tuple[float | None, str]:
+    """(max diff or None, note). Skipped, with the reason, when a package it needs is missing."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("onnx") is None:
+        return None, "ONNX skipped: the onnx package is not installed"
+    # One self-contained file; protobuf caps a file at 2 GB, so larger weights go beside it (.data).
+    big = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > 1.5 * 2**30
+    try:
+        torch.onnx.export(model, (batches[0],), path, input_names=["images"], output_names=["logits"],
+                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
+                          external_data=big, verbose=False)
+    except ImportError as e:  # the exporter also needs onnxscript
+        return None, f"ONNX skipped: {e}"
+    import onnx
+
+    onnx.checker.check_model(path)
+    if importlib.util.find_spec("onnxruntime") is None:
+        return None, "ONNX written and checked by onnx.checker; outputs not compared: onnxruntime is not installed"
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return _max_diff(lambda x: session.run(None, {"images": x.numpy()})[0], batches, expected), "onnxruntime"
+
+
+def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> dict[str, Any]:
+    """Write and check every format; returns what export.json holds."""
+    from distribuuuu.predict import resolve_weights
+
+    cfg = resolve_weights(cfg, "export")
+    import torch  # after the checks, which need no torch
+
+    from distribuuuu import models
+
+    model = models.build_model(cfg).eval()  # CPU: a trace made on a GPU would only run there
+    shape = (cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn((batch, *shape), generator=g), torch.randn((batch + 1, *shape), generator=g)]
+    with torch.no_grad():
+        expected = [model(x).float() for x in batches]
+    os.makedirs(out_dir, exist_ok=True)
+    files = {"torchscript": os.path.join(out_dir, "model.torchscript.pt"),
+             "safetensors": os.path.join(out_dir, "model.safetensors"),
+             "onnx": os.path.join(out_dir, "model.onnx")}
+    diffs: dict[str, float | None] = {"torchscript": _torchscript(model, batches, expected, files["torchscript"]),
+                                      "safetensors": _safetensors(cfg, model, batches, expected, files["safetensors"])}
+    diffs["onnx"], onnx_note = _onnx(model, batches, expected, files["onnx"])
+    if not os.path.isfile(files["onnx"]):
+        del files["onnx"]
+    record = {"arch": cfg.MODEL.ARCH, "num_classes": cfg.MODEL.NUM_CLASSES, "input_shape": ["batch", *shape],
+              "weights": cfg.MODEL.WEIGHTS, "files": files, "max_abs_diff": diffs, "tol": tol,
+              "onnx": onnx_note, "torch": torch.__version__}
+    with open(os.path.join(out_dir, "export.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    return record
+
+
+def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, batch: int) -> int:
+    """`distribuuuu export`: print each file and its difference from the eager model."""
+    from distribuuuu import config
+
+    if batch < 1 or not tol > 0:
+        raise UserError(f"--batch must be at least 1 and --tol above 0, got {batch} and {tol}")
+    cfg = config.load_config(cfg_file, opts)
+    record = export(cfg, out or os.path.join(cfg.OUT_DIR, "export"), tol, batch)
+    print(f"exported {record['arch']} ({record['weights']}), input {'x'.join(map(str, record['input_shape']))}; "
+          f"max |exported - eager| on batches of {batch} and {batch + 1} (tolerance {tol:g}):")
+    failed = []
+    for fmt, path in record["files"].items():
+        diff = record["max_abs_diff"][fmt]
+        note = "not compared" if diff is None else f"{diff:.3g}" + ("" if diff <= tol else "  ABOVE TOLERANCE")
+        print(f"  {fmt:<12} {path}  {note}")
+        if diff is not None and diff > tol:
+            failed.append(fmt)
+    if record["onnx"] != "onnxruntime":
+        print(record["onnx"])
+    if failed:
+        print(f"error: {', '.join(failed)} output differs from the eager model by more than {tol:g}",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0

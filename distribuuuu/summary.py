@@ -1,0 +1,175 @@
+"""The run folder's record of what ran where: OUT_DIR/env.json and OUT_DIR/model.txt.
+
+env.json: library versions, the git commit of the code, every rank's host and device, world size,
+backend, launcher, start time and command line. model.txt: a per-parameter table (name, shape,
+count), the totals, the size in MB and the FLOPs of one image at TRAIN.IM_SIZE.
+
+``write_run_record`` gathers every rank's host name, so ALL ranks must call it; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import torch
+from yacs.config import CfgNode
+
+from distribuuuu import distributed
+from distribuuuu.distributed import DistContext
+
+log = logging.getLogger("distribuuuu")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def git_commit(path: str | None = None) -> dict[str, Any] | None:
+    """{"commit", "dirty"} of the git checkout holding path (the package by default), or None."""
+    path = path or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", path, *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (an installed package)
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def _cpu_name() -> str:
+    try:  # Linux: platform.processor() is often empty there
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _placement(ctx: DistContext) -> dict[str, Any]:
+    device = ctx.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {"rank": ctx.rank, "local_rank": ctx.local_rank, "node_rank": ctx.info.node_rank,
+            "host": socket.gethostname(), "pid": os.getpid(), "device": str(device), "device_name": name}
+
+
+def gather_placements(ctx: DistContext) -> list[dict[str, Any]]:
+    """Every rank's host and device, in rank order. A collective when there is a process group."""
+    return distributed.all_gather_object(_placement(ctx))
+
+
+def _command_line() -> str:
+    """The command as typed: `python -m distribuuuu ...` shows as such, not as .../__main__.py."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if prog == "__main__.py":
+        prog = "python -m " + os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0])))
+    return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
+
+
+def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]]) -> dict[str, Any]:
+    """The facts of this start of the run (a resumed run records its new start)."""
+    cuda = torch.version.cuda if torch.cuda.is_available() else None
+    return {
+        "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": _command_line(),
+        "argv": list(sys.argv), "cwd": os.getcwd(), "executable": sys.executable,
+        "out_dir": os.path.abspath(cfg.OUT_DIR),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "torchvision": _version("torchvision"), "timm": _version("timm"),
+                     "numpy": _version("numpy"), "cuda": cuda,
+                     "cudnn": torch.backends.cudnn.version() if cuda else None},
+        "git": git_commit(),
+        "launcher": ctx.info.launcher, "world_size": ctx.world_size, "backend": ctx.backend,
+        "master": f"{ctx.info.master_addr}:{ctx.info.master_port}" if ctx.distributed else None,
+        "hosts": sorted({p["host"] for p in placements}), "ranks": placements,
+        "devices": [p["device"] for p in placements], "num_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+
+
+def count_flops(model: torch.nn.Module, input_shape: tuple[int, ...]) -> int:
+    """FLOPs of one forward pass on a zero batch of input_shape (torch.utils.flop_counter counts
+    a multiply-add as 2). Runs in eval mode under no_grad on the model's device, then restores
+    every module's train/eval flag: eval-mode BatchNorm reads its running statistics and changes
+    nothing, and no random numbers are drawn, so the run that follows is unaffected."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.zeros(input_shape, device=device))
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return int(counter.get_total_flops())
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def model_table(model: torch.nn.Module, cfg: CfgNode) -> str:
+    """model.txt: one row per parameter, then totals, size and FLOPs."""
+    rows = [(name, "(" + ", ".join(str(s) for s in p.shape) + ")", p.numel(), p.requires_grad)
+            for name, p in model.named_parameters()]
+    wn = max([len(r[0]) for r in rows] + [4])
+    ws = max([len(r[1]) for r in rows] + [5])
+    lines = [f"{cfg.MODEL.ARCH} ({type(model).__module__}.{type(model).__name__}), "
+             f"{cfg.MODEL.NUM_CLASSES} classes", "",
+             f"{'name':<{wn}}  {'shape':<{ws}}  {'params':>12}  trainable"]
+    lines.append("-" * len(lines[-1]))
+    lines += [f"{n:<{wn}}  {s:<{ws}}  {c:>12,}  {'yes' if g else 'no'}" for n, s, c, g in rows]
+    total = sum(r[2] for r in rows)
+    trainable = sum(r[2] for r in rows if r[3])
+    buffers = sum(b.numel() for b in model.buffers())
+    size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    shape = (1, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
+    try:
+        flops = count_flops(model, shape)
+        flop_line = (f"FLOPs:      {_human(flops)} per image of {shape[1]}x{shape[2]}x{shape[3]} "
+                     f"({_human(flops / 2)} multiply-adds; torch.utils.flop_counter)")
+    except Exception as e:  # noqa: BLE001 - a model the counter cannot trace still trains
+        flop_line = f"FLOPs:      not counted ({type(e).__name__}: {e})"
+    lines += ["", f"parameters: {total:,} ({trainable:,} trainable) in {len(rows)} tensors",
+              f"buffers:    {buffers:,} values (e.g. BatchNorm running statistics)",
+              f"size:       {size / 2**20:.2f} MB (parameters and buffers as stored)", flop_line]
+    return "\n".join(lines) + "\n"
+
+
+def write_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> None:
+    """Write OUT_DIR/env.json and OUT_DIR/model.txt. Call on ALL ranks (host names are gathered);
+    model is the bare module (models.unwrap)."""
+    placements = gather_placements(ctx)
+    if not ctx.is_main:
+        return
+    os.makedirs(cfg.OUT_DIR, exist_ok=True)
+    with open(os.path.join(cfg.OUT_DIR, "env.json"), "w") as f:
+        json.dump(env_record(cfg, ctx, placements), f, indent=2)
+        f.write("\n")
+    table = model_table(model, cfg)
+    with open(os.path.join(cfg.OUT_DIR, "model.txt"), "w") as f:
+        f.write(table)
+    log.info("run record: env.json, model.txt (%s)", table.rstrip().splitlines()[-1].strip())
