@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Two processes on CPU; one per GPU when there are GPUs.
 NPROC  ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean images
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+images: $(STAMP)
+	scripts/make_readme_images.sh
 
 clean:
 	rm -rf runs .pytest_cache

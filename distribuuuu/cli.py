@@ -16,6 +16,7 @@ built-in spawner (--nproc-per-node). A user error exits with status 2 and one me
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -159,13 +160,13 @@ def _preflight(command: str, cfg, world_size: int) -> None:
 def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     """Run train or eval in this process (any launcher); returns the exit status."""
     from distribuuuu import config, distributed, engine, faults
-    from distribuuuu.logger import setup_logging
+    from distribuuuu.logger import LOGGER_NAME, setup_logging
 
     cfg = config.load_config(cfg_file, opts)
     info = distributed.detect()
     _preflight(command, cfg, info.world_size)
     with distributed.session(cfg) as ctx:
-        setup_logging(cfg.OUT_DIR, ctx.is_main)
+        setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
         if command == "eval":
             engine.run_eval(cfg, ctx)
             return 0
@@ -178,6 +179,9 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
             if cfg.TRAIN.REQUEUE and ctx.is_main:
                 distributed.slurm_requeue()
             return 128 + stop.signum  # "ended by this signal", after the checkpoint
+        except Exception as e:  # a crash: name the rank in log.txt, where every rank's errors go
+            logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e)
+            raise
     return 0
 
 

@@ -51,8 +51,11 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(out_dir: str | None, is_main: bool) -> logging.Logger:
-    """Configure the "distribuuuu" logger for this process; safe to call again."""
+def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0) -> logging.Logger:
+    """Configure the "distribuuuu" logger for this process; safe to call again.
+
+    Rank 0 logs INFO to the console and OUT_DIR/log.txt; every other rank logs warnings and
+    errors to stderr and, tagged with its rank, to the same log.txt (appends of whole lines)."""
     log = logging.getLogger(LOGGER_NAME)
     for handler in list(log.handlers):
         log.removeHandler(handler)
@@ -64,10 +67,11 @@ def setup_logging(out_dir: str | None, is_main: bool) -> logging.Logger:
     console.setFormatter(fmt)
     console.addFilter(_to_console)
     log.addHandler(console)
-    if is_main and out_dir:
+    if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         file_handler = logging.FileHandler(os.path.join(out_dir, "log.txt"))
-        file_handler.setFormatter(fmt)
+        file_handler.setFormatter(fmt if is_main else logging.Formatter(
+            f"[%(asctime)s] [rank {rank}] %(message)s", datefmt="%H:%M:%S"))
         log.addHandler(file_handler)
     return log
 

@@ -85,6 +85,8 @@ def test_a_failing_rank_brings_every_rank_down_quickly(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     assert "injected failure at step 4 on rank 1" in proc.stderr
+    log = open(os.path.join(out, "log.txt")).read()
+    assert "[rank 1] rank 1 failed: RuntimeError: injected failure at step 4 on rank 1" in log
 
 
 def test_a_hung_rank_is_bounded_by_the_process_group_timeout(tmp_path):
