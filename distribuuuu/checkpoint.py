@@ -189,6 +189,7 @@ class TrainState:
     evals_since_best: int = 0  # for TRAIN.PATIENCE
     bad_steps: int = 0  # consecutive non-finite steps
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
+    stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
 
     COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
 

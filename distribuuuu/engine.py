@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -69,7 +70,10 @@ def build_model(cfg: CfgNode, ctx: DistContext) -> torch.nn.Module:
     """The model on its device, wrapped in DDP when there are several processes, maybe compiled."""
     model = models.build_model(cfg)
     if cfg.MODEL.SYNCBN and ctx.distributed:
-        model = models.convert_syncbn(model)
+        if ctx.device.type == "cuda":
+            model = models.convert_syncbn(model)
+        else:  # torch's DDP accepts SyncBatchNorm on CUDA modules only
+            log.warning("MODEL.SYNCBN True: SyncBatchNorm needs CUDA; this CPU run keeps per-process BatchNorm")
     model = model.to(ctx.device)
     if cfg.TRAIN.CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
@@ -156,9 +160,11 @@ def _maybe_checkpoint_or_stop(stepper: Stepper, cfg: CfgNode, ctx: DistContext, 
     if (stop or by_steps or by_time) and state.samples_in_epoch < epoch_samples:
         checkpoint.save_run(cfg, ctx, stepper.model, stepper.optimizer, stepper.state_dict(), state,
                             timer, train_sums=counter.sums_with_n())
-    if stop:
+    if stop and state.samples_in_epoch >= epoch_samples:
+        state.stop_signal = stop_signal or signal.SIGTERM  # the epoch is complete: end it, then stop
+    elif stop:
         progress.close()
-        raise Preempted(stop_signal or 0)
+        raise Preempted(stop_signal or signal.SIGTERM)
 
 
 def _on_nonfinite(cfg: CfgNode, state: TrainState) -> None:
@@ -247,6 +253,8 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         if state.epoch % cfg.TRAIN.EVAL_PERIOD == 0 or state.epoch == cfg.OPTIM.MAX_EPOCH:
             is_best, stop_reason = _evaluate_epoch(model, stepper, val_loader, cfg, ctx, state, metrics, wall_start)
         checkpoint.save_run(cfg, ctx, model, optimizer, stepper.state_dict(), state, timer, is_best=is_best)
+        if state.stop_signal:  # a preemption signal came at the epoch's last step
+            raise Preempted(state.stop_signal)
 
     metrics.close()
     summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,

@@ -70,7 +70,7 @@ def test_later_overrides_win_over_the_file(tmp_path):
     (["TRAIN.TOPK", "5", "MODEL.NUM_CLASSES", "3"], "TRAIN.TOPK (5) must be <= MODEL.NUM_CLASSES (3)"),
     (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE must be positive, got 0"),
     (["TRAIN.IM_SIZE", "-8"], "TRAIN.IM_SIZE must be positive"),
-    (["OPTIM.LR_POLICY", "linear"], "OPTIM.LR_POLICY must be one of cos, steps, got 'linear'"),
+    (["OPTIM.LR_POLICY", "exp"], "OPTIM.LR_POLICY must be one of cos, steps, linear, constant, got 'exp'"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[30, 60]"], "OPTIM.STEPS must start at 0"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 60, 30]"], "strictly increasing"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 200]"], "below OPTIM.MAX_EPOCH"),

@@ -1,0 +1,341 @@
+"""Every launcher end to end, what a stop signal leaves behind, busy ports, and Distribuuuu's own command.
+
+Real processes only: plain python, the built-in spawner, torchrun and the legacy
+torch.distributed.launch, each training config/synthetic_tiny.yaml (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import ROOT, TINY, check, env, read_metrics, run
+
+PY = sys.executable
+SHORT = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64"]  # 64 = 2 ranks x 2 batches of 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _dist_lines(text: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.startswith("[dist] "))
+
+
+def _weights(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _assert_same_weights(paths) -> None:
+    first = _weights(paths[0])
+    for path in paths[1:]:
+        other = _weights(path)
+        assert other.keys() == first.keys()
+        for key in first:
+            assert torch.equal(first[key], other[key]), f"{path}: {key} differs from {paths[0]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The launchers, end to end
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plain_python_is_one_process(tmp_path):
+    out = tmp_path / "run"
+    proc = check(run([PY, "train_net.py", "--cfg", TINY, "OUT_DIR", str(out), *SHORT]))
+    assert _dist_lines(proc.stdout) == [
+        "[dist] rank 0/1 | local rank 0/1 | node 0 | master - | device cpu | backend - | launcher plain"]
+    val = [m for m in read_metrics(out) if m["split"] == "val"]
+    assert [m["n"] for m in val] == [50]
+
+
+# Trains like train_net.py and saves every rank's final weights as OUT_DIR/rank<R>.pt. The
+# patches sit at module level: the spawner's children import this file as __mp_main__, so they
+# apply in every child; the entry point is guarded, as spawn() requires.
+SPAWN_DUMP = textwrap.dedent("""
+    import os, sys
+    import torch
+    from distribuuuu import cli, engine, models
+
+    _build, _fit, _model = engine.build_model, engine.fit, {}
+
+    def build_model(cfg, ctx):
+        _model["m"] = _build(cfg, ctx)
+        return _model["m"]
+
+    def fit(cfg, ctx):
+        summary = _fit(cfg, ctx)
+        torch.save(models.state_dict_for_saving(_model["m"]), os.path.join(cfg.OUT_DIR, f"rank{ctx.rank}.pt"))
+        return summary
+
+    engine.build_model, engine.fit = build_model, fit
+
+    if __name__ == "__main__":
+        sys.exit(cli.main(["train", *sys.argv[1:]]))
+""")
+
+
+def test_builtin_spawner_replicas_agree_and_a_busy_port_is_replaced(tmp_path):
+    """`--nproc-per-node 2 --master-port P` with P taken: another port is used and logged; replicas agree."""
+    script = tmp_path / "spawn_dump.py"
+    script.write_text(SPAWN_DUMP)
+    out = tmp_path / "run"
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = check(run([PY, str(script), "--nproc-per-node", "2", "--master-port", str(port),
+                          "--cfg", TINY, "OUT_DIR", str(out), *SHORT]))
+    moved = re.search(rf"\[spawn\] master port {port} is in use; using free port (\d+) instead", proc.stdout)
+    assert moved, proc.stdout
+    new_port = moved.group(1)
+    assert f"[spawn] 2 processes, master 127.0.0.1:{new_port}" in proc.stdout
+    assert _dist_lines(proc.stdout) == [
+        f"[dist] rank {r}/2 | local rank {r}/2 | node 0 | master 127.0.0.1:{new_port} | device cpu "
+        "| backend gloo | launcher spawn" for r in range(2)]
+    _assert_same_weights([out / "rank0.pt", out / "rank1.pt"])
+    # Rank 0 saved the same model as the checkpoint, and evaluated it on all 50 val samples.
+    ckpt = _weights(out / "checkpoints" / "last.pth")
+    for key, value in _weights(out / "rank1.pt").items():
+        assert torch.equal(ckpt["model"][key], value), key
+    assert [m["n"] for m in read_metrics(out) if m["split"] == "val"] == [50]
+
+
+def test_legacy_launch_passes_local_rank(tmp_path):
+    """`python -m torch.distributed.launch` appends --local-rank=N to the script's arguments."""
+    out = tmp_path / "run"
+    proc = check(run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2",
+                      f"--master_port={_free_port()}", "train_net.py", "--cfg", TINY, "OUT_DIR", str(out),
+                      *SHORT]))
+    lines = _dist_lines(proc.stdout)
+    assert [line.split(" | ")[:2] for line in lines] == [
+        ["[dist] rank 0/2", "local rank 0/2"], ["[dist] rank 1/2", "local rank 1/2"]]
+    assert all(line.endswith("| backend gloo | launcher launch") for line in lines), lines
+    assert [m["n"] for m in read_metrics(out) if m["split"] == "val"] == [50]
+    assert os.path.isfile(out / "checkpoints" / "last.pth")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C and SIGTERM leave nothing behind
+# ---------------------------------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, start time) of every process, read from /proc."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        table[int(name)] = (int(fields[1]), fields[0], fields[19])  # ppid, state, starttime
+    return table
+
+
+def _job(root: int) -> dict[int, str]:
+    """The process root and all its descendants: pid -> start time (tells a reused pid apart)."""
+    table = _proc_table()
+    job, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in job:
+            job[pid] = table[pid][2]
+            todo.extend(p for p, (ppid, _, _) in table.items() if ppid == pid)
+    return job
+
+
+def _alive(job: dict[int, str]) -> list[int]:
+    table = _proc_table()
+    # A zombie has exited (it only waits for its parent to read its status).
+    return [pid for pid, start in job.items() if pid in table and table[pid][2] == start
+            and table[pid][1] not in ("Z", "X")]
+
+
+LONG = ["OPTIM.MAX_EPOCH", "100000", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
+LAUNCH = {
+    "plain": [PY, "train_net.py"],
+    "spawn": [PY, "-m", "distribuuuu", "train", "--nproc-per-node", "2"],
+    "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_net.py"],
+}
+
+
+def _stop_mid_training(tmp_path, cmd: list[str], sig: int, *opts: str) -> tuple[int, str]:
+    """Start cmd, wait until training is under way (a checkpoint exists), send sig to cmd's pid only.
+
+    Asserts that every process of the job (cmd and all its descendants, recorded from /proc while
+    it ran) is gone within 30 s, and that the last checkpoint loads. Returns (exit status, output).
+    """
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.pth"
+    log_path = tmp_path / "console.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *LONG, *opts], cwd=ROOT, env=env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while not last.exists():
+            assert proc.poll() is None, f"exited {proc.returncode} early:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no checkpoint after 180 s"
+            job.update(_job(proc.pid))
+            time.sleep(0.2)
+        time.sleep(0.5)  # well into the next epoch
+        job.update(_job(proc.pid))
+        os.kill(proc.pid, sig)
+        status = proc.wait(timeout=30)
+        end = time.monotonic() + 30
+        while _alive(job) and time.monotonic() < end:
+            time.sleep(0.2)
+        left = _alive(job)
+    finally:
+        for pid in _alive(job):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    console = log_path.read_text()
+    assert len(job) >= (1 if cmd == LAUNCH["plain"] else 3), job  # the launcher and its 2 ranks
+    assert not left, f"left behind: {left}\n{console[-4000:]}"
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)  # the last checkpoint is whole
+    assert ckpt["epoch"] >= 1 and ckpt["model"]
+    return status, console
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("launcher", list(LAUNCH))
+def test_stop_signal_to_the_launcher_leaves_no_process(tmp_path, launcher, sig):
+    status, console = _stop_mid_training(tmp_path, LAUNCH[launcher], sig)
+    if launcher == "torchrun":
+        # torchrun reports the signal its own way; our workers must have stopped without a traceback.
+        assert status != 0, console[-4000:]
+        assert not re.search(r"\[rank\d\]: Traceback", console), console[-6000:]
+    else:
+        assert status == 128 + sig, f"exit {status}\n{console[-4000:]}"
+        assert "Traceback" not in console, console[-6000:]
+    if launcher == "spawn":
+        assert f"[spawn] stopped by {sig.name}; all processes stopped" in console, console[-4000:]
+
+
+def test_sigterm_unwinds_every_rank_like_ctrl_c(tmp_path):
+    """With SIGTERM not a preemption signal, each rank raises Terminated at once: one line, status 143.
+
+    The spawner passes the SIGTERM on to both ranks; each prints `stopped by SIGTERM` (rank 1
+    with its rank), leaves its process group and exits 143, which the spawner returns.
+    """
+    status, console = _stop_mid_training(tmp_path, LAUNCH["spawn"], signal.SIGTERM,
+                                         "TRAIN.PREEMPT_SIGNALS", "['SIGUSR1']")
+    assert status == 143, f"exit {status}\n{console[-4000:]}"
+    assert "Traceback" not in console, console[-6000:]
+    lines = console.splitlines()
+    assert "stopped by SIGTERM" in lines and "stopped by SIGTERM (rank 1)" in lines, console[-4000:]
+    assert "[spawn] stopped by SIGTERM; all processes stopped" in lines
+
+
+def test_sigkill_to_the_spawner_takes_the_children_along(tmp_path):
+    """A spawner killed outright (OOM killer, kill -9) cannot clean up: the kernel stops its children."""
+    status, _ = _stop_mid_training(tmp_path, LAUNCH["spawn"], signal.SIGKILL)
+    assert status == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------------------------------------
+# A master port that is already taken
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_port():
+    """A port some other program listens on."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def test_busy_master_port_with_env_launch_is_a_user_error(tmp_path, busy_port):
+    """Variables set by hand (or any launcher whose rank 0 hosts the store): exit 2, the port named."""
+    e = env()
+    e.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy_port))
+    proc = subprocess.run([PY, "train_net.py", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run")], cwd=ROOT,
+                          env=e, capture_output=True, text=True, timeout=120)
+    check(proc, 2)
+    assert proc.stderr.strip() == (f"error: master port {busy_port} on 127.0.0.1 is already in use; "
+                                   "pick another with MASTER_PORT=... or --master-port ...")
+
+
+def test_busy_master_port_under_torchrun_is_named(tmp_path, busy_port):
+    """torchrun's agent binds the port itself, before our code runs: its own error names the port."""
+    proc = run([PY, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                "--master-addr=127.0.0.1", f"--master-port={busy_port}", "train_net.py", "--cfg", TINY,
+                "OUT_DIR", str(tmp_path / "run")], timeout=120)
+    assert proc.returncode != 0
+    assert f"port: {busy_port}" in proc.stderr and "EADDRINUSE" in proc.stderr, proc.stderr[-3000:]
+    assert "[dist]" not in proc.stdout  # no worker started
+
+
+def test_master_port_without_spawner_is_refused(tmp_path):
+    proc = check(run([PY, "train_net.py", "--master-port", "29500", "--cfg", TINY]), 2)
+    assert proc.stderr.startswith("error: --master-port goes with --nproc-per-node")
+
+
+# ---------------------------------------------------------------------------------------------
+# Distribuuuu's command, as its README writes it
+# ---------------------------------------------------------------------------------------------
+
+
+def _image_folder(root, classes: int, per_class: dict[str, int]) -> None:
+    """A small ImageFolder tree of 32x32 PNGs: one colour per class plus noise (learnable)."""
+    rng = np.random.default_rng(0)
+    for split, n in per_class.items():
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            colour = np.array([(37 * c) % 256, (91 * c) % 256, (255 - 23 * c) % 256])
+            for i in range(n):
+                pixels = np.clip(colour + rng.integers(-40, 41, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:04d}.png")
+
+
+def test_distribuuuu_readme_command(tmp_path):
+    """`python -m torch.distributed.launch ... train_net.py --cfg config/resnet18.yaml OUT_DIR ...
+    MODEL.SYNCBN True TRAIN.BATCH_SIZE 256` unchanged; only overrides that make it a CPU-sized run."""
+    data = tmp_path / "data"
+    # 2 ranks x 256 = 512 images per step: 1040 training images give 2 steps per epoch.
+    _image_folder(data, classes=10, per_class={"train": 104, "val": 10})
+    out = tmp_path / "r18"
+    proc = check(run([
+        PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--nnodes=1", "--node_rank=0",
+        "--master_addr=localhost", f"--master_port={_free_port()}",
+        "train_net.py", "--cfg", "config/resnet18.yaml", "OUT_DIR", str(out),
+        "MODEL.SYNCBN", "True", "TRAIN.BATCH_SIZE", "256",
+        # CPU-sized: a tiny ResNet, the local folder, small images, one epoch, no loader workers.
+        "MODEL.ARCH", "resnet_tiny", "TRAIN.DATASET", str(data), "TEST.DATASET", str(data),
+        "MODEL.NUM_CLASSES", "10", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "36", "OPTIM.MAX_EPOCH", "1",
+        "TRAIN.WORKERS", "0", "DEVICE", "cpu", "NUM_THREADS", "1",
+    ], timeout=300))
+    assert [line.split(" | ")[0] for line in _dist_lines(proc.stdout)] == ["[dist] rank 0/2", "[dist] rank 1/2"]
+    assert "launcher launch" in proc.stdout
+    assert re.search(r"batch 256 per process\b.* 512 global", proc.stdout), proc.stdout[-3000:]
+    lines = read_metrics(out)
+    train = [m for m in lines if m["split"] == "train"]
+    val = [m for m in lines if m["split"] == "val"]
+    assert [m["n"] for m in train] == [1024]  # 2 full global batches (the rest is dropped)
+    assert [m["n"] for m in val] == [100]  # exact: every val image once
+    ckpt = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["cfg"]
