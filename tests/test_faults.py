@@ -175,3 +175,24 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tiny_fs):
     assert names == ["epoch_0001.pth", "last.pth"]  # no half file left behind
     ckpt, _ = checkpoint.load_latest(tiny_fs)
     assert ckpt["epoch"] == 1
+
+
+def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tmp_path):
+    """Under the local Slurm cluster: rank 1 of `srun -n 2` gets SIGUSR1 after step 3; both ranks
+    agree, checkpoint, and exit; a second srun resumes from that step and finishes."""
+    from tests.slurm_utils import require_slurm
+
+    require_slurm()
+    out = str(tmp_path / "run")
+    cmd = ["srun", "-N", "1", "-n", "2", "-t", "5", "--kill-on-bad-exit=1", sys.executable, SCRIPT, *SMALL,
+           "OUT_DIR", out]
+    e = env()
+    e["SIGNAL_AT"] = "3:1:SIGUSR1"
+    first = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    assert first.returncode != 0, first.stdout[-2000:]
+    assert "launcher slurm" in first.stdout
+    ckpt = _ckpt(out)
+    assert (ckpt["global_step"], ckpt["samples_in_epoch"], ckpt["world_size"]) == (3, 3 * 32, 2)
+    second = check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    assert "96 samples into epoch 1, step 3" in second.stdout
+    assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
