@@ -383,6 +383,7 @@ def validate(cfg: CN) -> None:
     need(cfg.OPTIM.LR_SCALING in LR_SCALINGS,
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
     for key, allowed in (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
+                         ("TRAIN.DATA_PIPELINE", ("auto", "memory", "loader")), ("TRAIN.IMAGE_DECODE", ("fast", "pil")),
                          ("TRAIN.BEST_METRIC", BEST_METRICS)):
         need(_get(cfg, key) in allowed, f"{key} must be one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
     need(cfg.TRAIN.ACCUM_STEPS >= 1, f"TRAIN.ACCUM_STEPS must be at least 1, got {cfg.TRAIN.ACCUM_STEPS}")

@@ -180,7 +180,7 @@ def test_train_loader_ranks_are_disjoint_and_drop_last_rule():
 
 
 def test_train_loader_with_workers_is_reproducible():
-    cfg = cfg_with(MNIST, RNG_SEED=3, TRAIN__WORKERS=1)
+    cfg = cfg_with(MNIST, RNG_SEED=3, TRAIN__WORKERS=1, TRAIN__DATA_PIPELINE="loader")
     first = []
     for _ in range(2):
         loader = data.build_train_loader(cfg, 0, 1, CPU)

@@ -1,19 +1,33 @@
-"""Datasets with their transforms, and the train / val DataLoaders of one rank."""
+"""Datasets with their transforms, and the train / val loaders of one rank.
+
+Which loader (TRAIN.DATA_PIPELINE): mnist5k and CIFAR go through the in-memory MemoryLoader
+(memory.py: the split on the device, batched augmentation) under 'auto'; image folders, synthetic
+data and MODEL.DUMMY_INPUT through a DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
+uint8 crops (transforms.FastTrainDecode / FastEvalDecode) normalized per batch on the device.
+Every train loader has len(), .dataset, .sampler.set_epoch(epoch, start) and yields (images, target).
+"""
 
 from __future__ import annotations
 
 import functools
 import os
 import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sized
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
+from distribuuuu.data.memory import MemoryLoader
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
+
+PIPELINES = ("auto", "memory", "loader")  # TRAIN.DATA_PIPELINE
+IMAGE_DECODERS = ("fast", "pil")  # TRAIN.IMAGE_DECODE
 
 
 def require_image_chans(cfg: CfgNode, key: str) -> None:
@@ -46,8 +60,48 @@ def val_folder_classes(cfg: CfgNode, val_classes: list[str]) -> list[str]:
     return train_classes
 
 
+@dataclass
+class TensorSource:
+    """A small source held as one tensor: uint8 images [N, C, S, S] (channels already matched to
+    MODEL.IN_CHANS) and the recipe of its augmentation."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    classes: list[str]
+    pad: int  # pad-and-crop padding (train)
+    flip: bool  # horizontal flips (train)
+    stats: transforms.Stats
+
+
+def tensor_source(cfg: CfgNode, key: str) -> TensorSource | None:
+    """The mnist5k or CIFAR split of cfg[key] as a TensorSource; None for other sources."""
+    group, chans = cfg[key], cfg.MODEL.IN_CHANS
+    kind = sources.source_kind(group.DATASET)
+    if cfg.MODEL.DUMMY_INPUT or kind not in ("mnist5k", "cifar"):
+        return None
+    require_image_chans(cfg, key)
+    if kind == "mnist5k":
+        images, labels = sources.load_mnist5k(group.SPLIT, key)
+        stats = transforms.stats_for_channels(transforms.MNIST_STATS, chans)
+        # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).
+        return TensorSource(transforms.match_channels(images, chans), labels, list(sources.MNIST_CLASSES),
+                            pad=2, flip=False, stats=stats)
+    root, variant = sources.find_cifar(group.DATASET)
+    images, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
+    stats = transforms.CIFAR10_STATS if variant == "cifar10" else transforms.CIFAR100_STATS
+    return TensorSource(transforms.match_channels(images, chans), labels, classes, pad=4, flip=True,
+                        stats=transforms.stats_for_channels(stats, chans))
+
+
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
-    """The TRAIN (train=True) or TEST dataset, with its transforms; see the package docstring."""
+    """The TRAIN (train=True) or TEST dataset, with its transforms; see the package docstring.
+    Items are (float32 [C, H, W] normalized, int label), one at a time."""
+    return _build_dataset(cfg, train, batched=False)
+
+
+def _build_dataset(cfg: CfgNode, train: bool, batched: bool) -> Dataset:
+    """batched=True (the loaders, with TRAIN.IMAGE_DECODE fast): folder items stay uint8, to be
+    normalized per batch on the device (see _NormalizedBatches)."""
     key = "TRAIN" if train else "TEST"
     group, chans, size = cfg[key], cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE  # val crops TRAIN.IM_SIZE too
     if cfg.MODEL.DUMMY_INPUT:
@@ -57,28 +111,24 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
     if kind == "synthetic":
         return sources.SyntheticDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, chans, size,
                                         group.SPLIT)
+    src = tensor_source(cfg, key)
+    if src is not None:
+        native = src.images.shape[-1]
+        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=src.stats)
+        return sources.TensorImageDataset(src.images, src.targets, src.classes, tf)
     require_image_chans(cfg, key)
-    if kind == "mnist5k":
-        images, labels = sources.load_mnist5k(group.SPLIT, key)
-        stats = transforms.stats_for_channels(transforms.MNIST_STATS, chans)
-        # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).
-        tf = transforms.small_image_transform(train, size, 28, pad=2, flip=False, stats=stats)
-        return sources.TensorImageDataset(transforms.match_channels(images, chans), labels,
-                                          list(sources.MNIST_CLASSES), tf)
-    if kind == "cifar":
-        root, variant = sources.find_cifar(group.DATASET)
-        images, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
-        stats = transforms.CIFAR10_STATS if variant == "cifar10" else transforms.CIFAR100_STATS
-        stats = transforms.stats_for_channels(stats, chans)
-        tf = transforms.small_image_transform(train, size, 32, pad=4, flip=True, stats=stats)
-        return sources.TensorImageDataset(transforms.match_channels(images, chans), labels, classes, tf)
     split_dir = sources.folder_split_dir(group.DATASET, group.SPLIT, key)
     classes = sources.folder_classes(split_dir)
     if not train:
         classes = val_folder_classes(cfg, classes)
+    mode = "L" if chans == 1 else "RGB"
+    if batched:  # decode + geometry in the loader callable, so its errors meet the bad-image handling
+        load: Callable = (transforms.FastTrainDecode(size, mode) if train
+                          else transforms.FastEvalDecode(cfg.TEST.IM_SIZE, size, mode))
+        return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load)
     tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans)
-    loader = functools.partial(sources.open_image, mode="L" if chans == 1 else "RGB")
-    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=loader)
+    load = functools.partial(sources.open_image, mode=mode)
+    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -91,6 +141,9 @@ def seed_worker(worker_id: int) -> None:
 
 def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
             rank: int, device: torch.device, stream: int) -> DataLoader:
+    """TRAIN.WORKERS processes per training process (Distribuuuu's 4 by default; see
+    docs/performance.md for sizing them from the cores), kept alive between epochs; pinned
+    batches only when they go to a GPU; torch's prefetch_factor (2 batches per worker)."""
     workers = cfg.TRAIN.WORKERS
     # The generator draws the workers' base seed: fixed by RNG_SEED (or the seed torch was given
     # when RNG_SEED is None), different per rank and per loader so augmentations differ.
@@ -105,22 +158,112 @@ def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, d
     )
 
 
-def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> DataLoader:
+class _NormalizedBatches:
+    """A DataLoader of uint8 batches, moved to the device and normalized there, one batch at a time.
+
+    Everything else (dataset, sampler, drop_last, len ...) is the DataLoader's.
+    """
+
+    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+        self.normalize = transforms.BatchNormalize(stats, device)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, target in self.loader:
+            images = images.to(self.device, non_blocking=True)
+            yield self.normalize(images), target.to(self.device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def data_pipeline(cfg: CfgNode, key: str) -> str:
+    """'memory' or 'loader' for cfg[key].DATASET under TRAIN.DATA_PIPELINE (UserError if impossible)."""
+    choice = cfg.TRAIN.DATA_PIPELINE
+    if choice not in PIPELINES:
+        raise UserError(f"TRAIN.DATA_PIPELINE must be one of {', '.join(PIPELINES)}, got {choice!r}")
+    if cfg.TRAIN.IMAGE_DECODE not in IMAGE_DECODERS:
+        raise UserError(f"TRAIN.IMAGE_DECODE must be one of {', '.join(IMAGE_DECODERS)}, "
+                        f"got {cfg.TRAIN.IMAGE_DECODE!r}")
+    if cfg.MODEL.DUMMY_INPUT:
+        return "loader"
+    kind = sources.source_kind(cfg[key].DATASET)
+    if choice == "auto":
+        return "memory" if kind in ("mnist5k", "cifar") else "loader"
+    if choice == "memory" and kind == "folder":
+        raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
+                        f"{cfg[key].DATASET!r} is an image folder; use TRAIN.DATA_PIPELINE auto or loader")
+    return choice
+
+
+def _memory_loader(cfg: CfgNode, train: bool, sampler_of: Callable[[Sized], Sampler], batch_size: int,
+                   device: torch.device) -> MemoryLoader:
+    key = "TRAIN" if train else "TEST"
+    dataset = build_dataset(cfg, train)  # per-sample twin: len, classes, items for inspection
+    src = tensor_source(cfg, key)
+    if src is None:  # synthetic: generated once, already normalized, no augmentation
+        images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+        targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
+        pad, flip, normalize = 0, False, None
+    else:
+        images, targets, pad, flip = src.images, src.targets, src.pad, src.flip
+        normalize = transforms.BatchNormalize(src.stats, device)
+        if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
+            images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, antialias=True)
+    sampler = sampler_of(dataset)
+    drop_last = train and len(sampler) >= batch_size
+    return MemoryLoader(dataset, images.to(device), targets.to(device), sampler, batch_size, drop_last,
+                        pad=pad, flip=flip, train=train, normalize=normalize)
+
+
+def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
     """Shuffled by a ResumableDistributedSampler even for one process, so the engine can always
-    call loader.sampler.set_epoch(epoch, start); the same seed on every rank gives disjoint shards."""
-    dataset = build_dataset(cfg, train=True)
+    call loader.sampler.set_epoch(epoch, start); the same seed on every rank gives disjoint shards.
+
+    A DataLoader, or (TRAIN.DATA_PIPELINE) a MemoryLoader with the same order and interface.
+    """
     seed = cfg.RNG_SEED or 0
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+
+    def sampler_of(dataset: Sized) -> Sampler:
+        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+
+    if data_pipeline(cfg, "TRAIN") == "memory":
+        return _memory_loader(cfg, True, sampler_of, cfg.TRAIN.BATCH_SIZE, device)
+    batched = _fast_folder(cfg, "TRAIN")
+    dataset = _build_dataset(cfg, True, batched=batched)
+    sampler = sampler_of(dataset)
     # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
     drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
-    return _loader(cfg, dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)
+    loader = _loader(cfg, dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)
+    return _normalized(cfg, loader, device) if batched else loader
 
 
-def build_val_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> DataLoader:
+def build_val_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
     """Exact evaluation: each val sample is seen by exactly one rank (a rank may get none)."""
-    dataset = build_dataset(cfg, train=False)
-    sampler = ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
-    return _loader(cfg, dataset, sampler, cfg.TEST.BATCH_SIZE, False, rank, device, stream=1)
+
+    def sampler_of(dataset: Sized) -> Sampler:
+        return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
+
+    if data_pipeline(cfg, "TEST") == "memory":
+        return _memory_loader(cfg, False, sampler_of, cfg.TEST.BATCH_SIZE, device)
+    batched = _fast_folder(cfg, "TEST")
+    dataset = _build_dataset(cfg, False, batched=batched)
+    loader = _loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device, stream=1)
+    return _normalized(cfg, loader, device) if batched else loader
+
+
+def _fast_folder(cfg: CfgNode, key: str) -> bool:
+    """Whether cfg[key] is an image folder read by the fast path (uint8 items, batch normalization)."""
+    return (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
+            and sources.source_kind(cfg[key].DATASET) == "folder")
+
+
+def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device) -> _NormalizedBatches:
+    stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
+    return _NormalizedBatches(loader, stats, device)
 
 
 def take_bad_image_count(loader: DataLoader) -> int:

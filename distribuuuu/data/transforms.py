@@ -1,13 +1,24 @@
-"""Per-sample transforms (torchvision transforms v2) and the normalization statistics.
+"""Per-sample transforms (torchvision transforms v2), the fast folder pipeline, and the
+normalization statistics.
 
-Folders get the ImageNet recipe on PIL images; the small built-in images (MNIST 28 px, CIFAR
-32 px) are uint8 tensors in memory and get the classic pad-and-crop recipe as tensor ops.
+Folders get the ImageNet recipe: with TRAIN.IMAGE_DECODE pil, torchvision's transforms on PIL
+images (folder_transform); with 'fast' (the default), FastTrainDecode / FastEvalDecode, which
+draw the same crops but decode and resize more cheaply and leave normalization to the batch
+(BatchNormalize). The small built-in images (MNIST 28 px, CIFAR 32 px) are uint8 tensors and
+get the classic pad-and-crop recipe: per sample here (small_image_transform), or per batch in
+memory.py.
 """
 
 from __future__ import annotations
 
+import io
+import warnings
+
+import numpy as np
 import torch
-from torchvision.transforms import v2
+import torchvision.io as tio
+from PIL import Image
+from torchvision.transforms import RandomResizedCrop, v2
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 
@@ -72,3 +83,175 @@ def match_channels(images: torch.Tensor, chans: int) -> torch.Tensor:
         return v2.functional.rgb_to_grayscale(images, num_output_channels=chans).contiguous()
     raise ValueError(f"cannot convert {have}-channel images to {chans} channels")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast folder pipeline (TRAIN.IMAGE_DECODE fast): file -> uint8 [C, S, S] in the worker,
+# normalized per batch on the training device (BatchNormalize). Same geometry and the same random
+# crop distribution as folder_transform (RandomResizedCrop's own get_params), less work per image:
+#   - JPEGs are decoded by torchvision.io.decode_jpeg (libjpeg-turbo, as PIL, bit-identical pixels)
+#     straight into a tensor: no PIL image, no convert() copy;
+#   - when the crop is at least twice the output size, PIL's draft() decodes the JPEG at 1/2, 1/4
+#     or 1/8 scale (libjpeg's DCT scaling): detail the resize would have averaged away anyway
+#     (1/2 only on large images, where it beats a full-size decode_jpeg; see decode_scale);
+#   - crop + antialiased resize run on the uint8 tensor (torch's uint8 kernel), and the image
+#     stays uint8 until the batch is normalized: no per-image float ToTensor/Normalize, 4x fewer
+#     bytes from the workers (and to the GPU).
+# ---------------------------------------------------------------------------------------------
+_JPEG_MAGIC = b"\xff\xd8\xff"
+
+_RRC_SCALE, _RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's RandomResizedCrop defaults
+
+
+# Decoding at 1/2 goes through PIL, whose decoder is slower than decode_jpeg's: on ~500x375 JPEGs
+# a half-size PIL decode took as long as a full-size decode_jpeg (benchmarks/overhead.py, jpeg),
+# on 1000x750 ones it was 8% faster end to end. So 1/2 is used from this many pixels on; 1/4 and
+# 1/8 always pay.
+HALF_SCALE_MIN_PIXELS = 500_000
+
+
+def draft_factor(crop_w: int, crop_h: int, out_w: int, out_h: int) -> int:
+    """The largest k of 1, 2, 4, 8 that keeps the crop, decoded at 1/k scale, >= the output size."""
+    k = 1
+    while k < 8 and crop_w >= 2 * k * out_w and crop_h >= 2 * k * out_h:
+        k *= 2
+    return k
+
+
+def decode_scale(data: bytes, width: int, height: int, crop_w: int, crop_h: int, out: int) -> int:
+    """1/k, the scale to decode this file at so that the crop still covers out x out pixels:
+    draft_factor for JPEGs (1/2 only for large images, see HALF_SCALE_MIN_PIXELS), else 1."""
+    if data[:3] != _JPEG_MAGIC:
+        return 1
+    k = draft_factor(crop_w, crop_h, out, out)
+    return 1 if k == 2 and width * height < HALF_SCALE_MIN_PIXELS else k
+
+
+def decode(data: bytes, mode: str, reduce: int = 1) -> torch.Tensor:
+    """uint8 [C, H, W] (C = 1 for mode 'L', 3 for 'RGB') of an encoded image file.
+
+    reduce > 1 decodes a JPEG at 1/reduce scale (PIL draft). Other JPEGs go to decode_jpeg; what it
+    cannot read (CMYK oddities, truncated files) and every other format goes to PIL, whose errors
+    (OSError, ValueError) are the ones the dataset's bad-image handling catches.
+    """
+    is_jpeg = data[:3] == _JPEG_MAGIC
+    if is_jpeg and reduce == 1:
+        tio_mode = tio.ImageReadMode.GRAY if mode == "L" else tio.ImageReadMode.RGB
+        try:
+            # torchvision 0.29 deprecates its codecs in favour of TorchCodec (a DeprecationWarning per
+            # call) but keeps them; the pinned version is used: decode_jpeg skips PIL's image object.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return tio.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=tio_mode)
+        except RuntimeError:
+            pass  # PIL decides: it reads a few files libjpeg's strict path refuses, or raises OSError
+    image = Image.open(io.BytesIO(data))
+    if is_jpeg and reduce > 1:
+        w, h = image.size
+        image.draft(mode, (w // reduce, h // reduce))  # scale 1/reduce (draft picks >= this size)
+    if image.mode != mode:  # (convert() to the same mode would copy the image)
+        image = image.convert(mode)
+    array = np.array(image)  # decodes; a writable copy (asarray's view of PIL memory is read-only)
+    return torch.from_numpy(array[:, :, None] if array.ndim == 2 else array).permute(2, 0, 1)
+
+
+def resized_crop(image: torch.Tensor, top: int, left: int, height: int, width: int, size: int,
+                 flip: bool = False) -> torch.Tensor:
+    """Crop a uint8 [C, H, W] image, resize it to size x size (bilinear, antialiased, as PIL's)
+    and maybe mirror it. The result is uint8 [C, size, size] in channels-last strides: collate
+    and BatchNormalize copy it anyway, and turn it into the usual layout on the way."""
+    crop = image[None, :, top:top + height, left:left + width]
+    # torch's uint8 antialiased kernel is fastest on channels_last; the crop is copied once here.
+    crop = crop.contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
+                                          align_corners=False)[0]
+    return out.flip(-1) if flip else out
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers (DHT, JPG, DAC are not)
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header, or None: a few bytes read, nothing decoded
+    (about 10x cheaper than opening the file with PIL just for its size)."""
+    pos, end = 2, len(data) - 9
+    while pos < end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _SOF_MARKERS:
+            return int.from_bytes(data[pos + 7:pos + 9], "big"), int.from_bytes(data[pos + 5:pos + 7], "big")
+        if marker == 0xDA:  # start of scan: no frame header before the image data
+            return None
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return None
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of an encoded image, from its header (PIL's for other formats)."""
+    size = jpeg_size(data) if data[:3] == _JPEG_MAGIC else None
+    return size if size is not None else Image.open(io.BytesIO(data)).size
+
+
+class FastTrainDecode:
+    """path -> uint8 [C, size, size]: RandomResizedCrop(size) + horizontal flip, as folder_transform.
+
+    A picklable callable, used as the dataset's loader (so decode errors reach its bad-image
+    handling). The crop is drawn first by torchvision's own RandomResizedCrop.get_params from the
+    size in the header; then the JPEG is decoded at a smaller scale when the crop still holds the
+    full output resolution there (decode_scale).
+    """
+
+    def __init__(self, size: int, mode: str) -> None:
+        self.size, self.mode = size, mode
+
+    def __call__(self, path: str) -> torch.Tensor:
+        data = _read(path)
+        width, height = image_size(data)
+        # get_params only reads the size: a stride-0 view of one element stands for the image.
+        shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)
+        top, left, h, w = RandomResizedCrop.get_params(shape_only, list(_RRC_SCALE), list(_RRC_RATIO))
+        image = decode(data, self.mode, decode_scale(data, width, height, w, h, self.size))
+        if image.shape[1:] != (height, width):  # decoded at reduced scale: scale the crop box too
+            sy, sx = image.shape[1] / height, image.shape[2] / width
+            top, left = round(top * sy), round(left * sx)
+            h, w = min(max(1, round(h * sy)), image.shape[1] - top), min(max(1, round(w * sx)), image.shape[2] - left)
+        return resized_crop(image, top, left, h, w, self.size, flip=bool(torch.rand(1) < 0.5))
+
+
+class FastEvalDecode:
+    """path -> uint8 [C, crop, crop]: shorter side resized to resize_to, then a center crop, as
+    folder_transform(train=False); JPEGs at least twice resize_to on the shorter side may be decoded
+    at reduced scale (decode_scale)."""
+
+    def __init__(self, resize_to: int, crop: int, mode: str) -> None:
+        self.resize_to, self.crop, self.mode = resize_to, crop, mode
+
+    def __call__(self, path: str) -> torch.Tensor:
+        data = _read(path)
+        width, height = image_size(data)
+        short = min(width, height)
+        image = decode(data, self.mode, decode_scale(data, width, height, short, short, self.resize_to))
+        image = v2.functional.resize(image, self.resize_to, antialias=True)
+        return v2.functional.center_crop(image, [self.crop, self.crop]).contiguous()
+
+
+class BatchNormalize:
+    """uint8 [B, C, H, W] -> float32 (x / 255 - mean) / std, for a whole batch on its device."""
+
+    def __init__(self, stats: Stats, device: torch.device | str = "cpu") -> None:
+        mean, std = (torch.tensor(s, dtype=torch.float32, device=device).view(1, -1, 1, 1) for s in stats)
+        self.scale, self.shift = 1.0 / (255.0 * std), mean / std
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        # One pass converts the dtype and the layout (workers' crops come in channels-last strides).
+        images = images.to(dtype=torch.float32, memory_format=torch.contiguous_format)
+        return images.mul_(self.scale).sub_(self.shift)
