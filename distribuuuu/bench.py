@@ -10,8 +10,11 @@
         (d) the same short training run (E epochs, default 1) with each number of processes, started
         by the built-in spawner; a table, scaling.csv and scaling.png. TRAIN.BATCH_SIZE is per process,
         so an epoch of the same data takes 1/N of the steps (weak scaling of the batch).
+    distribuuuu bench --compare single,dp,ddp,ddp+amp [--epochs E] [--cfg FILE] [--out DIR] [KEY VALUE ...]
+        (e) the same short job (same global batch) trained each way; see compare.py.
 
-Results go to --out (default OUT_DIR/bench): bench.json, or scaling.csv + scaling.png + the runs.
+Results go to --out (default OUT_DIR/bench): bench.json, or scaling.csv + scaling.png + the runs
+(compare.csv + compare.png + the runs with --compare).
 """
 
 from __future__ import annotations

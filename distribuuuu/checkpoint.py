@@ -8,6 +8,9 @@ and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
   best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/cuda] states of every rank),
   world_size, train_sums (metrics of the part-done epoch).
 Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``.
+Under DIST.STRATEGY fsdp the whole state is gathered on rank 0 into the same file (FSDP_STATE_DICT
+full; its optimizer state is keyed by parameter name), or (sharded) each rank writes its shards into
+``<name>.dcp/`` with torch.distributed.checkpoint and the .pth holds the rest plus ``sharded``.
 """
 
 from __future__ import annotations
@@ -78,24 +81,43 @@ def numbered_checkpoints(out_dir: str, kind: str) -> list[str]:
     return sorted((p for p in paths if _NUMBERED.search(p)), key=lambda p: int(_NUMBERED.search(p).group(2)))
 
 
+def checkpoint_path(out_dir: str, state: dict[str, Any]) -> str:
+    """epoch_NNNN.pth at an epoch's end, step_NNNNNNNN.pth mid-epoch."""
+    if state.get("samples_in_epoch"):
+        return os.path.join(checkpoint_dir(out_dir), f"step_{state['global_step']:08d}.pth")
+    return os.path.join(checkpoint_dir(out_dir), f"epoch_{state['epoch']:04d}.pth")
+
+
 def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
     """Write epoch_NNNN.pth (or step_NNNNNNNN.pth mid-epoch), point last.pth (and best.pth) at it,
-    then prune the oldest files of that kind beyond ``keep``."""
+    then prune the oldest files of that kind beyond ``keep`` (with their .dcp shard folders)."""
     folder = checkpoint_dir(out_dir)
     os.makedirs(folder, exist_ok=True)
     kind = "step" if state.get("samples_in_epoch") else "epoch"
-    number = state["global_step"] if kind == "step" else state["epoch"]
-    path = os.path.join(folder, f"{kind}_{number:08d}.pth" if kind == "step" else f"epoch_{number:04d}.pth")
+    path = checkpoint_path(out_dir, state)
     _atomic_save(state, path)
     _atomic_link(path, os.path.join(folder, "last.pth"))
     if is_best:
         _atomic_link(path, os.path.join(folder, "best.pth"))
     # Prune only now that the new checkpoint is complete.
     existing = numbered_checkpoints(out_dir, kind)
+    pinned = {_sharded_folder(p) for p in (os.path.join(folder, "last.pth"), os.path.join(folder, "best.pth"))}
     for old in existing[:-keep] if keep > 0 else existing:
         if old != path:
             os.remove(old)
+            shards = old[:-len(".pth")] + ".dcp"
+            if os.path.isdir(shards) and shards not in pinned:  # best.pth may still need its shards
+                shutil.rmtree(shards)
     return path
+
+
+def _sharded_folder(pth: str) -> str | None:
+    """The .dcp folder that a sharded checkpoint file (or link) refers to."""
+    try:
+        ref = torch.load(pth, map_location="cpu", weights_only=True).get("sharded") if os.path.isfile(pth) else None
+    except Exception:  # noqa: BLE001 - an unreadable file pins nothing
+        return None
+    return os.path.join(os.path.dirname(pth), ref) if ref else None
 
 
 class UnreadableCheckpoint(UserError):
@@ -217,7 +239,7 @@ def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.
              train_sums: torch.Tensor | None = None) -> None:
     """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run;
     ``extra`` holds the state of other parts (grad scaler, EMA)."""
-    from distribuuuu import distributed, models  # models imports this module
+    from distribuuuu import distributed, models, sharding  # models imports this module
 
     rng = distributed.all_gather_object(rng_state())  # each rank's own streams
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: collect the shards on rank 0
@@ -225,15 +247,31 @@ def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.
     if train_sums is not None:  # a mid-epoch checkpoint carries the epoch's metrics so far
         train_sums = distributed.all_reduce_sum(train_sums.clone()).tolist()
     timer.reset()
+    counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
+    record = {**extra, **counters, "cfg": cfg.dump(), "rng": rng, "world_size": ctx.world_size,
+              "train_sums": train_sums}
+    net = models.unwrap(model)
+    if sharding.is_sharded(net) and cfg.DIST.FSDP_STATE_DICT == "sharded":
+        # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
+        finite = not distributed.any_rank([not _all_finite({k: sharding.local_tensor(v)
+                                                            for k, v in net.state_dict().items()})])[0]
+        if finite:
+            shards = checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
+            sharding.save_sharded(net, optimizer, shards)
+            record["sharded"] = os.path.basename(shards)
+    elif sharding.is_sharded(net):  # gathered whole on rank 0: the same file as ddp's
+        record["model"], record["optimizer"] = sharding.full_state(net, optimizer)
+        finite = not ctx.is_main or _all_finite(record["model"])
+    elif ctx.is_main:
+        record["model"], record["optimizer"] = models.state_dict_for_saving(model), optimizer.state_dict()
+        finite = _all_finite(record["model"])
+    else:
+        finite = True
     if ctx.is_main:
-        weights = models.state_dict_for_saving(model)
-        if not _all_finite(weights):
+        if not finite:
             log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
         else:
-            counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
-            path = save({"model": weights, "optimizer": optimizer.state_dict(), **extra, **counters,
-                         "cfg": cfg.dump(), "rng": rng, "world_size": ctx.world_size, "train_sums": train_sums},
-                        cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
+            path = save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
             log.info("saved %s%s", path, " (best)" if is_best else "")
     distributed.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
@@ -242,16 +280,25 @@ def resume_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.opti
                state: TrainState) -> dict[str, Any] | None:
     """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
     the checkpoint (for the other parts' state) or None."""
-    from distribuuuu import models
+    from distribuuuu import models, sharding
 
     if not cfg.TRAIN.AUTO_RESUME:
         return None
     ckpt, path = load_latest(cfg.OUT_DIR)
     if ckpt is None:
         return None
-    models.unwrap(model).load_state_dict(ckpt["model"])
-    if cfg.TRAIN.LOAD_OPT and "optimizer" in ckpt:
-        optimizer.load_state_dict(ckpt["optimizer"])
+    net, opt = models.unwrap(model), optimizer if cfg.TRAIN.LOAD_OPT else None
+    if ckpt.get("sharded"):
+        if not sharding.is_sharded(net):
+            raise UserError(f"{path} keeps its weights in FSDP shards ({ckpt['sharded']}); resume it with "
+                            "DIST.STRATEGY fsdp and more than one process")
+        sharding.load_sharded(net, opt, os.path.join(checkpoint_dir(cfg.OUT_DIR), ckpt["sharded"]))
+    elif sharding.is_sharded(net):
+        sharding.load_full_state(net, opt, ckpt["model"], ckpt.get("optimizer"))
+    else:
+        net.load_state_dict(ckpt["model"])
+        if opt is not None and "optimizer" in ckpt:
+            optimizer.load_state_dict(ckpt["optimizer"])
     for key in TrainState.COUNTERS:
         setattr(state, key, ckpt.get(key, getattr(state, key)))
     state.resumed_sums = ckpt.get("train_sums")

@@ -6,6 +6,7 @@
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
+    distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
     distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE ...   top-5 classes
     distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
 
@@ -74,7 +75,19 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     bench.add_argument("--scaling", default=None, metavar="LIST",
                        help="process counts such as 1,2,4: train the same short run with each")
-    bench.add_argument("--epochs", type=int, default=1, help="epochs of each --scaling run (the last is timed)")
+    bench.add_argument("--compare", default=None, metavar="LIST",
+                       help="methods such as single,dp,ddp,ddp+amp: train the same short job each way")
+    bench.add_argument("--epochs", type=int, default=None,
+                       help="epochs of each run: --scaling times the last (default 1), --compare all but "
+                            "the first (default 2)")
+    bench.add_argument("--nproc", type=int, default=None,
+                       help="--compare: processes of the ddp runs (default one per GPU, 2 on the CPU)")
+    bench.add_argument("--global-batch", dest="global_batch", type=int, default=None,
+                       help="--compare: the batch of each optimizer step, split over the processes "
+                            "(default TRAIN.BATCH_SIZE)")
+    bench.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16"],
+                       help="--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native "
+                            "bf16, else fp16)")
     bench.add_argument("--out", default=None, help="results folder (default OUT_DIR/bench)")
     predict = sub.add_parser("predict", help="top-k classes of image files")
     _add_cfg_args(predict, with_nproc=False)
@@ -112,9 +125,7 @@ def _run_tool(args: argparse.Namespace) -> int:
 
         return plot.main(args.run_dirs, args.out)
     if args.command == "bench":
-        from distribuuuu import bench
-
-        return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.scaling, args.epochs, args.out)
+        return _run_bench(args, opts)
     if args.command == "predict":
         from distribuuuu import predict
 
@@ -122,6 +133,21 @@ def _run_tool(args: argparse.Namespace) -> int:
     from distribuuuu import export
 
     return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
+
+
+def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
+    """bench: the one-process timings, --scaling (bench.py) or --compare (compare.py)."""
+    if args.compare is None:
+        from distribuuuu import bench
+
+        epochs = 1 if args.epochs is None else args.epochs
+        return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.scaling, epochs, args.out)
+    if args.scaling is not None:
+        raise UserError("--compare and --scaling are two different sweeps; give one of them")
+    from distribuuuu import compare
+
+    return compare.run_compare(args.cfg_file, opts, args.compare, 2 if args.epochs is None else args.epochs,
+                               args.out, args.nproc, args.global_batch, args.amp)
 
 
 def _resolve_nproc(value: str | None) -> int | None:

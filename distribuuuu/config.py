@@ -101,6 +101,19 @@ _C.TRAIN.LABEL_SMOOTHING = 0.0
 _C.TRAIN.MIXUP_ALPHA = 0.0
 # CutMix alpha (0: off)
 _C.TRAIN.CUTMIX_ALPHA = 0.0
+# Automatic augmentation policy (torchvision v2): 'none', 'randaugment', 'trivialaugment' or 'autoaugment' (ImageNet policy)
+_C.TRAIN.AUTO_AUGMENT = "none"
+# RandAugment magnitude (0-30, 2 operations per image) for TRAIN.AUTO_AUGMENT randaugment
+_C.TRAIN.RANDAUG_MAGNITUDE = 9
+# Random erasing: probability per training image of erasing one random rectangle (0: off; timm uses 0.25)
+_C.TRAIN.RANDOM_ERASE = 0.0
+# Repeated augmentation: each image is drawn this many times per epoch, on different ranks (1: off; 3 in DeiT)
+_C.TRAIN.REPEATED_AUG = 1
+# Recompute each block's activations in the backward pass instead of storing them (less memory, more compute)
+_C.TRAIN.ACTIVATION_CHECKPOINTING = False
+# Hold out this fraction (< 1) or number (>= 1) of the training set, stratified by class, as the validation
+# split (0: none). Then best.pth and early stopping use it, and TEST is the test set, evaluated once at the end
+_C.TRAIN.VAL_SPLIT = 0.0
 # EMA of the weights: decay per step at OPTIM.REF_BATCH_SIZE (0: no EMA); the decay used is
 # EMA_DECAY ** (global batch / REF_BATCH_SIZE), so the average spans the same number of samples
 _C.TRAIN.EMA_DECAY = 0.0
@@ -190,10 +203,17 @@ _C.DIST.BACKEND = "auto"
 # Seconds a collective may wait for the other ranks before the run is aborted
 _C.DIST.TIMEOUT_S = 1800
 # Data parallelism: 'ddp' (DistributedDataParallel), 'zero1' (DDP + optimizer state sharded with
-# ZeroRedundancyOptimizer), or 'dp' (DataParallel over this machine's GPUs in ONE process)
+# ZeroRedundancyOptimizer), 'fsdp' (FSDP2 fully_shard: parameters, gradients and optimizer state
+# sharded), or 'dp' (DataParallel over this machine's GPUs in ONE process)
 _C.DIST.STRATEGY = "ddp"
-# DDP gradient bucket size in MiB (all-reduce granularity, overlapped with the backward pass)
-_C.DIST.BUCKET_CAP_MB = 25
+# DDP gradient bucket size in MiB (0: torch's default of 25, with its small first bucket)
+_C.DIST.BUCKET_CAP_MB = 0
+# FSDP: free the gathered parameters after the forward pass (ZeRO-3; False: keep them for the backward)
+_C.DIST.FSDP_RESHARD_AFTER_FORWARD = True
+# FSDP: keep parameters, gradients and optimizer state on the CPU (the optimizer step runs there)
+_C.DIST.CPU_OFFLOAD = False
+# FSDP checkpoints: 'full' (one .pth like ddp's, gathered on rank 0) or 'sharded' (a torch.distributed.checkpoint folder)
+_C.DIST.FSDP_STATE_DICT = "full"
 # DDP: gradients are views into the all-reduce buckets (saves one copy of the gradients)
 _C.DIST.GRADIENT_AS_BUCKET_VIEW = False
 # DDP: the graph is the same every step (lets DDP skip per-step bookkeeping)
@@ -225,7 +245,9 @@ BEST_METRICS = ("top1", "ema_top1")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
-STRATEGIES = ("ddp", "zero1", "dp")
+STRATEGIES = ("ddp", "zero1", "fsdp", "dp")
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -348,13 +370,13 @@ def validate(cfg: CN) -> None:
     for key in ("MODEL.NUM_CLASSES", "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE",
                 "TEST.IM_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
                 "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
-                "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE", "DIST.BUCKET_CAP_MB",
-                "DIST.TIMEOUT_S"):
+                "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE", "DIST.TIMEOUT_S",
+                "TRAIN.REPEATED_AUG"):
         value = _get(cfg, key)
         need(value > 0, f"config key {key} must be positive, got {value}")
     for key in ("TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN", "TRAIN.NONFINITE_MAX_SKIPS",
                 "TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
-                "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING"):
+                "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING", "DIST.BUCKET_CAP_MB", "TRAIN.VAL_SPLIT"):
         value = _get(cfg, key)
         need(value >= 0, f"config key {key} must be >= 0, got {value}")
     need(cfg.TRAIN.TOPK <= cfg.MODEL.NUM_CLASSES,
@@ -384,7 +406,8 @@ def validate(cfg: CN) -> None:
          f"OPTIM.LR_SCALING must be one of {', '.join(LR_SCALINGS)}, got {cfg.OPTIM.LR_SCALING!r}")
     for key, allowed in (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
                          ("TRAIN.DATA_PIPELINE", ("auto", "memory", "loader")), ("TRAIN.IMAGE_DECODE", ("fast", "pil")),
-                         ("TRAIN.BEST_METRIC", BEST_METRICS)):
+                         ("TRAIN.BEST_METRIC", BEST_METRICS), ("TRAIN.AUTO_AUGMENT", AUTO_AUGMENTS),
+                         ("DIST.FSDP_STATE_DICT", FSDP_STATE_DICTS)):
         need(_get(cfg, key) in allowed, f"{key} must be one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
     need(cfg.TRAIN.ACCUM_STEPS >= 1, f"TRAIN.ACCUM_STEPS must be at least 1, got {cfg.TRAIN.ACCUM_STEPS}")
     need(0.0 <= cfg.TRAIN.EMA_DECAY < 1.0, f"TRAIN.EMA_DECAY must be in [0, 1), got {cfg.TRAIN.EMA_DECAY}")
@@ -398,6 +421,19 @@ def validate(cfg: CN) -> None:
     for key in ("TRAIN.CLIP_GRAD_NORM", "TRAIN.MIXUP_ALPHA", "TRAIN.CUTMIX_ALPHA", "TRAIN.PATIENCE",
                 "TRAIN.TARGET_TOP1"):
         need(_get(cfg, key) >= 0, f"config key {key} must be >= 0, got {_get(cfg, key)}")
+    need(0 <= cfg.TRAIN.RANDAUG_MAGNITUDE <= 30,
+         f"TRAIN.RANDAUG_MAGNITUDE must be in [0, 30], got {cfg.TRAIN.RANDAUG_MAGNITUDE}")
+    need(0.0 <= cfg.TRAIN.RANDOM_ERASE <= 1.0, f"TRAIN.RANDOM_ERASE is a probability in [0, 1], got {cfg.TRAIN.RANDOM_ERASE}")
+    split = cfg.TRAIN.VAL_SPLIT
+    need(split < 1 or split == int(split),
+         f"TRAIN.VAL_SPLIT is a fraction below 1 (e.g. 0.1) or a whole number of images (e.g. 500), got {split}")
+    fsdp = cfg.DIST.STRATEGY == "fsdp"
+    need(not cfg.DIST.CPU_OFFLOAD or fsdp, "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp "
+         f"(got {cfg.DIST.STRATEGY!r}); ddp and zero1 keep everything on the device")
+    need(not fsdp or cfg.TRAIN.EMA_DECAY == 0, "TRAIN.EMA_DECAY needs whole parameters on every rank, which "
+         "DIST.STRATEGY fsdp does not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0")
+    need(not fsdp or cfg.TRAIN.AMP != "fp16", "DIST.STRATEGY fsdp supports TRAIN.AMP off or bf16 "
+         "(fp16 needs a sharded gradient scaler); use TRAIN.AMP bf16")
     need(cfg.TRAIN.BAD_IMAGES in BAD_IMAGE_MODES,
          f"TRAIN.BAD_IMAGES must be one of {', '.join(BAD_IMAGE_MODES)}, got {cfg.TRAIN.BAD_IMAGES!r}")
     need(cfg.TRAIN.NONFINITE in NONFINITE_MODES,

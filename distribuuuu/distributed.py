@@ -503,12 +503,13 @@ def setup(cfg: Any) -> DistContext:
     if info.world_size > 1:
         _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S)
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
-    print(
+    # One write of the whole line: print() writes the text and the newline apart, so the ranks'
+    # lines could interleave in a shared output file (seen in Slurm job logs).
+    sys.stdout.write(
         f"[dist] rank {info.rank}/{info.world_size} | local rank {info.local_rank}/{info.local_world_size} "
         f"| node {info.node_rank} | master {master} | device {device} "
-        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}",
-        flush=True,
-    )
+        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}\n")
+    sys.stdout.flush()
     # Only now: until the group exists a signal may end the process at once (nothing to clean
     # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
     handle_stop_signals()

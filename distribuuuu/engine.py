@@ -30,7 +30,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, distributed, faults, models, optim
+from distribuuuu import checkpoint, data, distributed, faults, models, optim, sharding
 from distribuuuu.checkpoint import CheckpointTimer, TrainState
 from distribuuuu.distributed import DistContext
 from distribuuuu.errors import UserError
@@ -67,23 +67,38 @@ def seed_everything(cfg: CfgNode, rank: int) -> int:
 
 
 def build_model(cfg: CfgNode, ctx: DistContext) -> torch.nn.Module:
-    """The model on its device, wrapped in DDP when there are several processes, maybe compiled."""
-    model = models.build_model(cfg)
+    """The model on its device, wrapped for the strategy, maybe compiled (see wrap_model)."""
+    return wrap_model(cfg, ctx, models.build_model(cfg))
+
+
+def wrap_model(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
+    """SyncBN -> device -> channels_last -> activation checkpointing -> DDP or FSDP (several
+    processes) or DataParallel (dp) -> torch.compile."""
     if cfg.MODEL.SYNCBN and ctx.distributed:
         if ctx.device.type == "cuda":
             model = models.convert_syncbn(model)
         else:  # torch's DDP accepts SyncBatchNorm on CUDA modules only
             log.warning("MODEL.SYNCBN True: SyncBatchNorm needs CUDA; this CPU run keeps per-process BatchNorm")
+    log.info("model %s: %.2fM parameters", cfg.MODEL.ARCH, models.count_parameters(model) / 1e6)
+    # With CPU offload FSDP moves the parameters to the CPU itself; the compute stays on the device.
     model = model.to(ctx.device)
     if cfg.TRAIN.CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
-    log.info("model %s: %.2fM parameters", cfg.MODEL.ARCH, models.count_parameters(model) / 1e6)
+    units = sharding.blocks(model)
+    if cfg.TRAIN.ACTIVATION_CHECKPOINTING:
+        log.info("activation checkpointing: %d blocks recompute their activations in the backward pass",
+                 sharding.checkpoint_activations(model, units))
     d = cfg.DIST
-    if ctx.distributed:  # 'ddp' and 'zero1' (whose difference is in the optimizer)
+    if ctx.distributed and d.STRATEGY == "fsdp":
+        model = sharding.shard(model, units, d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
+    elif ctx.distributed:  # 'ddp' and 'zero1' (whose difference is in the optimizer)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        model = DDP(model, device_ids=device_ids, bucket_cap_mb=d.BUCKET_CAP_MB, static_graph=d.STATIC_GRAPH,
-                    gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
+        # None (BUCKET_CAP_MB 0) keeps torch's small first bucket, which starts communicating sooner.
+        model = DDP(model, device_ids=device_ids, bucket_cap_mb=d.BUCKET_CAP_MB or None,
+                    static_graph=d.STATIC_GRAPH, gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
                     find_unused_parameters=d.FIND_UNUSED_PARAMETERS)
+    elif d.STRATEGY == "fsdp":
+        log.warning("DIST.STRATEGY fsdp with one process: nothing to shard, training unsharded")
     elif d.STRATEGY == "dp" and torch.cuda.device_count() > 1:
         model = torch.nn.DataParallel(model)  # one process drives all GPUs (the seed's snmc_dp)
     if cfg.TRAIN.COMPILE:
@@ -216,11 +231,16 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
     wall_start = time.perf_counter()
     seed_everything(cfg, ctx.rank)
-    model = build_model(cfg, ctx)
-    write_run_record(cfg, ctx, models.unwrap(model))  # env.json, model.txt; a collective
+    bare = models.build_model(cfg)
+    write_run_record(cfg, ctx, bare)  # env.json, model.txt (before sharding); a collective
+    model = wrap_model(cfg, ctx, bare)
     optimizer = optim.build_optimizer(cfg, model)
     train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-    val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+    val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
+    test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device) if cfg.TRAIN.VAL_SPLIT else None
+    # FSDP's forward is a collective: evaluate a whole replica instead (sharding.EvalReplica).
+    replica = sharding.EvalReplica(lambda: models.build_model(cfg), ctx.device) if sharding.is_sharded(
+        models.unwrap(model)) else None
     global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
     peak_lr = optim.peak_lr(cfg, global_batch)
     stepper = Stepper(cfg, ctx.device, model, optimizer, global_batch)
@@ -230,6 +250,10 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
              ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, global_batch, peak_lr,
              cfg.OPTIM.BASE_LR, cfg.OPTIM.LR_SCALING, len(train_loader.dataset), len(val_loader.dataset),
              len(train_loader) // cfg.TRAIN.ACCUM_STEPS)
+    sizes = {"train": len(train_loader.dataset), "valid" if test_loader is not None else "val": len(val_loader.dataset)}
+    if test_loader is not None:
+        sizes["test"] = len(test_loader.dataset)
+    log.info(" - ".join(f"{k}: {v}" for k, v in sizes.items()))  # e.g. train: 45000 - valid: 5000 - test: 10000
     if len(train_loader) < cfg.TRAIN.ACCUM_STEPS:
         raise UserError("an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
                         "TRAIN.ACCUM_STEPS, or use more data")
@@ -251,14 +275,17 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
                  train["top5"], train["img_per_s"], train["time_s"])
         is_best = False
         if state.epoch % cfg.TRAIN.EVAL_PERIOD == 0 or state.epoch == cfg.OPTIM.MAX_EPOCH:
-            is_best, stop_reason = _evaluate_epoch(model, stepper, val_loader, cfg, ctx, state, metrics, wall_start)
+            net = replica.refresh(model) if replica is not None else model
+            is_best, stop_reason = _evaluate_epoch(net, stepper, val_loader, cfg, ctx, state, metrics, wall_start)
         checkpoint.save_run(cfg, ctx, model, optimizer, stepper.state_dict(), state, timer, is_best=is_best)
         if state.stop_signal:  # a preemption signal came at the epoch's last step
             raise Preempted(state.stop_signal)
 
-    metrics.close()
     summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,
                "wall_s": time.perf_counter() - wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
+    if test_loader is not None:  # once, on the checkpoint that the validation split chose
+        summary["test"] = test_chosen_checkpoint(model, replica, test_loader, cfg, ctx, stepper, metrics)
+    metrics.close()
     log.info("done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
              f" ({stop_reason})" if stop_reason else "", "top-1" if cfg.TRAIN.BEST_METRIC == "top1" else
              "EMA top-1", summary["best"], summary["best_epoch"], summary["epochs"],
@@ -296,8 +323,36 @@ def _evaluate_epoch(model: torch.nn.Module, stepper: Stepper, loader: Any, cfg: 
     return is_best, stop_reason
 
 
+def test_chosen_checkpoint(model: torch.nn.Module, replica: sharding.EvalReplica | None, loader: Any,
+                           cfg: CfgNode, ctx: DistContext, stepper: Stepper, metrics: MetricsWriter) -> dict:
+    """Evaluate best.pth (the best on the validation split; last.pth if none) on the test set once.
+
+    With TRAIN.BEST_METRIC ema_top1 the EMA weights of that checkpoint are tested.
+    """
+    folder = checkpoint.checkpoint_dir(cfg.OUT_DIR)
+    path = next((p for p in (os.path.join(folder, n) for n in ("best.pth", "last.pth")) if os.path.isfile(p)), None)
+    if path is None:
+        raise UserError(f"no checkpoint in {folder} to test (the weights were never finite)")
+    ckpt = checkpoint.load(path)
+    net = models.unwrap(model)
+    if ckpt.get("sharded"):  # training is over: the sharded model may take the chosen weights
+        sharding.load_sharded(net, None, os.path.join(folder, ckpt["sharded"]))
+        net = replica.refresh(net)
+    else:
+        weights = ckpt["ema"] if cfg.TRAIN.BEST_METRIC == "ema_top1" else ckpt["model"]
+        net = replica.module if replica is not None else models.build_model(cfg).to(ctx.device)
+        net.load_state_dict(models.strip_wrapper_prefixes(weights))
+    result = evaluate(net, loader, cfg, ctx, stepper)
+    record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
+              "weights": os.path.basename(path)}
+    metrics.write(record)
+    log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d",
+             path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"])
+    return record
+
+
 def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
-    """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on the val split."""
+    """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
     weights = cfg.MODEL.WEIGHTS
     if not weights:
         for name in ("best.pth", "last.pth"):
@@ -314,7 +369,7 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         cfg.freeze()
     seed_everything(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
-    loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+    loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
     start = time.perf_counter()
     result = evaluate(model, loader, cfg, ctx)
     log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,

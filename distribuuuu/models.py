@@ -223,6 +223,11 @@ def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
     obj = checkpoint.load(path, label)  # weights_only=True: loading runs no code
+    if isinstance(obj, dict) and obj.get("sharded") and "model" not in obj:
+        folder = os.path.join(os.path.dirname(path), obj["sharded"])
+        raise UserError(f"{label} {path} keeps its weights sharded in {folder} (DIST.FSDP_STATE_DICT sharded); "
+                        "make one file with `python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
+                        f"{folder} full.pth` and pass full.pth, or train with DIST.FSDP_STATE_DICT full")
     for key in ("model", "state_dict"):  # distribuuuu checkpoints, then most other trainers
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -233,7 +238,7 @@ def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model."""
     stripped = True
     while stripped:
@@ -274,7 +279,7 @@ def _load_file(model: nn.Module, path: str, label: str, allow_head_mismatch: boo
     """Check every name and shape against the model, then load; each problem is a UserError."""
     model = unwrap(model)
     where = f"{label} {path}"
-    state = _strip_wrapper_prefixes(_read_state_dict(path, label))
+    state = strip_wrapper_prefixes(_read_state_dict(path, label))
     own = model.state_dict()
     head = _head_keys(model)
     notes: list[str] = []

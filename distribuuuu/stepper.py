@@ -18,7 +18,7 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import models
+from distribuuuu import models, sharding
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,6 +45,7 @@ class Stepper:
         t = cfg.TRAIN
         self.model, self.optimizer, self.device = model, optimizer, device
         self.accum, self.micro = t.ACCUM_STEPS, 0
+        self.sharded = sharding.is_sharded(getattr(model, "_orig_mod", model))
         self.amp_dtype = AMP_DTYPES[t.AMP]
         self.channels_last = t.CHANNELS_LAST
         self.clip, self.check_finite = t.CLIP_GRAD_NORM, t.NONFINITE != "off"
@@ -75,6 +76,8 @@ class Stepper:
         # Gradients are all-reduced only on the last micro-batch; before that they just add up.
         ddp = getattr(self.model, "_orig_mod", self.model)  # torch.compile wraps the DDP module
         no_sync = isinstance(ddp, DDP) and not last
+        if self.sharded:  # FSDP: reduce-scatter the gradients on the last micro-batch only
+            sharding.set_gradient_sync(ddp, last)
         with ddp.no_sync() if no_sync else contextlib.nullcontext():
             with self.autocast():
                 logits = self.model(self.prepare(images))
@@ -86,9 +89,14 @@ class Stepper:
     def _step(self) -> bool:
         self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the check (fp16 only)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        finite: bool | torch.Tensor = True
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
-        if self.check_finite and not grads_finite(params):
+            # The total norm is non-finite iff some gradient is: it doubles as the check.
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
+            finite = torch.isfinite(sharding.local_tensor(norm))  # FSDP: a replicated DTensor
+        elif self.check_finite:
+            finite = grads_finite(params, self.sharded)
+        if self.check_finite and not bool(finite):  # the one host sync this check costs
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # under fp16: a smaller loss scale for the next step
             return False
@@ -112,11 +120,19 @@ class Stepper:
             self.ema.load_state_dict(state["ema"])
 
 
-def grads_finite(params: list[torch.nn.Parameter]) -> bool:
-    """Whether every gradient is finite. DDP has already averaged the gradients, so a NaN on any
-    rank is a NaN on all of them and every rank reaches the same answer without a collective."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)  # one multi-tensor kernel instead of a loop
-    return bool(torch.isfinite(torch.stack(norms)).all())  # the one host sync this check costs
+def grads_finite(params: list[torch.nn.Parameter], sharded: bool = False) -> torch.Tensor:
+    """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet).
+
+    DDP has already averaged the gradients, so a NaN on any rank is a NaN on all of them and
+    every rank reaches the same answer without a collective. Under FSDP each rank holds other
+    shards, so the ranks' answers are combined with one all-reduce.
+    """
+    grads = [sharding.local_tensor(p.grad) for p in params if p.grad is not None]
+    finite = torch.tensor(True, device=grads[0].device) if grads else torch.tensor(True)
+    if grads:
+        finite = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()  # one multi-tensor kernel
+    if sharded:
+        bad = (~finite).to(torch.int32).reshape(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        finite = bad[0] == 0
+    return finite

@@ -69,3 +69,14 @@ def write_fake_cifar100(folder: str, n_train: int = 4, n_test: int = 2) -> None:
             pickle.dump(obj, f)
     with open(os.path.join(folder, "meta"), "wb") as f:
         pickle.dump({"fine_label_names": [f"c{i:02d}" for i in range(100)]}, f)
+
+
+def write_constant_image_tree(root: str, split: str, classes: dict[str, int], value: int = 120,
+                              size: tuple[int, int] = (20, 16)) -> None:
+    """root/split/<class>/<i>.png, every image one flat RGB colour: any crop or flip of it is the
+    same flat image, so what makes two of them differ is the rest of the augmentation."""
+    for name, n in sorted(classes.items()):
+        for i in range(n):
+            path = os.path.join(root, split, name, f"{i}.png")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            Image.new("RGB", size, (value, value, value)).save(path)

@@ -71,10 +71,10 @@ SPAWN_DUMP = textwrap.dedent("""
     import torch
     from distribuuuu import cli, engine, models
 
-    _build, _fit, _model = engine.build_model, engine.fit, {}
+    _wrap, _fit, _model = engine.wrap_model, engine.fit, {}
 
-    def build_model(cfg, ctx):
-        _model["m"] = _build(cfg, ctx)
+    def wrap_model(cfg, ctx, model):
+        _model["m"] = _wrap(cfg, ctx, model)
         return _model["m"]
 
     def fit(cfg, ctx):
@@ -82,7 +82,7 @@ SPAWN_DUMP = textwrap.dedent("""
         torch.save(models.state_dict_for_saving(_model["m"]), os.path.join(cfg.OUT_DIR, f"rank{ctx.rank}.pt"))
         return summary
 
-    engine.build_model, engine.fit = build_model, fit
+    engine.wrap_model, engine.fit = wrap_model, fit
 
     if __name__ == "__main__":
         sys.exit(cli.main(["train", *sys.argv[1:]]))

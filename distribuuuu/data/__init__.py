@@ -10,14 +10,30 @@ TRAIN.DATASET / TEST.DATASET pick the source:
   a folder   <DATASET>/<SPLIT>/<class>/<image>, read with torchvision's ImageFolder
 MODEL.DUMMY_INPUT replaces all of them by random tensors (times the model alone).
 
-Typical use (the engine): ``check_datasets`` before the process group starts, then
-``build_train_loader`` / ``build_val_loader`` on each rank.
+Three loaders per rank:
+  build_train_loader  the TRAIN data, augmented, shuffled by a resumable sampler (each index
+                      TRAIN.REPEATED_AUG times per epoch, the copies on different ranks)
+  build_val_loader    what picks the best checkpoint: with TRAIN.VAL_SPLIT > 0 the images held
+                      out of TRAIN (eval transforms), else the TEST data
+  build_test_loader   always the TEST data
+TRAIN.VAL_SPLIT (a fraction < 1, or a number of images) holds out, from each class of the TRAIN
+data, round(fraction x class size) images chosen by a constant seed (split.HOLDOUT_SEED, never
+RNG_SEED): the same images on every rank, in every run and on resume, and never in training.
+Every class must keep at least one training image. len(loader.dataset) is the size of each part.
+
+Augmentation (training only): the crops and flips of each source, then TRAIN.AUTO_AUGMENT on the
+uint8 image and TRAIN.RANDOM_ERASE after normalization, drawn per image in every pipeline
+(transforms.py); synthetic data and dummy input are not augmented.
+
+Typical use (the engine): ``check_datasets`` before the process group starts, then the loaders on
+each rank.
 """
 
 from distribuuuu.data.check import check_datasets
 from distribuuuu.data.export import export_mnist5k
-from distribuuuu.data.loaders import build_dataset, build_train_loader, build_val_loader, take_bad_image_count
+from distribuuuu.data.loaders import (build_dataset, build_test_loader, build_train_loader, build_val_loader,
+                                      take_bad_image_count)
 from distribuuuu.data.samplers import ShardedEvalSampler
 
-__all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_dataset",
+__all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count"]

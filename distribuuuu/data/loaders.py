@@ -1,15 +1,20 @@
-"""Datasets with their transforms, and the train / val loaders of one rank.
+"""Datasets with their transforms, and the train / val / test loaders of one rank.
 
 Which loader (TRAIN.DATA_PIPELINE): mnist5k and CIFAR go through the in-memory MemoryLoader
 (memory.py: the split on the device, batched augmentation) under 'auto'; image folders, synthetic
 data and MODEL.DUMMY_INPUT through a DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
 uint8 crops (transforms.FastTrainDecode / FastEvalDecode) normalized per batch on the device.
 Every train loader has len(), .dataset, .sampler.set_epoch(epoch, start) and yields (images, target).
+
+TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (split.holdout_indices, the same on every rank and
+run): the train loader reads the kept part, the val loader the held-out part with the eval
+transforms, each a SplitPart of the full dataset; the test loader always reads TEST.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -17,17 +22,19 @@ from typing import Any, Callable, Iterator, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import sources, transforms
+from distribuuuu.data import sources, split, transforms
 from distribuuuu.data.memory import MemoryLoader
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
 
 PIPELINES = ("auto", "memory", "loader")  # TRAIN.DATA_PIPELINE
 IMAGE_DECODERS = ("fast", "pil")  # TRAIN.IMAGE_DECODE
+
+log = logging.getLogger("distribuuuu")
 
 
 def require_image_chans(cfg: CfgNode, key: str) -> None:
@@ -94,41 +101,71 @@ def tensor_source(cfg: CfgNode, key: str) -> TensorSource | None:
 
 
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
-    """The TRAIN (train=True) or TEST dataset, with its transforms; see the package docstring.
-    Items are (float32 [C, H, W] normalized, int label), one at a time."""
-    return _build_dataset(cfg, train, batched=False)
+    """The whole TRAIN (train=True, augmented) or TEST dataset, with its transforms; see the package
+    docstring. Items are (float32 [C, H, W] normalized, int label), one at a time."""
+    return _build_dataset(cfg, "TRAIN" if train else "TEST", train, batched=False)
 
 
-def _build_dataset(cfg: CfgNode, train: bool, batched: bool) -> Dataset:
-    """batched=True (the loaders, with TRAIN.IMAGE_DECODE fast): folder items stay uint8, to be
-    normalized per batch on the device (see _NormalizedBatches)."""
-    key = "TRAIN" if train else "TEST"
+def _policy(cfg: CfgNode) -> v2.Transform | None:
+    return transforms.augment_policy(cfg.TRAIN.AUTO_AUGMENT, cfg.TRAIN.RANDAUG_MAGNITUDE)
+
+
+def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset:
+    """The data of cfg[key], with the training transforms (train) or the eval ones.
+
+    batched=True (the loaders, with TRAIN.IMAGE_DECODE fast): folder items stay uint8, to be
+    normalized (and erased) per batch on the device (see _NormalizedBatches)."""
     group, chans, size = cfg[key], cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE  # val crops TRAIN.IM_SIZE too
     if cfg.MODEL.DUMMY_INPUT:
         return sources.RandomTensorDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES,
-                                           (chans, size, size), seed=0 if train else 1)
+                                           (chans, size, size), seed=0 if key == "TRAIN" else 1)
     kind = sources.source_kind(group.DATASET)
     if kind == "synthetic":
         return sources.SyntheticDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, chans, size,
                                         group.SPLIT)
+    policy, erase = (_policy(cfg), cfg.TRAIN.RANDOM_ERASE) if train else (None, 0.0)
     src = tensor_source(cfg, key)
     if src is not None:
         native = src.images.shape[-1]
-        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=src.stats)
+        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=src.stats,
+                                              policy=policy, erase=erase)
         return sources.TensorImageDataset(src.images, src.targets, src.classes, tf)
     require_image_chans(cfg, key)
     split_dir = sources.folder_split_dir(group.DATASET, group.SPLIT, key)
     classes = sources.folder_classes(split_dir)
-    if not train:
+    if key == "TEST":
         classes = val_folder_classes(cfg, classes)
     mode = "L" if chans == 1 else "RGB"
     if batched:  # decode + geometry in the loader callable, so its errors meet the bad-image handling
         load: Callable = (transforms.FastTrainDecode(size, mode) if train
                           else transforms.FastEvalDecode(cfg.TEST.IM_SIZE, size, mode))
-        return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load)
-    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans)
+        # The policy runs per item here, in the worker processes; erasing follows the batch normalization.
+        return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load,
+                                              transform=policy)
+    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase)
     load = functools.partial(sources.open_image, mode=mode)
     return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load)
+
+
+class SplitPart(Subset):
+    """The part of a dataset that TRAIN.VAL_SPLIT keeps for training or holds out: item i is
+    dataset[indices[i]]. Keeps the dataset's classes and its count of unreadable images."""
+
+    def __init__(self, dataset: Dataset, indices: np.ndarray) -> None:
+        super().__init__(dataset, indices.tolist())
+        self.classes = dataset.classes
+
+    def take_bad_count(self) -> int:
+        take = getattr(self.dataset, "take_bad_count", None)
+        return take() if take else 0
+
+
+def _part(cfg: CfgNode, dataset: Dataset, part: str | None) -> Dataset:
+    """dataset itself (part None), or its 'train' / 'val' part under TRAIN.VAL_SPLIT."""
+    if part is None:
+        return dataset
+    kept, held = split.holdout_indices(np.asarray(dataset.targets), cfg.TRAIN.VAL_SPLIT)
+    return SplitPart(dataset, kept if part == "train" else held)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -164,14 +201,18 @@ class _NormalizedBatches:
     Everything else (dataset, sampler, drop_last, len ...) is the DataLoader's.
     """
 
-    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device) -> None:
+    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device, erase: float = 0.0) -> None:
         self.loader, self.device = loader, device
         self.normalize = transforms.BatchNormalize(stats, device)
+        # Erasing needs the normalized floats, which exist only here: per image, batched on the device.
+        self.erase = transforms.BatchRandomErasing(erase) if erase > 0 else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, target in self.loader:
-            images = images.to(self.device, non_blocking=True)
-            yield self.normalize(images), target.to(self.device, non_blocking=True)
+            images = self.normalize(images.to(self.device, non_blocking=True))
+            if self.erase is not None:
+                images = self.erase(images)
+            yield images, target.to(self.device, non_blocking=True)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -199,60 +240,94 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
     return choice
 
 
-def _memory_loader(cfg: CfgNode, train: bool, sampler_of: Callable[[Sized], Sampler], batch_size: int,
-                   device: torch.device) -> MemoryLoader:
-    key = "TRAIN" if train else "TEST"
-    dataset = build_dataset(cfg, train)  # per-sample twin: len, classes, items for inspection
+def _memory_loader(cfg: CfgNode, key: str, train: bool, part: str | None,
+                   sampler_of: Callable[[Sized], Sampler], batch_size: int, device: torch.device) -> MemoryLoader:
+    """The MemoryLoader of cfg[key] (or its VAL_SPLIT part), augmented when train."""
+    # The per-sample twin: len, classes, items for inspection (and the split's labels).
+    dataset = _part(cfg, _build_dataset(cfg, key, train, batched=False), part)
     src = tensor_source(cfg, key)
+    policy = erase = None
     if src is None:  # synthetic: generated once, already normalized, no augmentation
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
         pad, flip, normalize = 0, False, None
     else:
         images, targets, pad, flip = src.images, src.targets, src.pad, src.flip
+        if part is not None:  # the rows of the part, in its order: row i is dataset[i]
+            rows = torch.as_tensor(dataset.indices, dtype=torch.long)
+            images, targets = images[rows], targets[rows]
         normalize = transforms.BatchNormalize(src.stats, device)
         if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
             images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, antialias=True)
+        if train:
+            policy = _policy(cfg)
+            erase = transforms.BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
     sampler = sampler_of(dataset)
     drop_last = train and len(sampler) >= batch_size
     return MemoryLoader(dataset, images.to(device), targets.to(device), sampler, batch_size, drop_last,
-                        pad=pad, flip=flip, train=train, normalize=normalize)
+                        pad=pad, flip=flip, train=train, normalize=normalize, policy=policy, erase=erase)
 
 
 def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
     """Shuffled by a ResumableDistributedSampler even for one process, so the engine can always
-    call loader.sampler.set_epoch(epoch, start); the same seed on every rank gives disjoint shards.
+    call loader.sampler.set_epoch(epoch, start); the same seed on every rank gives disjoint shards
+    (of the order with each index TRAIN.REPEATED_AUG times). With TRAIN.VAL_SPLIT, the kept part only.
 
     A DataLoader, or (TRAIN.DATA_PIPELINE) a MemoryLoader with the same order and interface.
     """
     seed = cfg.RNG_SEED or 0
+    part = "train" if cfg.TRAIN.VAL_SPLIT else None
+    _note_unaugmented(cfg, rank)
 
     def sampler_of(dataset: Sized) -> Sampler:
-        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
+                                           repeats=cfg.TRAIN.REPEATED_AUG)
 
     if data_pipeline(cfg, "TRAIN") == "memory":
-        return _memory_loader(cfg, True, sampler_of, cfg.TRAIN.BATCH_SIZE, device)
+        return _memory_loader(cfg, "TRAIN", True, part, sampler_of, cfg.TRAIN.BATCH_SIZE, device)
     batched = _fast_folder(cfg, "TRAIN")
-    dataset = _build_dataset(cfg, True, batched=batched)
+    dataset = _part(cfg, _build_dataset(cfg, "TRAIN", True, batched=batched), part)
     sampler = sampler_of(dataset)
     # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
     drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
     loader = _loader(cfg, dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)
-    return _normalized(cfg, loader, device) if batched else loader
+    return _normalized(cfg, loader, device, erase=cfg.TRAIN.RANDOM_ERASE) if batched else loader
 
 
 def build_val_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
-    """Exact evaluation: each val sample is seen by exactly one rank (a rank may get none)."""
+    """The validation data: with TRAIN.VAL_SPLIT > 0 the part of the TRAIN data held out from
+    training, with the eval transforms; else the TEST data (as build_test_loader). Sharded exactly."""
+    if not cfg.TRAIN.VAL_SPLIT:
+        return build_test_loader(cfg, rank, world_size, device)
+    return _eval_loader(cfg, "TRAIN", "val", rank, world_size, device)
+
+
+def build_test_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
+    """The TEST data, whatever TRAIN.VAL_SPLIT is. Sharded exactly."""
+    return _eval_loader(cfg, "TEST", None, rank, world_size, device)
+
+
+def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size: int,
+                 device: torch.device) -> Any:
+    """Exact evaluation: each sample is seen by exactly one rank (a rank may get none)."""
 
     def sampler_of(dataset: Sized) -> Sampler:
         return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
 
-    if data_pipeline(cfg, "TEST") == "memory":
-        return _memory_loader(cfg, False, sampler_of, cfg.TEST.BATCH_SIZE, device)
-    batched = _fast_folder(cfg, "TEST")
-    dataset = _build_dataset(cfg, False, batched=batched)
+    if data_pipeline(cfg, key) == "memory":
+        return _memory_loader(cfg, key, False, part, sampler_of, cfg.TEST.BATCH_SIZE, device)
+    batched = _fast_folder(cfg, key)
+    dataset = _part(cfg, _build_dataset(cfg, key, False, batched=batched), part)
     loader = _loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device, stream=1)
     return _normalized(cfg, loader, device) if batched else loader
+
+
+def _note_unaugmented(cfg: CfgNode, rank: int) -> None:
+    """Synthetic data and dummy input are never augmented (no crops either): say so once."""
+    asked = cfg.TRAIN.AUTO_AUGMENT != "none" or cfg.TRAIN.RANDOM_ERASE > 0
+    if asked and rank == 0 and (cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg.TRAIN.DATASET) == "synthetic"):
+        log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
+                    "not augmented", "MODEL.DUMMY_INPUT" if cfg.MODEL.DUMMY_INPUT else "synthetic data")
 
 
 def _fast_folder(cfg: CfgNode, key: str) -> bool:
@@ -261,9 +336,9 @@ def _fast_folder(cfg: CfgNode, key: str) -> bool:
             and sources.source_kind(cfg[key].DATASET) == "folder")
 
 
-def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device) -> _NormalizedBatches:
+def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device, erase: float = 0.0) -> _NormalizedBatches:
     stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
-    return _NormalizedBatches(loader, stats, device)
+    return _NormalizedBatches(loader, stats, device, erase)
 
 
 def take_bad_image_count(loader: DataLoader) -> int:

