@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_demo.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
+	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_fast.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

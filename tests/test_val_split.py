@@ -171,3 +171,23 @@ def test_training_validates_on_the_held_out_part(tmp_path):
     lines = read_metrics(out)
     assert [m["n"] for m in lines if m["split"] == "train"] == [96 // 16 * 16]  # 128 - 32 held out
     assert [m["n"] for m in lines if m["split"] == "val"] == [32]
+
+
+def test_best_on_valid_then_one_test_of_best_pth_at_the_end(tmp_path):
+    """2 processes, 4 epochs: best.pth is chosen on the held-out split, TEST is evaluated once, at
+    the end, on that checkpoint, and equals what `distribuuuu eval` gives for best.pth."""
+    out = str(tmp_path / "run")
+    proc = check(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out,
+                             "OPTIM.MAX_EPOCH", "4", "TRAIN.VAL_SPLIT", "32"))
+    assert "train: 96 - valid: 32 - test: 50" in proc.stdout
+    lines = read_metrics(out)
+    tests = [m for m in lines if m["split"] == "test"]
+    assert len(tests) == 1 and lines[-1] == tests[0]  # the last line of the run
+    vals = [m for m in lines if m["split"] == "val"]
+    assert len(vals) == 4 and all(m["n"] == 32 for m in vals)
+    best_epoch = max(vals, key=lambda m: (m["top1"], -m["epoch"]))["epoch"]  # the first of the best
+    assert tests[0]["epoch"] == best_epoch and tests[0]["n"] == 50 and tests[0]["weights"] == "best.pth"
+    ev = check(distribuuuu("eval", "--cfg", TINY, "OUT_DIR", out))  # best.pth, on TEST (not the held-out part)
+    record = read_metrics(out)[-1]
+    assert record["n"] == 50 and record["top1"] == tests[0]["top1"] and record["loss"] == pytest.approx(tests[0]["loss"], rel=1e-5)
+    assert "best.pth" in ev.stdout
