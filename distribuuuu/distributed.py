@@ -444,6 +444,9 @@ def _is_addr_in_use(err: BaseException) -> bool:
 
 
 _groups_made = 0  # process groups this process has created (all ranks create them in step)
+# A gloo group beside an nccl one, for any_rank(): its CPU all-reduce does not wait for the GPU
+# queue, so a per-step decision costs no host-device sync. None when the main group is gloo.
+_control_group: Any = None
 
 
 def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float) -> None:
@@ -475,6 +478,9 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
             rank=info.rank, world_size=info.world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
         )
+        if backend == "nccl":
+            global _control_group
+            _control_group = dist.new_group(backend="gloo")
     except (dist.DistNetworkError, RuntimeError) as e:
         if _is_addr_in_use(e):
             raise UserError(
@@ -521,8 +527,10 @@ def teardown() -> None:
 
     Safe to call twice or without setup().
     """
+    global _control_group
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _control_group = None
     restore_signal_handlers()
 
 
@@ -690,12 +698,12 @@ def any_rank(flags: Sequence[bool]) -> list[bool]:
 
     Used at step boundaries for decisions that must be collective (stop after a signal, a
     time-based checkpoint): a rank acting alone would leave the others waiting in a collective.
+    Under nccl it runs on a gloo side group with a CPU tensor: no GPU sync per step.
     """
     if not _initialized():
         return [bool(f) for f in flags]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group)  # None: the default (gloo) group
     return [bool(v) for v in t.tolist()]
 
 
