@@ -196,3 +196,40 @@ def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tm
     second = check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
     assert "96 samples into epoch 1, step 3" in second.stdout
     assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
+
+
+def test_preempted_sbatch_job_requeues_itself_and_the_second_run_finishes(tmp_path):
+    """TRAIN.REQUEUE True in a `sbatch --requeue` job: the preempted first run checkpoints at step 3,
+    rank 0 runs `scontrol requeue`, Slurm starts the same script again (restart count 1), and that
+    run resumes from step 3 and completes the job."""
+    from tests import slurm_utils as su
+
+    su.require_slurm()
+    out, log, name = str(tmp_path / "run"), str(tmp_path / "job.log"), f"requeue-{os.getpid()}"
+    e = env()
+    e["PYTHON"] = sys.executable
+    cmd = ["sbatch", "--parsable", "-J", name, "-t", "5", f"--output={log}", "tests/scripts/requeue.sbatch",
+           *SMALL, "OUT_DIR", out, "TRAIN.REQUEUE", "True"]
+    sub = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 120
+        info = su.job_info(job)
+        while not (info.get("Restarts") == "1" and info.get("JobState") == "PENDING"):
+            assert info.get("JobState") not in su.FINISHED, f"job ended without a requeue: {info}"
+            assert time.monotonic() < deadline, f"no requeue after 120 s: {info}"
+            time.sleep(0.3)
+            info = su.job_info(job)
+        # Slurm holds a requeued batch job back for ~2 minutes (the credential lifetime, 120 s by
+        # default); starting it now keeps the test short and changes nothing else.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        info = su.wait_job(job, 180)
+    finally:
+        su.cancel(name)
+    output = open(log).read() if os.path.exists(log) else "(no output file)"
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{output}"
+    assert f"[preempt] scontrol requeue {job}: ok" in output, output
+    assert f"job {job} starts, restart count 1" in output, output
+    assert "96 samples into epoch 1, step 3" in output, output
+    assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
