@@ -12,7 +12,8 @@ Sections (each measured side by side in this one run, repetitions interleaved, m
             vs distribuuuu's DataLoader path and vs torchvision's classic PIL CIFAR recipe.
   jpeg      per-core throughput on ~500x375 JPEGs: TRAIN.IMAGE_DECODE fast vs torchvision's default
             ImageFolder pipeline, and the output statistics of both (same crops, pixel differences).
-  threads   `distribuuuu train` with 2 processes x 1 thread vs 1 process x 2 threads (img/s).
+  threads   `distribuuuu train` with 2 processes x 1 thread vs 1 process x 2 threads (img/s), for
+            ResNet-18 and for the speedrun's small model.
   speedrun  `distribuuuu train --cfg config/mnist5k_fast.yaml` wall time and val top-1, with the
             in-memory path and with the DataLoader path.
 The machine (CPU model, cores, load average) is printed first: the figures mean little without it.
@@ -522,30 +523,38 @@ THREADS_ARGS = ["--cfg", os.path.join(ROOT, "config", "synthetic_tiny.yaml"), "M
                 "TRAIN.DATA_PIPELINE", "memory", "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "1000"]
 
 
-def section_threads(args: argparse.Namespace) -> None:
-    print(f"\n[threads] ResNet-18 32 px, global batch 64, `distribuuuu train`, 2nd epoch img/s ({load()})", flush=True)
-    reps, timeout = (1, 240) if args.quick else (2, 240)
-    # OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep instead of spinning at barriers; it matters
-    # when the cores are shared with other processes (see docs/performance.md).
-    setups = {"2 processes x 1 thread": (2, ["TRAIN.BATCH_SIZE", "32", "NUM_THREADS", "1"], {}),
-              "1 process x 2 threads": (1, ["TRAIN.BATCH_SIZE", "64", "NUM_THREADS", "2"], {}),
-              "1 process x 2 threads, OMP_WAIT_POLICY=PASSIVE": (1, ["TRAIN.BATCH_SIZE", "64", "NUM_THREADS", "2"],
-                                                                 {"OMP_WAIT_POLICY": "PASSIVE"}),
-              "1 process x 1 thread": (1, ["TRAIN.BATCH_SIZE", "64", "NUM_THREADS", "1"], {})}
-    with tempfile.TemporaryDirectory() as tmp:
-        def one(name: str) -> float:
-            nproc, extra, env = setups[name]
-            try:
-                _, records = _train(THREADS_ARGS + extra, os.path.join(tmp, f"r{time.time_ns()}"), nproc, timeout, env)
-            except subprocess.TimeoutExpired:
-                return 1024 * 2 / timeout  # an upper bound: the run did not finish
-            return [m for m in records if m["split"] == "train"][-1]["img_per_s"]  # 2nd epoch: warmed up
+# The speedrun's model on mnist5k: 0.3M parameters, so its gradient all-reduce is cheap.
+SMALL_MODEL_ARGS = ["--cfg", os.path.join(ROOT, "config", "mnist5k_fast.yaml"), "OPTIM.MAX_EPOCH", "2"]
 
-        res = interleaved({name: (lambda name=name: one(name)) for name in setups}, reps)
-    for name, xs in res.items():
-        report("threads", f"{name} img/s (median of {reps})", f"{med(xs):.0f}  {[round(x) for x in xs]}")
-    report("threads", "ratio 2 processes x 1 thread / 1 process x 2 threads",
-           f"{med(res['2 processes x 1 thread']) / med(res['1 process x 2 threads']):.2f}")
+
+def section_threads(args: argparse.Namespace) -> None:
+    reps, timeout = (1, 240) if args.quick else (2, 240)
+    workloads = [("ResNet-18 32 px, global batch 64", "", THREADS_ARGS, 32),
+                 ("resnet_tiny on mnist5k (speedrun config), global batch 128", "small model: ", SMALL_MODEL_ARGS, 64)]
+    for title, tag, base, per_proc in workloads:
+        print(f"\n[threads] {title}, `distribuuuu train`, 2nd epoch img/s ({load()})", flush=True)
+        # OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep instead of spinning at barriers; it matters
+        # when the cores are shared with other processes (see docs/performance.md).
+        one_proc = ["TRAIN.BATCH_SIZE", str(2 * per_proc)]
+        setups = {"2 processes x 1 thread": (2, ["TRAIN.BATCH_SIZE", str(per_proc), "NUM_THREADS", "1"], {}),
+                  "1 process x 2 threads": (1, [*one_proc, "NUM_THREADS", "2"], {}),
+                  "1 process x 2 threads, OMP_WAIT_POLICY=PASSIVE": (1, [*one_proc, "NUM_THREADS", "2"],
+                                                                     {"OMP_WAIT_POLICY": "PASSIVE"}),
+                  "1 process x 1 thread": (1, [*one_proc, "NUM_THREADS", "1"], {})}
+        with tempfile.TemporaryDirectory() as tmp:
+            def one(name: str, base: list[str] = base, setups: dict = setups) -> float:
+                nproc, extra, env = setups[name]
+                try:
+                    _, records = _train(base + extra, os.path.join(tmp, f"r{time.time_ns()}"), nproc, timeout, env)
+                except subprocess.TimeoutExpired:
+                    return float("nan")  # the run did not finish in time
+                return [m for m in records if m["split"] == "train"][-1]["img_per_s"]  # 2nd epoch: warmed up
+
+            res = interleaved({name: (lambda name=name: one(name)) for name in setups}, reps)
+        for name, xs in res.items():
+            report("threads", f"{tag}{name} img/s (median of {reps})", f"{med(xs):.0f}  {[round(x) for x in xs]}")
+        report("threads", f"{tag}ratio 2 processes x 1 thread / 1 process x 2 threads",
+               f"{med(res['2 processes x 1 thread']) / med(res['1 process x 2 threads']):.2f}")
 
 
 def section_speedrun(args: argparse.Namespace) -> None:
