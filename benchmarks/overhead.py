@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of issue #7: every ratio from one command.
 
-    .venv/bin/python benchmarks/overhead.py                    # all sections (about 10 minutes on 2 cores)
-    .venv/bin/python benchmarks/overhead.py --quick            # fewer repetitions (about 4 minutes)
+    .venv/bin/python benchmarks/overhead.py                    # all sections (5-15 minutes on 2 cores)
+    .venv/bin/python benchmarks/overhead.py --quick            # fewer repetitions (2-5 minutes)
     .venv/bin/python benchmarks/overhead.py --sections overhead,memory --json out.json
 
 Sections (each measured side by side in this one run, repetitions interleaved, medians reported):
