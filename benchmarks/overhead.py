@@ -552,7 +552,8 @@ def section_threads(args: argparse.Namespace) -> None:
 
             res = interleaved({name: (lambda name=name: one(name)) for name in setups}, reps)
         for name, xs in res.items():
-            report("threads", f"{tag}{name} img/s (median of {reps})", f"{med(xs):.0f}  {[round(x) for x in xs]}")
+            each = ", ".join(f"{x:.0f}" for x in xs)  # a run that timed out shows as nan
+            report("threads", f"{tag}{name} img/s (median of {reps})", f"{med(xs):.0f}  [{each}]")
         report("threads", f"{tag}ratio 2 processes x 1 thread / 1 process x 2 threads",
                f"{med(res['2 processes x 1 thread']) / med(res['1 process x 2 threads']):.2f}")
 
