@@ -513,8 +513,9 @@ def _train(args: list[str], out: str, nproc: int | None, timeout: float = 600,
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return wall, [json.loads(line) for line in f if line.strip()]
+    from distribuuuu.logger import read_jsonl  # a bad line is skipped with a warning, as in plot
+
+    return wall, read_jsonl(os.path.join(out, "metrics.jsonl"))
 
 
 THREADS_ARGS = ["--cfg", os.path.join(ROOT, "config", "synthetic_tiny.yaml"), "MODEL.ARCH", "resnet18",

@@ -5,17 +5,31 @@ mid-epoch (the newest TRAIN.CKPT_KEEP of each kind are kept), ``last.pth`` (the 
 and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
   model (state dict without any ``module.`` prefix), optimizer, epoch (epochs completed),
   samples_in_epoch (position in the epoch in progress, all ranks together), global_step,
-  best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/cuda] states of every rank),
+  best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank),
   world_size, train_sums (metrics of the part-done epoch).
 Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``.
 Under DIST.STRATEGY fsdp the whole state is gathered on rank 0 into the same file (FSDP_STATE_DICT
 full; its optimizer state is keyed by parameter name), or (sharded) each rank writes its shards into
 ``<name>.dcp/`` with torch.distributed.checkpoint and the .pth holds the rest plus ``sharded``.
+
+Integrity: every checkpoint written by ``save`` holds ``integrity``, a SHA-256 of each other
+top-level entry (tensors' dtype, shape and bytes, and every other value), and ``load`` verifies
+it before anything uses the file. torch.load does not check the zip archive's CRC-32s: measured
+with torch 2.14 on a ResNet-18 checkpoint (47 MB) and on a 2 kB one, one flipped bit inside a
+tensor's data record loads without a word, with and without mmap (only damage to data.pkl or to
+the zip directories is noticed, as an unpickling or archive error). The digest lives inside the
+file, not in a sidecar, so it travels with copies of best.pth and with the hard links last.pth
+and best.pth; it costs about one SHA-256 pass over the state per save and per load (~0.05 s for
+ResNet-18's 47 MB here). Files without it (older checkpoints, bare state dicts) load unchecked.
+A file whose digest does not match raises DamagedCheckpoint: auto-resume skips it with a warning
+naming it and uses the next older intact checkpoint; eval, predict and export refuse it (exit 2).
+Sharded .dcp folders are not covered (torch.distributed.checkpoint has its own metadata).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import pickle
@@ -23,7 +37,7 @@ import random
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -88,13 +102,66 @@ def checkpoint_path(out_dir: str, state: dict[str, Any]) -> str:
     return os.path.join(checkpoint_dir(out_dir), f"epoch_{state['epoch']:04d}.pth")
 
 
+INTEGRITY_KEY = "integrity"  # {"algorithm": "sha256", "parts": {top-level key: hex digest}}
+
+
+def _feed(h: Any, value: Any) -> None:
+    """Hash one value of a checkpoint: type tags keep [1] from (1,) and 1 from 1.0 or True."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+        if t.numel():  # the raw bytes, without a copy for contiguous CPU tensors
+            h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(b"D%d;" % len(value))
+        for k, v in value.items():  # pickling keeps the insertion order
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(b"%s%d;" % (b"L" if isinstance(value, list) else b"U", len(value)))
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, (bytes, bytearray)):
+        h.update(b"B%d;" % len(value))
+        h.update(value)
+    else:  # str, int, float, bool, None, torch.Size/dtype: repr round-trips them exactly
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def integrity_digest(state: dict[str, Any]) -> dict[str, Any]:
+    """The SHA-256 of every top-level entry but the digest itself (see the module docstring)."""
+    parts = {}
+    for key, value in state.items():
+        if key != INTEGRITY_KEY:
+            h = hashlib.sha256()
+            _feed(h, value)
+            parts[key] = h.hexdigest()
+    return {"algorithm": "sha256", "parts": parts}
+
+
+def verify_integrity(obj: Any, path: str, label: str = "checkpoint") -> None:
+    """Raise DamagedCheckpoint when the file's stored digest does not match what was read."""
+    if not isinstance(obj, dict) or not isinstance(obj.get(INTEGRITY_KEY), dict):
+        return  # an older checkpoint or a bare state dict: nothing to check against
+    stored = obj[INTEGRITY_KEY].get("parts", {})
+    now = integrity_digest(obj)["parts"]
+    bad = sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k))
+    if bad:
+        raise DamagedCheckpoint(
+            f"{label} {path} is damaged: its contents changed after it was written (SHA-256 mismatch in "
+            f"{', '.join(map(str, bad))}; bit rot or a bad copy), so it is not used. Use an older checkpoint "
+            "of the run (epoch_NNNN.pth) or an intact copy of this file")
+
+
 def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
-    """Write epoch_NNNN.pth (or step_NNNNNNNN.pth mid-epoch), point last.pth (and best.pth) at it,
-    then prune the oldest files of that kind beyond ``keep`` (with their .dcp shard folders)."""
+    """Write epoch_NNNN.pth (or step_NNNNNNNN.pth mid-epoch) with its integrity digest, point
+    last.pth (and best.pth) at it, then prune the oldest files of that kind beyond ``keep``
+    (with their .dcp shard folders)."""
     folder = checkpoint_dir(out_dir)
     os.makedirs(folder, exist_ok=True)
     kind = "step" if state.get("samples_in_epoch") else "epoch"
     path = checkpoint_path(out_dir, state)
+    state = {**state, INTEGRITY_KEY: integrity_digest(state)}
     _atomic_save(state, path)
     _atomic_link(path, os.path.join(folder, "last.pth"))
     if is_best:
@@ -124,16 +191,21 @@ class UnreadableCheckpoint(UserError):
     """The file is not a torch.save file: truncated, corrupt, or something else entirely."""
 
 
+class DamagedCheckpoint(UnreadableCheckpoint):
+    """The file reads, but its integrity digest says its bytes changed after it was written."""
+
+
 def load(path: str, label: str = "checkpoint") -> dict[str, Any]:
     """torch.load(weights_only=True): tensors and plain containers only, so loading runs no code.
 
     A file whose pickle names other Python objects is refused (UserError); a file that cannot be
-    read at all raises UnreadableCheckpoint (a UserError too, which auto-resume skips).
+    read at all raises UnreadableCheckpoint, and one whose integrity digest does not match raises
+    DamagedCheckpoint (both UserErrors, which auto-resume skips).
     """
     if not os.path.isfile(path):
         raise UserError(f"{label} {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # torch wraps the reason in boilerplate; the line naming a GLOBAL is a refusal.
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -147,20 +219,39 @@ def load(path: str, label: str = "checkpoint") -> dict[str, Any]:
         ) from None
     except Exception as e:  # noqa: BLE001 - truncated zip archives raise RuntimeError and others
         raise UnreadableCheckpoint(f"{label} {path} cannot be read as a PyTorch file ({type(e).__name__}: {e})") from None
+    verify_integrity(obj, path, label)
+    return obj
 
 
-def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The newest readable checkpoint: last.pth, else the newest epoch/step file that loads."""
+def resume_candidates(out_dir: str) -> list[str]:
+    """The checkpoint files auto-resume tries, in order: last.pth, then epoch/step files, newest first."""
     numbered = numbered_checkpoints(out_dir, "epoch") + numbered_checkpoints(out_dir, "step")
     candidates = [os.path.join(checkpoint_dir(out_dir), "last.pth")]
     candidates += sorted(numbered, key=os.path.getmtime, reverse=True)
-    for path in candidates:
-        if not os.path.isfile(path):
+    return [p for p in candidates if os.path.isfile(p)]
+
+
+def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The newest intact checkpoint: last.pth, else the newest epoch/step file that loads and
+    passes its integrity check. (None, None) when there is none; a UserError when there are
+    checkpoints but every one is unreadable or damaged (starting over would overwrite them)."""
+    tried: set[tuple[int, int]] = set()  # last.pth and best.pth are hard links: read each file once
+    failed: list[str] = []
+    for path in resume_candidates(out_dir):
+        inode = (os.stat(path).st_dev, os.stat(path).st_ino)
+        if inode in tried:
             continue
+        tried.add(inode)
         try:
             return load(path), path
-        except UnreadableCheckpoint as e:  # a truncated or corrupt file: try an older one
-            log.warning("skipping unreadable checkpoint %s (%s)", path, e)
+        except UnreadableCheckpoint as e:  # a truncated, corrupt or damaged file: try an older one
+            kind = "damaged" if isinstance(e, DamagedCheckpoint) else "unreadable"
+            log.warning("skipping %s checkpoint %s (%s)", kind, path, e)
+            failed.append(os.path.basename(path))
+    if failed:
+        raise UserError(f"no intact checkpoint to resume in {checkpoint_dir(out_dir)}: {', '.join(failed)} "
+                        "cannot be used (see the warnings above). Starting over there would overwrite them: "
+                        f"move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give another OUT_DIR")
     return None, None
 
 
@@ -173,8 +264,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": [name, key.tobytes(), *rest],
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available():  # this process's GPU only: a resumed task may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device()).numpy().tobytes()
     return state
 
 
@@ -188,7 +279,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.frombuffer(key, dtype=np.uint32).copy(), *rest))
     torch.set_rng_state(_byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+        _set_cuda_rng_state(state["cuda"])
+
+
+def _set_cuda_rng_state(saved: bytes | list[bytes]) -> None:
+    """Restore the CUDA RNG of this process's GPU from bytes, or from an older checkpoint's list of
+    every visible GPU's state (by this GPU's index; skipped when that list is shorter, as after
+    torchrun with 8 visible GPUs resumed by srun with one GPU per task)."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, (list, tuple)):
+        if device >= len(saved):
+            log.warning("the checkpoint holds the CUDA RNG states of %d GPU(s), none for GPU %d: its CUDA "
+                        "RNG keeps the fresh seed", len(saved), device)
+            return
+        saved = saved[device]
+    torch.cuda.set_rng_state(_byte_tensor(saved), device)
 
 
 def _as_tuple(x: Any) -> Any:
@@ -212,6 +317,7 @@ class TrainState:
     bad_steps: int = 0  # consecutive non-finite steps
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
+    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (resume_check.run_facts), checked on resume
 
     COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
 
@@ -249,7 +355,7 @@ def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.
     timer.reset()
     counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
     record = {**extra, **counters, "cfg": cfg.dump(), "rng": rng, "world_size": ctx.world_size,
-              "train_sums": train_sums}
+              "train_sums": train_sums, "facts": state.facts}
     net = models.unwrap(model)
     if sharding.is_sharded(net) and cfg.DIST.FSDP_STATE_DICT == "sharded":
         # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
@@ -279,8 +385,9 @@ def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.
 def resume_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                state: TrainState) -> dict[str, Any] | None:
     """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
-    the checkpoint (for the other parts' state) or None."""
-    from distribuuuu import models, sharding
+    the checkpoint (for the other parts' state) or None. A checkpoint that does not fit this run
+    (config, data, model or optimizer: resume_check) is refused before anything is loaded."""
+    from distribuuuu import models, resume_check, sharding
 
     if not cfg.TRAIN.AUTO_RESUME:
         return None
@@ -288,6 +395,8 @@ def resume_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.opti
     if ckpt is None:
         return None
     net, opt = models.unwrap(model), optimizer if cfg.TRAIN.LOAD_OPT else None
+    plain = not ckpt.get("sharded") and not sharding.is_sharded(net)  # shapes of sharded state: torch checks
+    resume_check.check(ckpt, path, cfg, state.facts, net if plain else None, opt if plain else None)
     if ckpt.get("sharded"):
         if not sharding.is_sharded(net):
             raise UserError(f"{path} keeps its weights in FSDP shards ({ckpt['sharded']}); resume it with "

@@ -166,11 +166,44 @@ def _resolve_nproc(value: str | None) -> int | None:
     return n
 
 
-def _preflight(command: str, cfg, world_size: int) -> None:
-    """Checks that need no process group, run before any starts so no rank is left waiting."""
-    from distribuuuu import data, models
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def _check_batch_fits(command: str, cfg) -> None:
+    """Refuse an input batch that alone exceeds the host's memory, before anything is allocated:
+    TRAIN.IM_SIZE 200000 would otherwise end in an allocator traceback per rank. The GPU's memory is
+    not asked here: that would initialise CUDA in the launching process (the spawner's parent)."""
+    limits = [("this host's", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))]
+    splits = [("TEST", "evaluation")] if command == "eval" else [("TRAIN", "training"), ("TEST", "evaluation")]
+    for group, what in splits:
+        batch, side = cfg[group].BATCH_SIZE, cfg[group].IM_SIZE
+        size = batch * cfg.MODEL.IN_CHANS * side * side * 4  # float32, as the model sees it
+        for where, limit in limits:
+            if size > limit:
+                raise UserError(
+                    f"one {what} batch ({group}.BATCH_SIZE {batch} images of {cfg.MODEL.IN_CHANS}x{side}x{side}, "
+                    f"float32) is {_gib(size)}, more than {where} {_gib(limit)} of memory before any "
+                    f"activation; lower {group}.IM_SIZE (e.g. 224) or {group}.BATCH_SIZE")
+
+
+def _check_cfg_dest(cfg) -> None:
+    """CFG_DEST names a file in OUT_DIR: an existing folder there cannot become one."""
+    path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
+    if os.path.isdir(path):
+        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is an existing folder in OUT_DIR ({path}); the full config "
+                        "is written to that name: use a file name such as config.yaml")
+
+
+def _preflight(command: str, cfg, world_size: int, all_ranks_here: bool = True) -> None:
+    """Checks that need no process group, run before any starts so no rank is left waiting.
+    all_ranks_here: every rank runs on this host (plain, spawner, one-node torchrun/srun)."""
+    from distribuuuu import data, models, resume_check, run_folder
 
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
+    _check_batch_fits(command, cfg)
+    if command == "train":
+        _check_cfg_dest(cfg)
     if cfg.DIST.STRATEGY == "dp" and world_size > 1:
         raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
                         "were started; run it with plain python, or use DIST.STRATEGY ddp")
@@ -181,18 +214,23 @@ def _preflight(command: str, cfg, world_size: int) -> None:
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
                         "checkpoint or state dict, or leave MODEL.WEIGHTS None")
     data.check_datasets(cfg, world_size, train=(command == "train"))
+    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable and not another run's
+    if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)
+        resume_check.preflight(cfg)
 
 
 def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     """Run train or eval in this process (any launcher); returns the exit status."""
-    from distribuuuu import config, distributed, engine, faults
+    from distribuuuu import config, distributed, engine, faults, run_folder
     from distribuuuu.logger import LOGGER_NAME, setup_logging
 
     cfg = config.load_config(cfg_file, opts)
     info = distributed.detect()
-    _preflight(command, cfg, info.world_size)
-    with distributed.session(cfg) as ctx:
+    _preflight(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
+    # A train run holds OUT_DIR/run.lock (rank 0) from here to its end, however it ends.
+    with distributed.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
+        run_folder.log_notes(notes)  # a stale lock taken over, debris removed
         if command == "eval":
             engine.run_eval(cfg, ctx)
             return 0
@@ -206,7 +244,9 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
                 distributed.slurm_requeue()
             return 128 + stop.signum  # "ended by this signal", after the checkpoint
         except Exception as e:  # a crash: name the rank in log.txt, where every rank's errors go
-            logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e)
+            # A UserError (e.g. engine.NonFiniteLoss) is printed once by _guarded: log.txt only here.
+            logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e,
+                                                 extra={"console": not isinstance(e, UserError)})
             raise
     return 0
 
@@ -223,7 +263,10 @@ def _guarded(fn: Callable[[], int]) -> int:
     except UserError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "error" if rank == "0" else f"error (rank {rank})"
-        print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        # One write of the whole line: print() writes text and newline apart, and the ranks of a
+        # spawned job share stderr (two ranks' lines were seen glued together).
+        sys.stderr.write(f"{prefix}: {e}\n")
+        sys.stderr.flush()
         return USER_ERROR_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (distributed.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))

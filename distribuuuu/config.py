@@ -8,6 +8,7 @@ Distribuuuu's YAML files load unchanged. Errors are ``UserError`` (exit status 2
 from __future__ import annotations
 
 import ast
+import codecs
 import difflib
 import os
 from typing import Any, Iterable
@@ -52,8 +53,12 @@ _C.TRAIN.IM_SIZE = 224
 _C.TRAIN.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for training
 _C.TRAIN.SPLIT = "train"
-# Resume from OUT_DIR/checkpoints/last.pth when it exists
+# Resume from OUT_DIR/checkpoints/last.pth when it exists; False starts afresh, and refuses an
+# OUT_DIR that already holds a run (checkpoints or metrics records) rather than overwrite it
 _C.TRAIN.AUTO_RESUME = True
+# Config keys allowed to differ from the checkpoint's on resume beyond the safe ones (e.g.
+# ["OPTIM.BASE_LR"]): the explicit request to change the recipe mid-run (see resume_check.py)
+_C.TRAIN.RESUME_ALLOW = []
 # On resume, also restore the optimizer state (False: weights, epoch and schedule only)
 _C.TRAIN.LOAD_OPT = True
 # DataLoader worker processes per training process
@@ -66,6 +71,9 @@ _C.TRAIN.PRINT_FREQ = 30
 _C.TRAIN.TOPK = 5
 # Unreadable image files: 'skip' (log, count, use the next readable one) or 'fail' (stop the run)
 _C.TRAIN.BAD_IMAGES = "skip"
+# The same real image file listed twice in a folder split (through symlinks): 'fail' (stop before
+# training, naming them) or 'keep' (every listed path is a sample, as ImageFolder does: oversampling)
+_C.TRAIN.DUPLICATE_IMAGES = "fail"
 # Number of samples of the synthetic training set (TRAIN.DATASET synthetic)
 _C.TRAIN.SYNTHETIC_SAMPLES = 1024
 # Evaluate on the val split every EVAL_PERIOD epochs (and always after the last epoch)
@@ -76,7 +84,8 @@ _C.TRAIN.CKPT_KEEP = 3
 _C.TRAIN.CKPT_PERIOD_STEPS = 0
 # Also checkpoint every CKPT_PERIOD_MIN minutes of wall time, mid-epoch (0: off)
 _C.TRAIN.CKPT_PERIOD_MIN = 0.0
-# Non-finite loss or gradients: 'skip' the step, 'stop' the run, or 'off' (no check: one host sync less per step)
+# Non-finite loss or gradients: 'skip' the step, 'stop' the run, or 'off' (no check per step: one host
+# sync less; an epoch whose loss is not finite still ends the run). Ending the run is exit status 2
 _C.TRAIN.NONFINITE = "skip"
 # With NONFINITE 'skip': stop the run after this many consecutive non-finite steps
 _C.TRAIN.NONFINITE_MAX_SKIPS = 10
@@ -124,7 +133,7 @@ _C.TRAIN.PATIENCE = 0
 # Stop once val top-1 reaches this (percent; 0: never); the time to reach it is logged
 _C.TRAIN.TARGET_TOP1 = 0.0
 
-# Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR, else DataLoader),
+# Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR up to 2 GiB per process, else DataLoader),
 # 'memory' (the whole set as one tensor on the device, batched augmentation; not for folders) or 'loader'
 _C.TRAIN.DATA_PIPELINE = "auto"
 # Image folders: 'fast' (libjpeg-turbo decode, reduced-size JPEG decoding when the crop allows,
@@ -156,6 +165,8 @@ _C.CUDNN = CN()
 _C.CUDNN.BENCHMARK = True
 # Ask cuDNN and torch for deterministic algorithms (slower; overrides BENCHMARK)
 _C.CUDNN.DETERMINISTIC = False
+# TF32 for float32 matmuls and convolutions on Ampere and newer GPUs (faster, 10-bit mantissa; False: full fp32)
+_C.CUDNN.TF32 = True
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer and learning-rate schedule (SGD)
@@ -202,6 +213,10 @@ _C.DIST = CN()
 _C.DIST.BACKEND = "auto"
 # Seconds a collective may wait for the other ranks before the run is aborted
 _C.DIST.TIMEOUT_S = 1800
+# Ranks agree on stop signals and time-based checkpoints every VOTE_PERIOD_STEPS optimizer steps and at
+# each epoch's end (one small gloo all-reduce per vote, benchmarks/vote_cost.py); 0: auto, every step
+# with up to 8 processes, every 10 steps with more
+_C.DIST.VOTE_PERIOD_STEPS = 0
 # Data parallelism: 'ddp' (DistributedDataParallel), 'zero1' (DDP + optimizer state sharded with
 # ZeroRedundancyOptimizer), 'fsdp' (FSDP2 fully_shard: parameters, gradients and optimizer state
 # sharded), or 'dp' (DataParallel over this machine's GPUs in ONE process)
@@ -224,7 +239,7 @@ _C.DIST.FIND_UNUSED_PARAMETERS = False
 # ---------------------------------------------------------------------------------------------
 # Run-level options
 # ---------------------------------------------------------------------------------------------
-# Output folder: config.yaml, log.txt, metrics.jsonl, checkpoints/
+# Output folder: config.yaml, log.txt, metrics.jsonl, checkpoints/; one train run at a time (run.lock)
 _C.OUT_DIR = "./exp"
 # File name of the full config written into OUT_DIR
 _C.CFG_DEST = "config.yaml"
@@ -250,7 +265,11 @@ AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
+DUPLICATE_IMAGE_MODES = ("fail", "keep")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+# What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
+RUN_FOLDER_NAMES = ("checkpoints", "log.txt", "metrics.jsonl", "metrics.csv", "tb", "config_diff.yaml",
+                    "env.json", "model.txt", "run.lock", "plots", "bench", "export")
 
 
 def get_defaults() -> CN:
@@ -337,13 +356,57 @@ def _set(cfg: CN, pairs: Iterable[tuple[str, Any]], source: str) -> None:
         node[leaf] = value
 
 
+# Byte-order marks and their codecs; the UTF-32 ones first (UTF-32 LE's begins with UTF-16 LE's).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_MAX_CFG_BYTES = 16 << 20  # far above any config; a bigger --cfg is some other file
+# Leading bytes of files that users pass to --cfg by mistake
+_MAGIC = ((b"PK\x03\x04", "a zip archive (a PyTorch checkpoint?)"), (b"\x80", "a pickle (a PyTorch checkpoint?)"),
+          (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x1f\x8b", "gzip data"),
+          (b"\x7fELF", "a program"))
+
+
+def _looks_like(raw: bytes) -> str:
+    """A guess at what a file that is not UTF-8 YAML text is, for the error message."""
+    for magic, what in _MAGIC:
+        if raw.startswith(magic):
+            return what
+    head = raw[:4096]
+    if len(head) >= 4 and head[1::2].count(0) > len(head) // 4:
+        return "UTF-16 text without a byte-order mark"
+    return "binary data" if b"\x00" in head else "text in another encoding (e.g. Latin-1)"
+
+
+def _read_text(path: str) -> str:
+    """The text of a config file: UTF-8, or UTF-8/16/32 with a byte-order mark (what Windows
+    editors and PowerShell's `>` write). Anything else is a UserError saying what it looks like."""
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_CFG_BYTES + 1)
+    fix = "save it as UTF-8 text, or pass a YAML file such as config/resnet18.yaml"
+    if len(raw) > _MAX_CFG_BYTES:
+        raise UserError(f"config file {path!r} is larger than {_MAX_CFG_BYTES >> 20} MiB, so it is not a YAML "
+                        f"config (it looks like {_looks_like(raw)}); pass a YAML file such as config/resnet18.yaml")
+    codec = next((c for bom, c in _BOMS if raw.startswith(bom)), "utf-8")
+    try:
+        text = raw.decode(codec)
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path!r} is not {codec.upper().replace('-SIG', '')} YAML text (byte "
+                        f"0x{raw[e.start]:02x} at offset {e.start}; it looks like {_looks_like(raw)}); {fix}") from None
+    if "\x00" in text:  # valid UTF-8, but YAML text never holds NUL: UTF-16 without a BOM, or binary
+        raise UserError(f"config file {path!r} is not UTF-8 YAML text (NUL bytes; it looks like "
+                        f"{_looks_like(raw)}); {fix}")
+    return text
+
+
 def merge_file(cfg: CN, path: str) -> None:
     """Merge a YAML file into cfg, checking every key and type."""
+    if os.path.isdir(path):
+        raise UserError(f"config file {path!r} is a folder; pass --cfg with a YAML file such as config/resnet18.yaml")
     if not os.path.isfile(path):
         raise UserError(f"config file {path!r} does not exist; pass --cfg with a YAML file such as config/resnet18.yaml")
+    text = _read_text(path)
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise UserError(f"config file {path!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -376,7 +439,8 @@ def validate(cfg: CN) -> None:
         need(value > 0, f"config key {key} must be positive, got {value}")
     for key in ("TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN", "TRAIN.NONFINITE_MAX_SKIPS",
                 "TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
-                "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING", "DIST.BUCKET_CAP_MB", "TRAIN.VAL_SPLIT"):
+                "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING", "DIST.BUCKET_CAP_MB", "TRAIN.VAL_SPLIT",
+                "DIST.VOTE_PERIOD_STEPS"):
         value = _get(cfg, key)
         need(value >= 0, f"config key {key} must be >= 0, got {value}")
     need(cfg.TRAIN.TOPK <= cfg.MODEL.NUM_CLASSES,
@@ -409,6 +473,10 @@ def validate(cfg: CN) -> None:
                          ("TRAIN.BEST_METRIC", BEST_METRICS), ("TRAIN.AUTO_AUGMENT", AUTO_AUGMENTS),
                          ("DIST.FSDP_STATE_DICT", FSDP_STATE_DICTS)):
         need(_get(cfg, key) in allowed, f"{key} must be one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
+    known = _flatten(get_defaults())
+    for key in cfg.TRAIN.RESUME_ALLOW:
+        need(isinstance(key, str) and key in known,
+             f"TRAIN.RESUME_ALLOW names {key!r}, which is not a config key (write full names such as OPTIM.BASE_LR)")
     need(cfg.TRAIN.ACCUM_STEPS >= 1, f"TRAIN.ACCUM_STEPS must be at least 1, got {cfg.TRAIN.ACCUM_STEPS}")
     need(0.0 <= cfg.TRAIN.EMA_DECAY < 1.0, f"TRAIN.EMA_DECAY must be in [0, 1), got {cfg.TRAIN.EMA_DECAY}")
     need(cfg.TRAIN.BEST_METRIC != "ema_top1" or cfg.TRAIN.EMA_DECAY > 0,
@@ -436,6 +504,8 @@ def validate(cfg: CN) -> None:
          "(fp16 needs a sharded gradient scaler); use TRAIN.AMP bf16")
     need(cfg.TRAIN.BAD_IMAGES in BAD_IMAGE_MODES,
          f"TRAIN.BAD_IMAGES must be one of {', '.join(BAD_IMAGE_MODES)}, got {cfg.TRAIN.BAD_IMAGES!r}")
+    need(cfg.TRAIN.DUPLICATE_IMAGES in DUPLICATE_IMAGE_MODES, "TRAIN.DUPLICATE_IMAGES must be one of "
+         f"{', '.join(DUPLICATE_IMAGE_MODES)}, got {cfg.TRAIN.DUPLICATE_IMAGES!r}")
     need(cfg.TRAIN.NONFINITE in NONFINITE_MODES,
          f"TRAIN.NONFINITE must be one of {', '.join(NONFINITE_MODES)}, got {cfg.TRAIN.NONFINITE!r}")
     bad = [s for s in cfg.TRAIN.PREEMPT_SIGNALS if s not in PREEMPT_SIGNALS]
@@ -447,8 +517,11 @@ def validate(cfg: CN) -> None:
          "DIST.BACKEND nccl needs GPUs, but DEVICE is cpu; use DIST.BACKEND gloo or auto")
     need(cfg.MODEL.ARCH.strip() != "", "MODEL.ARCH must name a model, e.g. resnet18")
     need(cfg.OUT_DIR.strip() != "", "OUT_DIR must be a folder path, e.g. ./exp")
-    need(cfg.CFG_DEST.strip() != "" and os.sep not in cfg.CFG_DEST,
-         f"CFG_DEST must be a plain file name such as config.yaml, got {cfg.CFG_DEST!r}")
+    need(cfg.CFG_DEST.strip() != "" and os.sep not in cfg.CFG_DEST and cfg.CFG_DEST not in (".", ".."),
+         f"CFG_DEST {cfg.CFG_DEST!r} must be a plain file name inside OUT_DIR, such as config.yaml")
+    need(cfg.CFG_DEST not in RUN_FOLDER_NAMES,
+         f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
+         "use a name such as config.yaml")
     for key in ("TRAIN.DATASET", "TEST.DATASET"):
         need(_get(cfg, key).strip() != "", f"{key} must be a folder path or one of mnist5k, synthetic")
 

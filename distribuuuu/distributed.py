@@ -33,12 +33,15 @@ Every value read is checked: a non-integer or inconsistent value (``RANK=4`` wit
 
 What ``setup(cfg)`` chooses, once per process:
 
-- device: ``DEVICE auto`` is ``cuda:<local_rank % visible GPUs>`` when CUDA is available, else CPU.
+- device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
+  visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
+  GPUs) is right: ``cuda:0`` then; anything else is a UserError (two ranks would share a GPU).
 - backend: ``DIST.BACKEND auto`` is nccl on CUDA, gloo on CPU.
 - intra-op threads: ``NUM_THREADS`` if > 0; else an ``OMP_NUM_THREADS`` already in the environment
   (torchrun sets 1 for several processes per node); else the usable cores / processes on the node.
 - cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
-  ``torch.use_deterministic_algorithms(True, warn_only=True)``.
+  ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
+  convolutions as ``CUDNN.TF32`` says (on by default).
 - the process group (``env://``), only with more than one process.
 - stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
   with 130 / 143 (``handle_stop_signals``); ``teardown()`` puts the old handlers back.
@@ -386,14 +389,20 @@ def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
     if not torch.cuda.is_available():
         raise UserError("DEVICE is cuda but no CUDA GPU is visible to this process; use DEVICE cpu or auto")
     count = torch.cuda.device_count()
-    # srun may bind one GPU per task (CUDA_VISIBLE_DEVICES), so local_rank % count is the GPU in
-    # every setup; elsewhere all GPUs of the node are visible, and more processes than GPUs is an error.
-    if info.launcher != "slurm" and info.local_world_size > count:
-        raise UserError(
-            f"{info.local_world_size} processes on this node but only {count} GPU(s); "
-            "start at most one process per GPU, or use DEVICE cpu"
-        )
-    return torch.device("cuda", info.local_rank % count)
+    if info.local_world_size <= count:  # every process of the node sees every GPU: one each
+        return torch.device("cuda", info.local_rank)
+    # Fewer visible GPUs than processes on the node is right only when srun gave each task its
+    # own GPUs (--gpus-per-task: CUDA_VISIBLE_DEVICES differs per task); otherwise two processes
+    # would share a GPU and NCCL stops with "Duplicate GPU detected".
+    if info.launcher == "slurm" and os.environ.get("SLURM_GPUS_PER_TASK"):
+        return torch.device("cuda", 0)  # the first of this task's own GPUs
+    hint = ("request as many GPUs as tasks per node (--gres gpu:N with --ntasks-per-node N) or bind one "
+            "GPU per task (srun --gpus-per-task=1)" if info.launcher == "slurm"
+            else "start at most one process per GPU")
+    raise UserError(
+        f"{info.local_world_size} processes on this node but only {count} GPU(s) visible to each, so two "
+        f"would share a GPU; {hint}, or use DEVICE cpu"
+    )
 
 
 def _choose_backend(cfg: Any, device: torch.device) -> str:
@@ -430,6 +439,11 @@ def _set_cudnn(cfg: Any) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = bool(cfg.CUDNN.BENCHMARK) and not deterministic
     torch.backends.cudnn.deterministic = deterministic
+    # TF32 (Ampere and newer): float32 matmuls and convolutions on tensor cores with a 10-bit mantissa.
+    # The legacy flags, on purpose: after torch 2.14's fp32_precision setters, reading a legacy flag
+    # raises, and torch.compile's dynamo still reads one; the new getters follow the legacy flags.
+    torch.backends.cuda.matmul.allow_tf32 = bool(cfg.CUDNN.TF32)
+    torch.backends.cudnn.allow_tf32 = bool(cfg.CUDNN.TF32)
     # warn_only: ops without a deterministic kernel warn instead of stopping the run. Called only
     # on a change: the first call imports parts of torch that cost seconds at every start.
     if deterministic != torch.are_deterministic_algorithms_enabled():
@@ -449,7 +463,28 @@ _groups_made = 0  # process groups this process has created (all ranks create th
 _control_group: Any = None
 
 
-def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float) -> None:
+def gloo_side_group(timeout: datetime.timedelta) -> Any:
+    """Collective: a gloo group of all ranks for any_rank() beside an nccl main group.
+
+    With the main group's timeout (DIST.TIMEOUT_S; torch's default for a gloo group is 30 minutes),
+    so that a vote with a dead or hung rank fails as soon as an nccl collective would. Gloo finds
+    its network interface from the hostname: where that resolves to a loopback address, set
+    GLOO_SOCKET_IFNAME as NCCL_SOCKET_IFNAME (docs/launching.md).
+    """
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _group_backend(cfg: Any, backend: str) -> str:
+    """The backend string of the default group: under nccl with FSDP CPU offload the gradients,
+    their norm (clipping) and the non-finite vote are CPU tensors, which nccl cannot reduce
+    ("No backend type associated with device type cpu"): gloo takes the CPU tensors then."""
+    if backend == "nccl" and cfg.DIST.STRATEGY == "fsdp" and cfg.DIST.CPU_OFFLOAD:
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
+                        group_backend: str | None = None) -> None:
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; run a single process")
     if dist.is_initialized():
@@ -474,13 +509,13 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
         prefix = f"distribuuuu/restart{restart}/group{_groups_made}"
         _groups_made += 1
         dist.init_process_group(
-            backend=backend, store=dist.PrefixStore(prefix, store),
+            backend=group_backend or backend, store=dist.PrefixStore(prefix, store),
             rank=info.rank, world_size=info.world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
         )
         if backend == "nccl":
             global _control_group
-            _control_group = dist.new_group(backend="gloo")
+            _control_group = gloo_side_group(timeout)
     except (dist.DistNetworkError, RuntimeError) as e:
         if _is_addr_in_use(e):
             raise UserError(
@@ -507,7 +542,7 @@ def setup(cfg: Any) -> DistContext:
         torch.set_num_threads(threads)
     _set_cudnn(cfg)
     if info.world_size > 1:
-        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S)
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _group_backend(cfg, backend))
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
     # One write of the whole line: print() writes the text and the newline apart, so the ranks'
     # lines could interleave in a shared output file (seen in Slurm job logs).
@@ -581,9 +616,11 @@ def handle_stop_signals() -> None:
       Python does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM. Both unwind through
       the same code: ``session()`` destroys the process group, the CLI prints one line and exits
       with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM. The spawner first passes
-      SIGTERM to its children and waits for them (``STOP_GRACE_S``).
-    - Later SIGINT/SIGTERM are ignored while the process winds down: a terminal's Ctrl-C reaches
-      every process of the job and the launcher then forwards a signal of its own. Launchers
+      the same signal to its children and waits for them (``STOP_GRACE_S``); its children run
+      in sessions of their own (as torchrun's do), so a signal to the job's process group
+      reaches them once, through the spawner, exactly like a signal to the spawner's pid.
+    - Later SIGINT/SIGTERM are ignored while the process winds down: under other launchers a
+      terminal's Ctrl-C may reach every process and the launcher then forwards its own. Launchers
       follow up with SIGKILL when a process does not exit in time (torchrun and spawn: 30 s).
     - A signal that was already ignored (``nohup``, ``cmd &`` in a script) stays ignored.
 
@@ -731,6 +768,10 @@ def free_port() -> int:
 
 
 STOP_GRACE_S = 30.0  # how long stopped children may take to exit before SIGKILL (torchrun's default too)
+# After one child fails: how long the others may take to end by themselves (an error that every
+# rank finds together, such as engine.NonFiniteLoss, is then reported by each), before SIGTERM and,
+# that long again later, SIGKILL.
+FAILURE_GRACE_S = 5.0
 
 
 def _host_store(port: int) -> tuple[Any, int]:
@@ -754,6 +795,15 @@ def _host_store(port: int) -> tuple[Any, int]:
 
 def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port: int, args: tuple) -> None:
     """First code of every spawned child: export the launcher variables, run the worker."""
+    # A session of its own (as torchrun does for its workers): a terminal's Ctrl-C or a signal to
+    # the job's process group then reaches only the spawner, which relays it once (_stop). Without
+    # it each child got SIGTERM twice, from the group and from the spawner, and the second one
+    # aborted the step checkpoint on some ranks only. A spawner killed outright still takes the
+    # children along (torch sets PR_SET_PDEATHSIG, which does not depend on the session).
+    try:
+        os.setsid()
+    except OSError:  # already a session leader: nothing to leave
+        pass
     # TORCHELASTIC_USE_AGENT_STORE=True: env:// connects to the store the spawner hosts at
     # MASTER_ADDR:MASTER_PORT instead of having rank 0 start one (torchrun's protocol).
     os.environ.update(
@@ -776,23 +826,88 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
         sys.exit(1)
 
 
-def _stop(processes: Sequence[Any], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every live child, then SIGKILL whatever is still there after grace_s."""
+def _signal_children(processes: Sequence[Any], signum: int) -> None:
+    """Send signum to every child that has not exited (an unreaped child's pid is not reused)."""
     for p in processes:
         if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:  # exited meanwhile
+                pass
+
+
+@contextmanager
+def _relaying(processes: Sequence[Any]) -> Iterator[None]:
+    """While the children wind down, pass every further SIGINT/SIGTERM on to them.
+
+    A second Ctrl-C or SIGTERM then does in the children what it does when they receive it
+    directly: it cuts a stuck step checkpoint short (faults.py). The spawner itself keeps waiting.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            saved[signum] = signal.signal(signum, lambda n, _f: _signal_children(processes, n))
+    try:
+        yield
+    finally:
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
+
+
+def _stop(processes: Sequence[Any], grace_s: float = STOP_GRACE_S, signum: int = signal.SIGTERM) -> None:
+    """Send signum to every live child, then SIGKILL whatever is still there after grace_s.
+
+    signum is the stop signal the spawner received (SIGTERM when it stops the children itself), so
+    the children act as if it had reached them directly: a TRAIN.PREEMPT_SIGNALS signal writes a
+    step checkpoint first. Stop signals that arrive meanwhile are relayed too (_relaying).
+    """
+    with _relaying(processes):
+        _signal_children(processes, signum)
+        deadline = time.monotonic() + grace_s
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
     for p in processes:
         if p.is_alive():
             p.kill()
             p.join()
 
 
+@contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Hold a SIGINT/SIGTERM that arrives while the children are being started, act on it after.
+
+    Raised in the middle of mp.start_processes, the stop would lose the processes started so
+    far (there is no context to stop yet); afterwards the usual path stops them all.
+    """
+    held: list[int] = []
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is _on_stop_signal:
+                saved[signum] = signal.signal(signum, lambda n, _f: held.append(n))
+    try:
+        yield
+    finally:
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
+    if held:
+        _on_stop_signal(held[0], None)  # raises KeyboardInterrupt / Terminated, as if it came now
+
+
 def _status_of(exitcode: int) -> int:
     """A child's exit code as a shell status: signals become 128 + signal number."""
     return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _report_odd_endings(processes: Sequence[Any], status: int) -> None:
+    """After a stop: name each child that ended otherwise than with status (killed, crashed)."""
+    for rank, p in enumerate(processes):
+        if p.exitcode is not None and _status_of(p.exitcode) not in (0, status):
+            print(f"[spawn] process {rank} (pid {p.pid}) ended with status {_status_of(p.exitcode)}",
+                  file=sys.stderr, flush=True)
 
 
 def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: int | None = None) -> int:
@@ -809,9 +924,12 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
 
     Returns 0 when all children exit 0, else the status of the first child that failed: its own
     exit code (2 for a UserError), 1 for an exception (its traceback is printed by the child),
-    128+N for a signal. The other children are then stopped, none is left behind. SIGINT (Ctrl-C)
-    or SIGTERM to the spawner: every child gets SIGTERM and STOP_GRACE_S seconds to exit (then
-    SIGKILL), and the status is 130 or 143. A spawner killed outright (SIGKILL) takes the
+    128+N for a signal. The other children get FAILURE_GRACE_S seconds to end by themselves, then
+    are stopped; none is left behind. SIGINT (Ctrl-C)
+    or SIGTERM to the spawner, whether sent to its pid or to its process group (the children run
+    in sessions of their own, so only the spawner receives either): every child gets the same
+    signal once, and STOP_GRACE_S seconds to exit (then SIGKILL); a further signal is relayed too;
+    the status is 130 or 143. A spawner killed outright (SIGKILL) takes the
     children with it: torch.multiprocessing asks Linux to send them SIGINT then (PR_SET_PDEATHSIG).
     """
     if nprocs < 1:
@@ -831,10 +949,11 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     try:
         store, port = _host_store(port)  # kept alive until the children are done
         print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
-        context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
-                                     nprocs=nprocs, join=False, start_method="spawn")
+        with _stop_signals_held():
+            context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
+                                         nprocs=nprocs, join=False, start_method="spawn")
         # join() returns True once all exited 0, and on the first failure stops the rest and raises.
-        while not context.join():
+        while not context.join(grace_period=FAILURE_GRACE_S):
             pass
         return 0
     except mp.ProcessExitedException as e:
@@ -848,9 +967,10 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM to the spawner (handle_stop_signals)
         status = stop_status(e)
         if context is not None:
-            _stop(context.processes)
+            _stop(context.processes, signum=status - 128)  # the same signal, once, to every child
         print(f"[spawn] stopped by {signal.Signals(status - 128).name}; all processes stopped",
               file=sys.stderr, flush=True)
+        _report_odd_endings(context.processes if context is not None else [], status)
         return status
     finally:
         # Belt and braces for any other way out: no child may outlive the parent's return.

@@ -19,6 +19,7 @@ are summed with one all-reduce at the end. Checkpoints are collective (checkpoin
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -30,14 +31,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, distributed, faults, models, optim, sharding
+from distribuuuu import checkpoint, data, distributed, faults, models, optim, resume_check, run_folder, sharding
 from distribuuuu.checkpoint import CheckpointTimer, TrainState
 from distribuuuu.distributed import DistContext
 from distribuuuu.errors import UserError
 from distribuuuu.logger import LOGGER_NAME, MetricsWriter, Progress, format_seconds
 from distribuuuu.metrics import Counter
 from distribuuuu.summary import write_run_record
-from distribuuuu.stepper import Stepper
+from distribuuuu.stepper import AMP_DTYPES, AutocastDataParallel, Stepper
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -50,8 +51,13 @@ class Preempted(Exception):
         self.signum = signum
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss or the gradients stayed non-finite (TRAIN.NONFINITE)."""
+class NonFiniteLoss(UserError, RuntimeError):
+    """The loss or the gradients stayed non-finite (TRAIN.NONFINITE).
+
+    A UserError: the cure is a setting (the LR, clipping) or the data, so every rank ends with one
+    message and exit status 2, no traceback. The ranks agree on it (the step's vote, or the
+    epoch's reduced loss), so none is left waiting; checkpoints and metrics so far stay.
+    """
 
 
 def seed_everything(cfg: CfgNode, rank: int) -> int:
@@ -100,7 +106,8 @@ def wrap_model(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> torch.
     elif d.STRATEGY == "fsdp":
         log.warning("DIST.STRATEGY fsdp with one process: nothing to shard, training unsharded")
     elif d.STRATEGY == "dp" and torch.cuda.device_count() > 1:
-        model = torch.nn.DataParallel(model)  # one process drives all GPUs (the seed's snmc_dp)
+        # One process drives all GPUs (the seed's snmc_dp); its replicas keep TRAIN.AMP's dtype.
+        model = AutocastDataParallel(model, AMP_DTYPES[cfg.TRAIN.AMP])
     if cfg.TRAIN.COMPILE:
         model = torch.compile(model)  # compiles lazily, at the first step (timed apart)
     return model
@@ -126,8 +133,9 @@ def train_epoch(stepper: Stepper, loader: Any, cfg: CfgNode, ctx: DistContext, s
     iters = (epoch_samples - state.samples_in_epoch) // micro_batch
     progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
     lr, data_total, first_step_s = peak_lr, 0.0, 0.0
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
+    gpus = _gpus(stepper.model, ctx.device)
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
     epoch_start = tick = time.perf_counter()
     for it, (images, target) in zip(range(iters), loader):
         images = images.to(ctx.device, non_blocking=True)
@@ -153,6 +161,8 @@ def train_epoch(stepper: Stepper, loader: Any, cfg: CfgNode, ctx: DistContext, s
             _maybe_checkpoint_or_stop(stepper, cfg, ctx, state, timer, counter, epoch_samples, progress)
         tick = time.perf_counter()
     progress.close()
+    for gpu in gpus:  # the GPU runs behind the host: the epoch ends when its last kernel does
+        torch.cuda.synchronize(gpu)
     seconds = time.perf_counter() - epoch_start - first_step_s
     result = counter.reduce().result()
     bad_count = torch.tensor([data.take_bad_image_count(loader)], device=ctx.device)
@@ -160,7 +170,7 @@ def train_epoch(stepper: Stepper, loader: Any, cfg: CfgNode, ctx: DistContext, s
     if bad:  # each file was named in the log when it was met
         log.warning("epoch %d: %d unreadable training images skipped (TRAIN.BAD_IMAGES skip)", state.epoch + 1, bad)
     result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
-                  data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device))
+                  data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
     return result
 
 
@@ -170,8 +180,12 @@ def _maybe_checkpoint_or_stop(stepper: Stepper, cfg: CfgNode, ctx: DistContext, 
     """At a step boundary: a step checkpoint when due, and the end of the run after a signal."""
     stop_signal = faults.stop_signal()
     by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
-    # One small all-reduce: all ranks must take the same decision, or a collective would hang.
-    stop, by_time = distributed.any_rank([stop_signal is not None, ctx.is_main and timer.due()])
+    # One small all-reduce: all ranks must take the same decision, or a collective would hang. Its
+    # latency grows with the ranks, so the ranks vote every vote_period() steps and at the epoch's
+    # end: a signal or a due time-based checkpoint is acted on at the next vote.
+    vote = state.global_step % vote_period(cfg, ctx.world_size) == 0 or state.samples_in_epoch >= epoch_samples
+    stop, by_time = distributed.any_rank([stop_signal is not None, ctx.is_main and timer.due()]) if vote else (
+        False, False)
     if (stop or by_steps or by_time) and state.samples_in_epoch < epoch_samples:
         checkpoint.save_run(cfg, ctx, stepper.model, stepper.optimizer, stepper.state_dict(), state,
                             timer, train_sums=counter.sums_with_n())
@@ -182,21 +196,47 @@ def _maybe_checkpoint_or_stop(stepper: Stepper, cfg: CfgNode, ctx: DistContext, 
         raise Preempted(stop_signal or signal.SIGTERM)
 
 
+def vote_period(cfg: CfgNode, world_size: int) -> int:
+    """Optimizer steps between two stop/checkpoint votes: DIST.VOTE_PERIOD_STEPS, or with 0 (auto)
+    every step up to 8 processes and every 10 beyond (a vote's latency grows with the processes)."""
+    if cfg.DIST.VOTE_PERIOD_STEPS:
+        return cfg.DIST.VOTE_PERIOD_STEPS
+    return 1 if world_size <= 8 else 10
+
+
+def _nonfinite_advice(cfg: CfgNode) -> str:
+    """What to change after non-finite numbers, and what is kept (the end of NonFiniteLoss's message)."""
+    clip = ("lower TRAIN.CLIP_GRAD_NORM" if cfg.TRAIN.CLIP_GRAD_NORM > 0
+            else "clip the gradients (e.g. TRAIN.CLIP_GRAD_NORM 1.0)")
+    return (f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad values; "
+            f"the checkpoints and metrics so far are kept in {cfg.OUT_DIR}")
+
+
 def _on_nonfinite(cfg: CfgNode, state: TrainState) -> None:
     state.bad_steps += 1
     if cfg.TRAIN.NONFINITE == "stop" or state.bad_steps > cfg.TRAIN.NONFINITE_MAX_SKIPS:
-        raise NonFiniteLoss(
-            f"non-finite loss or gradients at step {state.global_step + 1} ({state.bad_steps} in a row; "
-            f"TRAIN.NONFINITE {cfg.TRAIN.NONFINITE}, NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS}); "
-            "lower OPTIM.BASE_LR or check the data")
+        setting = ("TRAIN.NONFINITE stop ends the run at the first one" if cfg.TRAIN.NONFINITE == "stop" else
+                   f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS} in a row")
+        raise NonFiniteLoss(f"non-finite loss or gradients at step {state.global_step + 1} "
+                            f"({state.bad_steps} in a row; {setting}); {_nonfinite_advice(cfg)}")
     log.warning("non-finite loss or gradients: step skipped on every rank (%d in a row, at most %d)",
                 state.bad_steps, cfg.TRAIN.NONFINITE_MAX_SKIPS)
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory of this epoch, or this process's peak resident set on CPU."""
+def _gpus(model: torch.nn.Module, device: torch.device) -> list[torch.device]:
+    """The GPUs this process computes on: DataParallel's every device, else the device (none on CPU)."""
+    if device.type != "cuda":
+        return []
+    dp = getattr(model, "_orig_mod", model)
+    if isinstance(dp, torch.nn.DataParallel):
+        return [torch.device("cuda", i) for i in dp.device_ids]
+    return [device]
+
+
+def _peak_memory_mb(device: torch.device, gpus: list[torch.device] | None = None) -> float:
+    """Peak GPU memory of this epoch (the fullest GPU's, under dp), or this process's peak resident set on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return max(torch.cuda.max_memory_allocated(g) for g in (gpus or [device])) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
@@ -224,7 +264,12 @@ def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext
         counter.update(logits, target, criterion(logits.float(), target))
         if ctx.is_main and (it + 1) % cfg.TEST.PRINT_FREQ == 0:
             log.info("[val] iter %d/%d", it + 1, iters)
-    return counter.reduce().result()
+    result = counter.reduce().result()
+    # Unreadable images are left out, not replaced (data.collate_readable): n counts the readable ones.
+    bad = int(distributed.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
+    if bad and ctx.is_main:  # each file was named in the log when it was met
+        log.warning("evaluation: %d unreadable images left out; n counts the %d readable ones", bad, result["n"])
+    return {**result, "bad_images": bad}
 
 
 def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
@@ -250,6 +295,9 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
              ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, global_batch, peak_lr,
              cfg.OPTIM.BASE_LR, cfg.OPTIM.LR_SCALING, len(train_loader.dataset), len(val_loader.dataset),
              len(train_loader) // cfg.TRAIN.ACCUM_STEPS)
+    if ctx.device.type == "cuda":
+        log.info("TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
+                 "on" if cfg.CUDNN.TF32 else "off", cfg.CUDNN.TF32)
     sizes = {"train": len(train_loader.dataset), "valid" if test_loader is not None else "val": len(val_loader.dataset)}
     if test_loader is not None:
         sizes["test"] = len(test_loader.dataset)
@@ -258,11 +306,15 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         raise UserError("an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
                         "TRAIN.ACCUM_STEPS, or use more data")
 
-    state = TrainState()
+    state = TrainState(facts=resume_check.run_facts(len(train_loader.dataset), len(val_loader.dataset)))
     ckpt = checkpoint.resume_run(cfg, ctx, model, optimizer, state)
     if ckpt is not None:
         stepper.load_state_dict(ckpt)
+    elif ctx.is_main and (moved := run_folder.set_aside_records(cfg.OUT_DIR)):
+        log.warning(moved)  # a fresh start: records of an earlier run are kept, not appended to
     metrics = MetricsWriter(cfg.OUT_DIR, ctx.is_main)
+    if ckpt is not None:  # a torn last line, and records of epochs the checkpoint does not hold: moved
+        metrics.repair(state.epoch)
     timer = CheckpointTimer(cfg.TRAIN.CKPT_PERIOD_MIN)
     stop_reason = ""
     while state.epoch < cfg.OPTIM.MAX_EPOCH and not stop_reason:
@@ -273,10 +325,18 @@ def fit(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
                  state.epoch, cfg.OPTIM.MAX_EPOCH, train["loss"], train["top1"], cfg.TRAIN.TOPK,
                  train["top5"], train["img_per_s"], train["time_s"])
+        if cfg.TRAIN.NONFINITE == "off" and train["n"] and not math.isfinite(train["loss"]):
+            # Steps are not checked then; the epoch's loss (reduced: the same on every rank) is,
+            # before a checkpoint of the broken weights could replace the last good one.
+            raise NonFiniteLoss(f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
+                                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
+                                f"checks every step); {_nonfinite_advice(cfg)}")
         is_best = False
         if state.epoch % cfg.TRAIN.EVAL_PERIOD == 0 or state.epoch == cfg.OPTIM.MAX_EPOCH:
             net = replica.refresh(model) if replica is not None else model
             is_best, stop_reason = _evaluate_epoch(net, stepper, val_loader, cfg, ctx, state, metrics, wall_start)
+            if replica is not None:
+                replica.release()  # its GPU memory goes back to the sharded training
         checkpoint.save_run(cfg, ctx, model, optimizer, stepper.state_dict(), state, timer, is_best=is_best)
         if state.stop_signal:  # a preemption signal came at the epoch's last step
             raise Preempted(state.stop_signal)
@@ -340,7 +400,7 @@ def test_chosen_checkpoint(model: torch.nn.Module, replica: sharding.EvalReplica
         net = replica.refresh(net)
     else:
         weights = ckpt["ema"] if cfg.TRAIN.BEST_METRIC == "ema_top1" else ckpt["model"]
-        net = replica.module if replica is not None else models.build_model(cfg).to(ctx.device)
+        net = replica.on_device() if replica is not None else models.build_model(cfg).to(ctx.device)
         net.load_state_dict(models.strip_wrapper_prefixes(weights))
     result = evaluate(net, loader, cfg, ctx, stepper)
     record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,

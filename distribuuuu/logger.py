@@ -145,6 +145,105 @@ class MetricsWriter:
             self._tb.close()
             self._tb = None
 
+    def repair(self, completed_epochs: int) -> list[str]:
+        """On resume (rank 0): make metrics.jsonl agree with the checkpoint the run continues from.
+
+        A line torn by a kill (the last one, without its newline), any other line that is not JSON,
+        and every record of an epoch after ``completed_epochs`` (written before a kill stopped the
+        epoch's checkpoint from landing: the run trains and records that epoch again) are MOVED to
+        metrics_dropped.jsonl as {"line", "reason", "text"}; metrics.csv is rebuilt from what is
+        kept. Returns the warnings it logged (one per reason)."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        lines = raw.split(b"\n")
+        kept: list[bytes] = []
+        dropped: list[dict[str, Any]] = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            reason = _drop_reason(line, completed_epochs, torn=(i == len(lines)))
+            if reason:
+                dropped.append({"line": i, "reason": reason, "text": line.decode("utf-8", "replace")})
+            else:
+                kept.append(line)
+        if not dropped and raw.endswith(b"\n"):
+            return []
+        _replace_file(self.path, b"".join(ln + b"\n" for ln in kept))
+        notes = self._move_dropped(dropped)
+        self._rebuild_csv([json.loads(ln) for ln in kept])
+        return notes
+
+    def _move_dropped(self, dropped: list[dict[str, Any]]) -> list[str]:
+        if not dropped:
+            return []
+        where = os.path.join(os.path.dirname(self.path), "metrics_dropped.jsonl")
+        with open(where, "a") as f:
+            f.writelines(json.dumps(d) + "\n" for d in dropped)
+        notes = []
+        for reason in dict.fromkeys(d["reason"] for d in dropped):
+            numbers = [str(d["line"]) for d in dropped if d["reason"] == reason]
+            lines = f"line{'s' if len(numbers) > 1 else ''} {', '.join(numbers)}"
+            notes.append(f"{self.path}: {lines} moved to {where}: {reason}")
+            logging.getLogger(LOGGER_NAME).warning("%s", notes[-1])
+        return notes
+
+    def _rebuild_csv(self, records: list[dict[str, Any]]) -> None:
+        header = list(CSV_COLUMNS) + [k for r in records for k in r if k not in CSV_COLUMNS]
+        header = list(dict.fromkeys(header))
+        tmp = f"{self.csv_path}.tmp.{os.getpid()}"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=header)
+            w.writeheader()
+            w.writerows(records)
+        os.replace(tmp, self.csv_path)
+
+
+def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
+    """Why a metrics.jsonl line must go on resume, or None to keep it."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return "torn by an interrupted write" if torn else "not JSON"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    epoch = record.get("epoch")
+    if isinstance(epoch, int) and epoch > completed_epochs:
+        return (f"records written after the checkpoint the run resumes from (epoch {completed_epochs}); "
+                "those epochs are trained and recorded again")
+    return None
+
+
+def _replace_file(path: str, data: bytes) -> None:
+    """Write data to path atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; a line that is not one (torn by a kill, edited) is skipped
+    with a warning naming the file and the line, so one bad line never hides the rest."""
+    records = []
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                logging.getLogger(LOGGER_NAME).warning("%s line %d is not JSON (%s): skipped", path, i, e)
+                continue
+            if not isinstance(record, dict):
+                logging.getLogger(LOGGER_NAME).warning("%s line %d is not a JSON object: skipped", path, i)
+                continue
+            records.append(record)
+    return records
+
 
 def format_seconds(seconds: float) -> str:
     seconds = int(round(seconds))

@@ -64,6 +64,19 @@ def _timm_names() -> frozenset[str]:
     return frozenset(timm.list_models())
 
 
+def _check_timm_tag(arch: str) -> None:
+    """A "name.tag" MODEL.ARCH must carry a tag of timm's own registry (no download): timm would
+    otherwise stop with "Invalid pretrained tag" in every rank."""
+    if "." not in arch:
+        return
+    name, tag = arch.split(".", 1)
+    known = [n.split(".", 1)[1] for n in timm.models.get_arch_pretrained_cfgs(name) if "." in n]
+    if tag not in known:
+        tags = ", ".join(sorted(known)) if known else "none"
+        raise UserError(f"MODEL.ARCH {arch!r}: timm has no pretrained tag {tag!r} for {name} (its tags: {tags}); "
+                        f"use one of those as {name}.TAG, or {name} alone for its default")
+
+
 def resolve_arch(arch: str) -> tuple[str, str]:
     """MODEL.ARCH -> (library, name): an alias first, then torchvision, then timm."""
     if arch in ALIASES:
@@ -71,6 +84,7 @@ def resolve_arch(arch: str) -> tuple[str, str]:
     if arch in _torchvision_names():
         return "torchvision", arch
     if arch.split(".", 1)[0] in _timm_names():  # timm also takes "name.pretrained_tag"
+        _check_timm_tag(arch)
         return "timm", arch
     known = sorted(set(ALIASES) | _torchvision_names() | _timm_names())
     close = difflib.get_close_matches(arch, known, n=3, cutoff=0.6)

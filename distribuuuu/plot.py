@@ -9,11 +9,11 @@ one colour per run) and one PNG per panel (top1.png, topk.png, loss.png, lr.png)
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
 
 from distribuuuu.errors import UserError
+from distribuuuu.logger import read_jsonl
 
 Series = tuple[list[int], list[float]]
 # (file name, panel title, the series of it: (split, key)), in the order of the combined figure.
@@ -33,23 +33,15 @@ def _pyplot():
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """The records of RUN_DIR/metrics.jsonl; a missing folder or file, or a broken line, is a UserError."""
+    """The records of RUN_DIR/metrics.jsonl; a missing folder or file is a UserError, a line that is not
+    JSON (torn by a kill) is skipped with a warning naming the file and the line."""
     if not os.path.isdir(run_dir):
         raise UserError(f"run folder {run_dir!r} does not exist; give the OUT_DIR of a training run")
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(f"{run_dir!r} has no metrics.jsonl; give the OUT_DIR of a training run "
                         "(it is written after the first epoch)")
-    records = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} line {i} is not JSON ({e.msg}); is this a distribuuuu metrics file?") from None
-    return records
+    return read_jsonl(path)
 
 
 def run_curves(run_dir: str) -> dict[str, Any]:

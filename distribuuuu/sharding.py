@@ -138,21 +138,46 @@ class EvalReplica:
 
     FSDP's forward all-gathers parameters, so every rank would have to run the same number of
     batches; exact evaluation gives ranks shards that differ by one sample or more. Evaluating a
-    whole copy keeps evaluation free of collectives, at the cost of one full model per rank while
-    it runs (the optimizer state and gradients, FSDP's large savings, stay sharded).
+    whole copy keeps evaluation free of collectives. GPU memory: the weights are gathered one
+    tensor at a time into host memory (``host_full_state``), so no whole state dict ever sits on
+    the device; the copy moves to the device for the evaluation only and back to host memory after
+    it (``release``), so between evaluations the GPU holds the shards alone, as FSDP promises.
     """
 
     def __init__(self, build: Callable[[], nn.Module], device: torch.device) -> None:
         self.build, self.device, self.module = build, device, None
 
-    def refresh(self, model: nn.Module) -> nn.Module:
-        """Collective: gather the whole weights onto every rank and load them into the copy."""
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False,
-                                                                     broadcast_from_rank0=False))
+    def on_device(self) -> nn.Module:
+        """The copy (built on first use) on the evaluation device."""
         if self.module is None:
-            self.module = self.build().to(self.device)
-        self.module.load_state_dict({k: local_tensor(v) for k, v in state.items()})
-        return self.module
+            self.module = self.build().to("cpu")
+        return self.module.to(self.device)
+
+    def refresh(self, model: nn.Module) -> nn.Module:
+        """Collective: gather the whole weights (via host memory) into the copy; returns it on the device."""
+        state = host_full_state(model)
+        if self.module is None:
+            self.module = self.build().to("cpu")
+        self.module.load_state_dict(state)  # into the host copy: the device gets only the weights
+        del state
+        return self.on_device()
+
+    def release(self) -> None:
+        """After an evaluation: back to host memory, and the freed blocks back to the GPU."""
+        if self.module is not None and self.device.type == "cuda":
+            self.module.to("cpu")
+            torch.cuda.empty_cache()
+
+
+def host_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the whole model state dict in host memory, on every rank, gathered one tensor at
+    a time (peak device memory: the largest tensor, not the model)."""
+    out = {}
+    for name, value in get_model_state_dict(model).items():  # this rank's shards, clean names
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # one all-gather per tensor
+        out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -4,11 +4,17 @@ Everything between "a batch arrived" and "the weights moved" lives here, in this
 mixup/cutmix -> channels_last -> autocast forward and loss -> (scaled) backward, under DDP's
 no_sync for all but the last micro-batch -> unscale -> gradient clipping -> non-finite check ->
 optimizer step -> EMA update. The engine calls ``micro_step`` once per batch.
+
+Under fp16 a non-finite gradient is usually no failure: the GradScaler grows the loss scale every
+2000 clean steps until the scaled gradients overflow, then skips that step and halves the scale.
+Such a step counts as a step (as it does with TRAIN.NONFINITE off); it is a failure only when the
+loss itself is non-finite on some rank, or the scale has fallen below ``FP16_MIN_LOSS_SCALE``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +24,15 @@ from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import models, sharding
+from distribuuuu import distributed, models, sharding
+
+log = logging.getLogger("distribuuuu")
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16: below this loss scale an overflow is a failure, not the GradScaler's normal probing (it
+# starts at 2**16 and halves per overflow, so ~17 overflows in a row without a finite step get here):
+# the gradients overflow fp16 even unscaled.
+FP16_MIN_LOSS_SCALE = 1.0
 
 
 @dataclass
@@ -29,6 +41,8 @@ class MicroStep:
     loss: torch.Tensor  # the batch-mean loss, before the 1/ACCUM_STEPS scaling
     target: torch.Tensor  # the hard labels (also under mixup: top-1 is counted against them)
     stepped: bool | None  # None: not the last micro-batch; False: step skipped (non-finite)
+    # True with stepped True: fp16 only, the GradScaler skipped the update for an overflow (no failure)
+    overflow: bool = False
 
 
 def ema_decay_per_step(cfg: CfgNode, global_batch: int) -> float:
@@ -51,6 +65,8 @@ class Stepper:
         self.clip, self.check_finite = t.CLIP_GRAD_NORM, t.NONFINITE != "off"
         # GradScaler only for fp16: bf16 has fp32's range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(device.type, enabled=t.AMP == "fp16")
+        self.loss_finite: torch.Tensor | None = None  # fp16: all micro-batch losses of this step finite
+        self.overflows = 0  # fp16 steps the GradScaler skipped (logged, not failures)
         self.mixup = None
         if t.MIXUP_ALPHA > 0 or t.CUTMIX_ALPHA > 0:
             self.mixup = Mixup(mixup_alpha=t.MIXUP_ALPHA, cutmix_alpha=t.CUTMIX_ALPHA,
@@ -83,10 +99,18 @@ class Stepper:
                 logits = self.model(self.prepare(images))
                 loss = self.criterion(logits, target)
             self.scaler.scale(loss / self.accum).backward()
+        if self.scaler.is_enabled() and self.check_finite:  # on the device: no host sync here
+            ok = torch.isfinite(loss.detach())
+            self.loss_finite = ok if self.loss_finite is None else self.loss_finite & ok
         self.micro = 0 if last else self.micro + 1
-        return MicroStep(logits, loss, hard, self._step() if last else None)
+        if not last:
+            return MicroStep(logits, loss, hard, None)
+        stepped = self._step()
+        return MicroStep(logits, loss, hard, stepped is not False, overflow=stepped is None)
 
-    def _step(self) -> bool:
+    def _step(self) -> bool | None:
+        """True: the optimizer stepped; False: a non-finite step (a failure); None: fp16 overflow."""
+        loss_finite, self.loss_finite = self.loss_finite, None
         self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the check (fp16 only)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         finite: bool | torch.Tensor = True
@@ -99,12 +123,28 @@ class Stepper:
         if self.check_finite and not bool(finite):  # the one host sync this check costs
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # under fp16: a smaller loss scale for the next step
-            return False
+            return None if self._scaler_overflow(loss_finite) else False
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update(models.unwrap(self.model))
+        return True
+
+    def _scaler_overflow(self, loss_finite: torch.Tensor | None) -> bool:
+        """fp16, after a non-finite gradient: was it the GradScaler's normal overflow?
+
+        Every rank reaches this branch together (the gradients were averaged, or voted on under
+        FSDP), so the loss vote below is a collective all ranks join; it runs on overflow steps only.
+        """
+        if not self.scaler.is_enabled():
+            return False
+        loss_bad = loss_finite is not None and not bool(loss_finite)
+        if distributed.any_rank([loss_bad])[0] or self.scaler.get_scale() < FP16_MIN_LOSS_SCALE:
+            return False
+        self.overflows += 1
+        log.info("fp16: gradients overflowed, the GradScaler skipped this step and lowered the loss "
+                 "scale to %g (normal: %d such steps so far)", self.scaler.get_scale(), self.overflows)
         return True
 
     def state_dict(self) -> dict:
@@ -136,3 +176,37 @@ def grads_finite(params: list[torch.nn.Parameter], sharded: bool = False) -> tor
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         finite = bad[0] == 0
     return finite
+
+
+class _AutocastReplica(torch.nn.Module):
+    """One DataParallel replica whose forward re-enters autocast with the run's dtype."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the replica's own signature
+        for device_type in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device_type):
+                with torch.autocast(device_type, dtype=self.dtype):
+                    return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+
+class AutocastDataParallel(torch.nn.DataParallel):
+    """DataParallel that keeps TRAIN.AMP's dtype in its worker threads.
+
+    torch's parallel_apply re-enters ``autocast(device_type, enabled=...)`` in each worker thread
+    without a dtype, so the replicas run in the device's default dtype (float16 on CUDA) while the
+    main thread asked for bfloat16, and no GradScaler guards that fp16. Each replica here enters
+    autocast with the dtype itself. State-dict keys are DataParallel's (the wrapper is per call).
+    """
+
+    def __init__(self, module: torch.nn.Module, amp_dtype: torch.dtype | None) -> None:
+        super().__init__(module)
+        self.amp_dtype = amp_dtype
+
+    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - DataParallel's signature
+        if self.amp_dtype is not None:
+            replicas = [_AutocastReplica(r, self.amp_dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)

@@ -383,7 +383,7 @@ def test_check_too_many_classes(tmp_path):
 def test_check_world_size_larger_than_train_set(tmp_path):
     write_image_tree(tmp_path, "train", {"a": 2, "b": 2})
     write_image_tree(tmp_path, "val", {"a": 1})
-    cfg = folder_cfg(tmp_path)
+    cfg = folder_cfg(tmp_path, TRAIN__BATCH_SIZE=1)  # (batch 2 x 4 ranks would make no step: refused)
     data.check_datasets(cfg, 4)  # 4 samples for 4 ranks: fine (counted beyond 1 per class)
     with pytest.raises(UserError, match="world size 5 is larger than the 4 training samples"):
         data.check_datasets(cfg, 5)

@@ -123,7 +123,9 @@ def main():
         parser.error("start me with torchrun, python -m torch.distributed.launch or srun "
                      "(neither RANK nor SLURM_PROCID is set); one process: torchrun --nproc-per-node 1 ...")
     if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
+        # srun --gpus-per-task=1 shows each task only its own GPU (as cuda:0): SLURM_LOCALID is then no
+        # GPU ordinal ("invalid device ordinal"); modulo the visible count it is right in both setups.
+        backend, device = "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
@@ -138,7 +140,7 @@ def main():
     net = net.to(device)
     # DistributedDataParallel: copies rank 0's weights to every rank once, then all-reduces
     # (averages) the gradients during backward, so every rank takes the same optimizer step.
-    net = DDP(net, device_ids=[local_rank] if device.type == "cuda" else None)
+    net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     # 2. the data loader
     workers = args.workers  # decoding and augmenting images takes worker processes
@@ -193,7 +195,7 @@ def main():
                  "optimizer": optimizer.state_dict()}
         torch.save(state, args.ckpt + ".tmp")
         os.replace(args.ckpt + ".tmp", args.ckpt)
-    dist.barrier(device_ids=[local_rank] if device.type == "cuda" else None)
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     # Every rank loads it onto its own device (without map_location, tensors saved from cuda:0
     # would all land on cuda:0) into a fresh model, and checks it against the model it trained.
     ckpt = torch.load(args.ckpt, map_location=device, weights_only=True)

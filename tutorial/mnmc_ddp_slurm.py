@@ -124,7 +124,9 @@ def main():
     addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST", env["SLURM_NODELIST"]))
     port = int(env.get("MASTER_PORT", 10000 + int(env["SLURM_JOB_ID"]) % 20000))
     if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
+        # srun --gpus-per-task=1 shows each task only its own GPU (as cuda:0): SLURM_LOCALID is then no
+        # GPU ordinal ("invalid device ordinal"); modulo the visible count it is right in both setups.
+        backend, device = "nccl", torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
@@ -140,7 +142,7 @@ def main():
     net = net.to(device)
     # DistributedDataParallel: copies rank 0's weights to every rank once, then all-reduces
     # (averages) the gradients during backward, so every rank takes the same optimizer step.
-    net = DDP(net, device_ids=[local_rank] if device.type == "cuda" else None)
+    net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     # 2. the data loader
     workers = args.workers if args.data else 0  # in-memory tensors: worker processes would only copy

@@ -195,7 +195,8 @@ def main():
     # 3. train, step by step: the split model, then the reference on the same batch
     t_split, busy, t_unsplit, worst_loss, losses_ok = [], [], [], 0.0, True
     for step, (inputs, targets) in enumerate(batches):
-        dist.barrier()  # start together, so that the times measure this step only
+        # start together, so that the times measure this step only (NCCL: on this process's GPU)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
         t = clock(device)
         optimizer.zero_grad()
         loss, busy_s = split_step(stage, rank, inputs, targets, criterion, device)

@@ -201,7 +201,8 @@ def main():
         # 3. train, step by step: the pipeline, then the reference on the same batch
         t_pipe, t_unsplit, worst_loss, losses_ok = [], [], 0.0, True
         for inputs, targets in batches:
-            dist.barrier()  # start together, so that the times measure this step only
+            # start together, so that the times measure this step only (NCCL: on this process's GPU)
+            dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
             t = clock(device)
             optimizer.zero_grad()
             loss = pipeline_step(schedule, rank, inputs, targets)

@@ -7,7 +7,8 @@ TRAIN.DATASET / TEST.DATASET pick the source:
              items of MODEL.IN_CHANS x TRAIN.IM_SIZE^2
   a folder   holding cifar-10-batches-py/ or cifar-100-python/ (or being one): CIFAR pickles;
              SPLIT train | val | test (val and test are the test batch)
-  a folder   <DATASET>/<SPLIT>/<class>/<image>, read with torchvision's ImageFolder
+  a folder   <DATASET>/<SPLIT>/<class>/<image>, read with torchvision's ImageFolder (listed by
+             integrity.list_split: symlink loops and duplicate files refused, see check.py)
 MODEL.DUMMY_INPUT replaces all of them by random tensors (times the model alone).
 
 Three loaders per rank:

@@ -1,10 +1,14 @@
 """Datasets with their transforms, and the train / val / test loaders of one rank.
 
 Which loader (TRAIN.DATA_PIPELINE): mnist5k and CIFAR go through the in-memory MemoryLoader
-(memory.py: the split on the device, batched augmentation) under 'auto'; image folders, synthetic
+(memory.py: the split on the device, batched augmentation) under 'auto', unless the split would take
+more than MEMORY_PIPELINE_BUDGET_BYTES there (CIFAR training above ~80 px: the log says so); image folders, synthetic
 data and MODEL.DUMMY_INPUT through a DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
 uint8 crops (transforms.FastTrainDecode / FastEvalDecode) normalized per batch on the device.
 Every train loader has len(), .dataset, .sampler.set_epoch(epoch, start) and yields (images, target).
+An unreadable folder image (TRAIN.BAD_IMAGES skip) is replaced by the next readable one in training
+(every rank keeps its batch size); in evaluation it is left out of its batch (collate_readable), so
+evaluation counts distinct readable images; both count it (take_bad_image_count).
 
 TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (split.holdout_indices, the same on every rank and
 run): the train loader reads the kept part, the val loader the held-out part with the eval
@@ -22,7 +26,7 @@ from typing import Any, Callable, Iterator, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
@@ -32,6 +36,9 @@ from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSa
 from distribuuuu.errors import UserError
 
 PIPELINES = ("auto", "memory", "loader")  # TRAIN.DATA_PIPELINE
+# 'auto' keeps a split in memory only while it fits this budget (per rank, in host memory and again on
+# the device): CIFAR's 50,000 training images are ~0.4 GB at 32 px but ~15 GB at 224 px.
+MEMORY_PIPELINE_BUDGET_BYTES = 2 * 2**30
 IMAGE_DECODERS = ("fast", "pil")  # TRAIN.IMAGE_DECODE
 
 log = logging.getLogger("distribuuuu")
@@ -141,10 +148,17 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
                           else transforms.FastEvalDecode(cfg.TEST.IM_SIZE, size, mode))
         # The policy runs per item here, in the worker processes; erasing follows the batch normalization.
         return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load,
-                                              transform=policy)
+                                              transform=policy, **_folder_options(cfg, key, train))
     tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase)
     load = functools.partial(sources.open_image, mode=mode)
-    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load)
+    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load,
+                                          **_folder_options(cfg, key, train))
+
+
+def _folder_options(cfg: CfgNode, key: str, train: bool) -> dict[str, Any]:
+    """Unreadable files are replaced by another sample in training only (evaluation leaves them
+    out, see collate_readable)."""
+    return {"replace_bad": train, "key": key}
 
 
 class SplitPart(Subset):
@@ -176,8 +190,31 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
+def collate_readable(items: list[Any]) -> Any:
+    """default_collate of the items that are not None (the unreadable images of an evaluation
+    set); None when none is left (_ReadableBatches drops that batch)."""
+    kept = [item for item in items if item is not None]
+    return default_collate(kept) if kept else None
+
+
+class _ReadableBatches:
+    """An evaluation DataLoader (collate_readable) without its empty batches; the rest is the loader's."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return (batch for batch in self.loader if batch is not None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
 def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
-            rank: int, device: torch.device, stream: int) -> DataLoader:
+            rank: int, device: torch.device, stream: int, collate_fn: Callable | None = None) -> DataLoader:
     """TRAIN.WORKERS processes per training process (Distribuuuu's 4 by default; see
     docs/performance.md for sizing them from the cores), kept alive between epochs; pinned
     batches only when they go to a GPU; torch's prefetch_factor (2 batches per worker)."""
@@ -191,7 +228,7 @@ def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, d
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
         num_workers=workers, persistent_workers=workers > 0,
         pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
-        worker_init_fn=seed_worker, generator=generator,
+        worker_init_fn=seed_worker, generator=generator, collate_fn=collate_fn,
     )
 
 
@@ -233,11 +270,39 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
         return "loader"
     kind = sources.source_kind(cfg[key].DATASET)
     if choice == "auto":
-        return "memory" if kind in ("mnist5k", "cifar") else "loader"
+        if kind not in ("mnist5k", "cifar"):
+            return "loader"
+        need = memory_pipeline_bytes(cfg, key)
+        if need > MEMORY_PIPELINE_BUDGET_BYTES:
+            log.warning("TRAIN.DATA_PIPELINE auto: %s.DATASET at %d px would take %.1f GB per process in memory "
+                        "(more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE memory forces it)",
+                        key, cfg.TRAIN.IM_SIZE, need / 1e9, MEMORY_PIPELINE_BUDGET_BYTES / 1e9)
+            return "loader"
+        return "memory"
     if choice == "memory" and kind == "folder":
         raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
                         f"{cfg[key].DATASET!r} is an image folder; use TRAIN.DATA_PIPELINE auto or loader")
     return choice
+
+
+def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
+    """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (mnist5k or CIFAR): the
+    uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader). Nothing is unpickled: a CIFAR
+    split's images are counted from its files' sizes (3,072 bytes of pixels per image, and a little
+    more per image for its label and name, so the count errs high)."""
+    if sources.source_kind(cfg[key].DATASET) == "mnist5k":
+        samples, pad = 5000, 2
+    else:
+        root, variant = sources.find_cifar(cfg[key].DATASET)
+        train = cfg[key].SPLIT == "train"
+        if variant == "cifar10":
+            names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        else:
+            names = ["train" if train else "test"]
+        paths = [os.path.join(root, n) for n in names]
+        samples, pad = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3), 4
+    side = cfg.TRAIN.IM_SIZE
+    return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
 
 
 def _memory_loader(cfg: CfgNode, key: str, train: bool, part: str | None,
@@ -318,7 +383,8 @@ def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size
         return _memory_loader(cfg, key, False, part, sampler_of, cfg.TEST.BATCH_SIZE, device)
     batched = _fast_folder(cfg, key)
     dataset = _part(cfg, _build_dataset(cfg, key, False, batched=batched), part)
-    loader = _loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device, stream=1)
+    loader = _ReadableBatches(_loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device,
+                                      stream=1, collate_fn=collate_readable))
     return _normalized(cfg, loader, device) if batched else loader
 
 

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
+from distribuuuu.data import integrity
 from distribuuuu.data.split import stratified_split
+from distribuuuu.data.transforms import to_8bit
 from distribuuuu.errors import UserError
 
 BUILTIN_SOURCES = ("mnist5k", "synthetic")
@@ -268,20 +269,10 @@ def folder_classes(split_dir: str) -> list[str]:
     return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
 
 
-def count_images(folder: str, limit: int) -> int:
-    """Image files below folder, found as ImageFolder finds them; counting stops at limit."""
-    n = 0
-    for _, _, files in os.walk(folder, followlinks=True):
-        n += sum(has_file_allowed_extension(f, IMG_EXTENSIONS) for f in files)
-        if n >= limit:
-            return n
-    return n
-
-
 def open_image(path: str, mode: str) -> Image.Image:
-    """Decode and convert to mode ('L' or 'RGB'): any file (L, P, RGBA, CMYK...) gets IN_CHANS."""
+    """Decode and convert to mode ('L' or 'RGB'): any file (L, P, RGBA, CMYK, 16-bit...) gets IN_CHANS."""
     with open(path, "rb") as f:
-        return Image.open(f).convert(mode)
+        return to_8bit(Image.open(f)).convert(mode)
 
 
 class ImageFolderWithClasses(datasets.ImageFolder):
@@ -289,29 +280,41 @@ class ImageFolderWithClasses(datasets.ImageFolder):
 
     The class list is given, so that a val split that lacks some class folders keeps the train
     split's label indices; class folders without images are allowed here (check_datasets reports
-    them). A file that cannot be decoded (truncated, empty, not an image) is, with bad_images
-    'skip', logged by name, counted, and replaced by the next readable sample, so that every rank
-    keeps its batch size and DDP its step count; with 'fail' it stops the run naming the file.
+    them). Files are listed by integrity.list_split: ImageFolder's list, but a symlink loop is a
+    UserError (duplicates are the preflight's to refuse: check_datasets). A file that cannot be
+    decoded (truncated, empty, not an image) is, with bad_images 'skip', logged by name and
+    counted; for training (replace_bad) it is replaced by the next readable sample, so that every
+    rank keeps its batch size and DDP its step count; for evaluation the item is None, left out of
+    its batch by collate_readable, so that n counts distinct readable images. With 'fail' it stops
+    the run naming the file.
     """
 
     MAX_BAD_IN_A_ROW = 32
 
-    def __init__(self, root: str, classes: list[str], bad_images: str = "skip", **kwargs) -> None:
-        self._given_classes = list(classes)
+    def __init__(self, root: str, classes: list[str], bad_images: str = "skip", replace_bad: bool = True,
+                 key: str = "TRAIN", **kwargs) -> None:
+        self._given_classes, self._key = list(classes), key
         super().__init__(root, allow_empty=True, **kwargs)
-        self.bad_images = bad_images
+        self.bad_images, self.replace_bad = bad_images, replace_bad
         # Shared with the DataLoader's worker processes, which inherit it when they start.
         self.bad_count = multiprocessing.Value("i", 0)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         return self._given_classes, {c: i for i, c in enumerate(self._given_classes)}
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None, is_valid_file=None,
+                     allow_empty: bool = False) -> list[tuple[str, int]]:
+        """ImageFolder's (path, label) list, from one walk that never enters a symlink loop."""
+        listing = integrity.list_split(str(directory), sorted(class_to_idx, key=class_to_idx.get))
+        integrity.require_no_loop(listing, self._key)
+        return listing.samples()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | None:
         for attempt in range(min(len(self), self.MAX_BAD_IN_A_ROW)):
             path, label = self.samples[(index + attempt) % len(self)]
             try:
                 image = self.loader(path)
-            except (OSError, ValueError, Image.DecompressionBombError) as e:
+            except integrity.DECODE_ERRORS as e:
                 if self.bad_images == "fail":
                     raise BadImageError(f"cannot decode image {path} ({type(e).__name__}: {e}); remove it, "
                                         "or set TRAIN.BAD_IMAGES skip to skip unreadable files") from None
@@ -319,6 +322,8 @@ class ImageFolderWithClasses(datasets.ImageFolder):
                                                          path, type(e).__name__, e)
                 with self.bad_count.get_lock():
                     self.bad_count.value += 1
+                if not self.replace_bad:
+                    return None  # evaluation: this image is not counted, and no other stands in
                 continue
             if self.transform is not None:
                 image = self.transform(image)

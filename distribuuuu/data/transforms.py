@@ -170,6 +170,28 @@ def _augmented_float(train: bool, stats: Stats, policy: v2.Transform | None, era
             + ([eraser] if eraser is not None else []))
 
 
+WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")  # PIL's 16/32-bit single-channel modes
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """A 16- or 32-bit gray image (PIL modes I;16*, I, F) as 8-bit 'L', scaled; others unchanged.
+
+    PIL's convert('L' or 'RGB') clips such values at 255, so a 16-bit PNG (0..65535) came out
+    nearly all white. Integer values are read as 16-bit (what PIL makes of 16-bit PNG, TIFF and
+    PGM files) and keep their high byte, v // 256, as PIL itself reduces 16-bit RGB PNGs; floats
+    in [0, 1] are scaled by 255, other floats read as 16-bit values. Both decode paths use this.
+    """
+    if image.mode not in WIDE_GRAY_MODES:
+        return image
+    values = np.asarray(image)
+    if image.mode == "F":
+        values = np.nan_to_num(values.astype(np.float64))
+        values = values * 255.0 + 0.5 if values.max(initial=0.0) <= 1.0 else values / 256.0
+    else:
+        values = values.astype(np.int64) >> 8
+    return Image.fromarray(np.clip(values, 0, 255).astype(np.uint8))  # 2-D uint8: mode L
+
+
 def match_channels(images: torch.Tensor, chans: int) -> torch.Tensor:
     """uint8 [N, C, H, W] -> [N, chans, H, W]: gray repeated to RGB, or RGB to luminance."""
     have = images.shape[1]
@@ -245,6 +267,7 @@ def decode(data: bytes, mode: str, reduce: int = 1) -> torch.Tensor:
     if is_jpeg and reduce > 1:
         w, h = image.size
         image.draft(mode, (w // reduce, h // reduce))  # scale 1/reduce (draft picks >= this size)
+    image = to_8bit(image)  # 16-bit and float gray images: scaled, not clipped
     if image.mode != mode:  # (convert() to the same mode would copy the image)
         image = image.convert(mode)
     array = np.array(image)  # decodes; a writable copy (asarray's view of PIL memory is read-only)

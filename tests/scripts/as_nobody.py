@@ -1,0 +1,28 @@
+"""Run the `distribuuuu` command line as the unprivileged user nobody (uid and gid 65534).
+
+For tests that need a folder the command cannot write to while the suite runs as root, for whom
+permission bits stop nothing. The framework and its libraries are imported first, as the starting
+user, because the Python installation may sit in a folder nobody cannot read (/root); then the
+process gives up root for good and runs the command.
+"""
+
+import os
+import sys
+
+import torchvision  # noqa: F401 - loaded while the files are readable
+
+import distribuuuu.cli
+import distribuuuu.config  # noqa: F401
+import distribuuuu.data  # noqa: F401
+import distribuuuu.distributed  # noqa: F401
+import distribuuuu.engine  # noqa: F401
+import distribuuuu.models  # noqa: F401
+import distribuuuu.run_folder  # noqa: F401
+
+NOBODY = 65534
+
+if __name__ == "__main__":
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    sys.exit(distribuuuu.cli.main(sys.argv[1:]))
