@@ -181,7 +181,9 @@ def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
 def _sharded_folder(pth: str) -> str | None:
     """The .dcp folder that a sharded checkpoint file (or link) refers to."""
     try:
-        ref = torch.load(pth, map_location="cpu", weights_only=True).get("sharded") if os.path.isfile(pth) else None
+        # mmap: only the small "sharded" entry is needed, not the tensors of the whole file
+        ref = (torch.load(pth, map_location="cpu", weights_only=True, mmap=True).get("sharded")
+               if os.path.isfile(pth) else None)
     except Exception:  # noqa: BLE001 - an unreadable file pins nothing
         return None
     return os.path.join(os.path.dirname(pth), ref) if ref else None
