@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, check, env, read_metrics
+from tests.helpers import ROOT, TINY, alive, check, env, kill_tree, process_tree, read_metrics, wait_gone
 
 PY = sys.executable
 # 1024 samples / (2 ranks x 16) = 32 steps in the one epoch (64 in one process): long enough that a
@@ -30,43 +30,6 @@ LAUNCH = {
     "train_net-spawn": [PY, "train_net.py", "--nproc-per-node", "2"],
     "train_net-plain": [PY, "train_net.py"],
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# The job's processes, read from /proc (no psutil)
-# ---------------------------------------------------------------------------------------------
-
-
-def _proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, start time) of every process."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            table[int(name)] = (int(fields[1]), fields[0], fields[19])
-    return table
-
-
-def _job(root: int) -> dict[int, str]:
-    """root and all its descendants: pid -> start time (tells a reused pid apart)."""
-    table, job, todo = _proc_table(), {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in job:
-            job[pid] = table[pid][2]
-            todo.extend(p for p, (ppid, _, _) in table.items() if ppid == pid)
-    return job
-
-
-def _alive(job: dict[int, str]) -> list[int]:
-    """The processes of job that still run (a zombie has exited)."""
-    table = _proc_table()
-    return [pid for pid, start in job.items()
-            if pid in table and table[pid][2] == start and table[pid][1] not in ("Z", "X")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,21 +53,14 @@ def _stop_while_training(out, cmd: list[str], sig: int, to_group: bool = False) 
         while "[train] epoch 1/1 iter" not in _read(out / "log.txt"):
             assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"no training step after 120 s\n{console.read_text()[-4000:]}"
-            job.update(_job(proc.pid))
+            job.update(process_tree(proc.pid))
             time.sleep(0.1)
-        job.update(_job(proc.pid))
+        job.update(process_tree(proc.pid))
         (os.killpg if to_group else os.kill)(proc.pid, sig)
         status = proc.wait(timeout=45)
-        end = time.monotonic() + 10
-        while _alive(job) and time.monotonic() < end:
-            time.sleep(0.1)
-        left = _alive(job)
+        left = wait_gone(job, 10)
     finally:
-        for pid in _alive(job):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_tree(proc, job)
     text = console.read_text()
     assert not left, f"left behind: {left}\n{text[-4000:]}"
     return status, text, job
@@ -199,25 +155,21 @@ def test_a_second_signal_to_the_spawner_reaches_a_stuck_rank(tmp_path):
     job: dict[int, str] = {}
     try:
         _wait_files(tmp_path, "ready", proc)
-        job = _job(proc.pid)
+        job = process_tree(proc.pid)
         os.kill(proc.pid, signal.SIGTERM)
         _wait_files(tmp_path, "recorded", proc)  # both ranks got the relayed first signal
         time.sleep(0.5)
-        assert proc.poll() is None and len(_alive(job)) >= 3  # the "stuck save" holds them
+        assert proc.poll() is None and len(alive(job)) >= 3  # the "stuck save" holds them
         start = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=25)
         took = time.monotonic() - start
     finally:
-        for pid in _alive(job):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_tree(proc, job)
     assert proc.returncode == 143, err
     assert took < 15, f"{took:.1f} s: the second signal was not relayed (SIGKILL after the grace period)"
     assert "ended with status 137" not in err, err  # no rank needed the SIGKILL
-    assert not _alive(job)
+    assert not alive(job)
 
 
 def _wait_files(folder, prefix: str, proc: subprocess.Popen, n: int = 2, timeout_s: float = 60) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, TINY, check, env, read_metrics, run
+from tests.helpers import ROOT, TINY, check, env, kill_tree, process_tree, read_metrics, run, wait_gone
 
 PY = sys.executable
 SHORT = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64"]  # 64 = 2 ranks x 2 batches of 16
@@ -134,40 +134,6 @@ def test_legacy_launch_passes_local_rank(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, start time) of every process, read from /proc."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        table[int(name)] = (int(fields[1]), fields[0], fields[19])  # ppid, state, starttime
-    return table
-
-
-def _job(root: int) -> dict[int, str]:
-    """The process root and all its descendants: pid -> start time (tells a reused pid apart)."""
-    table = _proc_table()
-    job, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in job:
-            job[pid] = table[pid][2]
-            todo.extend(p for p, (ppid, _, _) in table.items() if ppid == pid)
-    return job
-
-
-def _alive(job: dict[int, str]) -> list[int]:
-    table = _proc_table()
-    # A zombie has exited (it only waits for its parent to read its status).
-    return [pid for pid, start in job.items() if pid in table and table[pid][2] == start
-            and table[pid][1] not in ("Z", "X")]
-
-
 LONG = ["OPTIM.MAX_EPOCH", "100000", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
 LAUNCH = {
     "plain": [PY, "train_net.py"],
@@ -194,22 +160,15 @@ def _stop_mid_training(tmp_path, cmd: list[str], sig: int, *opts: str) -> tuple[
         while not last.exists():
             assert proc.poll() is None, f"exited {proc.returncode} early:\n{log_path.read_text()[-4000:]}"
             assert time.monotonic() < deadline, "no checkpoint after 180 s"
-            job.update(_job(proc.pid))
+            job.update(process_tree(proc.pid))
             time.sleep(0.2)
         time.sleep(0.5)  # well into the next epoch
-        job.update(_job(proc.pid))
+        job.update(process_tree(proc.pid))
         os.kill(proc.pid, sig)
         status = proc.wait(timeout=30)
-        end = time.monotonic() + 30
-        while _alive(job) and time.monotonic() < end:
-            time.sleep(0.2)
-        left = _alive(job)
+        left = wait_gone(job, 30)
     finally:
-        for pid in _alive(job):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_tree(proc, job)
     console = log_path.read_text()
     assert len(job) >= (1 if cmd == LAUNCH["plain"] else 3), job  # the launcher and its 2 ranks
     assert not left, f"left behind: {left}\n{console[-4000:]}"
