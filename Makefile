@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Two processes on CPU; one per GPU when there are GPUs.
 NPROC  ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 
-.PHONY: demo test venv clean images
+.PHONY: demo test test-fast venv clean images
 
 venv: $(STAMP)
 
@@ -20,10 +20,16 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_fast.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
 
-# Two pytest-xdist workers, one test file each at a time (tests/conftest.py groups them): about
-# 21 minutes on a 2-core machine, against about 30 one file after another.
+# Every test, the CI command (.ci/run). Two pytest-xdist workers, one test file each at a time
+# (tests/conftest.py groups them): about 21 minutes on a 2-core machine, against about 30 one
+# file after another.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+# The in-process tier: every test not marked e2e (none starts the command, a launcher or a
+# spawner), in one process: about 35 s on a 2-core machine (the budget is 2 minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e" tests
 
 images: $(STAMP)
 	scripts/make_readme_images.sh

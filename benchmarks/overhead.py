@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/overhead.py --sections overhead,memory --json out.json
 
 Sections (each measured side by side in this one run, repetitions interleaved, medians reported):
-  overhead  distribuuuu's training step (engine.train_epoch + Stepper + optimizer from the config)
+  overhead  distribuuuu's training step (Trainer.train_epoch + hooks + Stepper + optimizer from the config)
             vs a minimal hand-written PyTorch loop: same ResNet-18, same batches in memory, CPU,
             1 thread; with TRAIN.NONFINITE off and skip. Then the same with 2 DDP processes (gloo).
   memory    data throughput on 32 px CIFAR-sized uint8 images: the in-memory path (MemoryLoader)
@@ -98,7 +98,7 @@ OVERHEAD_CFG = {"MODEL.ARCH": "resnet18", "MODEL.NUM_CLASSES": 10, "TRAIN.IM_SIZ
 
 
 class _Batches:
-    """Pre-made batches with the train-loader interface engine.train_epoch uses."""
+    """Pre-made batches with the train-loader interface Trainer.train_epoch uses."""
 
     class _Sampler:
         def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -123,20 +123,17 @@ def _make_batches(n: int, batch: int, size: int, seed: int) -> list[tuple[torch.
 
 
 def _framework(cfg: Any, ctx: Any, model: torch.nn.Module) -> Callable[[list], float]:
-    """A callable that trains one 'epoch' over the given batches with engine.train_epoch; returns img/s."""
-    from distribuuuu import engine, optim
-    from distribuuuu.checkpoint import CheckpointTimer, TrainState
-    from distribuuuu.stepper import Stepper
+    """A callable that trains one 'epoch' over the given batches with Trainer.train_epoch (the built-in
+    hooks included: the per-step stop/checkpoint vote); returns img/s. ``model``: the bare model."""
+    from distribuuuu import engine
 
-    optimizer = optim.build_optimizer(cfg, model)
-    global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size
-    stepper = Stepper(cfg, ctx.device, model, optimizer, global_batch)
-    state, timer = TrainState(), CheckpointTimer(0)
-    peak = optim.peak_lr(cfg, global_batch)
+    trainer = engine.Trainer(cfg, ctx)
+    trainer.build_model(model)  # wrapped by the strategy, its optimizer, the Stepper
+    state = trainer.state
 
     def run(loader: Any) -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.process_time()
-        engine.train_epoch(stepper, loader, cfg, ctx, state, peak, timer)
+        trainer.train_epoch(loader)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         state.samples_in_epoch = 0
         n = len(loader) * cfg.TRAIN.BATCH_SIZE
@@ -167,7 +164,8 @@ def _minimal(cfg: Any, model: torch.nn.Module) -> Callable[[list], float]:
 
 
 def section_overhead(args: argparse.Namespace) -> None:
-    from distribuuuu import distributed, models
+    from distribuuuu import models
+    from distribuuuu.dist import group
 
     print(f"\n[overhead] ResNet-18, 32 px, batch 32, CPU, 1 thread ({load()})", flush=True)
     torch.set_num_threads(1)
@@ -180,7 +178,7 @@ def section_overhead(args: argparse.Namespace) -> None:
     variants["minimal loop"] = lambda: minimal(batches)
     for mode in ("off", "skip"):
         cfg = make_cfg({**OVERHEAD_CFG, "TRAIN.NONFINITE": mode})
-        ctx = distributed.setup(cfg)
+        ctx = group.setup(cfg)
         model = copy.deepcopy(base)
         run = _framework(cfg, ctx, model)
         variants[f"distribuuuu NONFINITE {mode}"] = (lambda run=run: run(_Batches(batches)))
@@ -203,16 +201,16 @@ def section_overhead(args: argparse.Namespace) -> None:
     # (and its host sync), timed alone on the gradients of one real step.
     model = copy.deepcopy(base)
     F.cross_entropy(model(batches[0][0]), batches[0][1]).backward()
-    from distribuuuu.stepper import grads_finite
+    from distribuuuu.strategies.base import Strategy
 
-    params = list(model.parameters())
+    params, strategy = list(model.parameters()), Strategy(make_cfg(OVERHEAD_CFG), None)
     t0 = time.perf_counter()
     for _ in range(20):
-        bool(grads_finite(params))  # with its host sync, as the stepper pays it
+        bool(strategy.grads_finite(params))  # with its host sync, as the stepper pays it
     check_ms = (time.perf_counter() - t0) / 20 * 1e3
     report("overhead", "grads_finite() per step (NONFINITE skip/stop)",
            f"{check_ms:.2f} ms = {check_ms / (32 / base_ips * 1e3) * 100:.1f}% of a minimal step")
-    distributed.teardown()
+    group.teardown()
     _ddp_overhead(args)
 
 
@@ -221,30 +219,31 @@ def _ddp_worker(rank: int, world: int, port: int, reps: int, steps: int, out: st
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DISTRIBUUUU_PROGRESS="lines")
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distribuuuu import distributed, engine, models
+    from distribuuuu import models
+    from distribuuuu.dist import comm, group
 
     cfg = make_cfg({**OVERHEAD_CFG, "TRAIN.NONFINITE": "off"})
-    ctx = distributed.setup(cfg)
+    ctx = group.setup(cfg)
     batches = _make_batches(steps, 32, 32, seed=1 + rank)
     torch.manual_seed(0)
     base = models.build_model(cfg)
     minimal = _minimal(cfg, DDP(copy.deepcopy(base)))
     torch.manual_seed(0)
-    framework = _framework(cfg, ctx, engine.build_model(cfg, ctx))
+    framework = _framework(cfg, ctx, models.build_model(cfg))
     variants = {"minimal DDP loop": lambda: minimal(batches), "distribuuuu": lambda: framework(_Batches(batches, world))}
     for fn in variants.values():
         fn()
     res = interleaved(variants, reps)
-    # distributed.any_rank: the one per-step collective the engine adds (stop signal / timed checkpoint).
-    distributed.barrier()
+    # comm.any_rank: the one per-step collective the engine adds (stop signal / timed checkpoint).
+    comm.barrier()
     t0 = time.perf_counter()
     for _ in range(200):
-        distributed.any_rank([False, False])
+        comm.any_rank([False, False])
     any_rank_ms = (time.perf_counter() - t0) / 200 * 1e3
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"res": res, "any_rank_ms": any_rank_ms}, f)
-    distributed.teardown()
+    group.teardown()
 
 
 def _free_port() -> int:
@@ -275,7 +274,7 @@ def _ddp_overhead(args: argparse.Namespace) -> None:
         ratio = med(res["distribuuuu"]) / med(res["minimal DDP loop"])
         report("overhead", f"ratio distribuuuu (NONFINITE off) / minimal, 2 DDP processes, {clock} time", f"{ratio:.3f}")
     step_ms = 32 / med([r[0] for r in got["res"]["minimal DDP loop"]]) * 1e3
-    report("overhead", "distributed.any_rank() per step (2 processes)",
+    report("overhead", "comm.any_rank() per step (2 processes)",
            f"{got['any_rank_ms']:.3f} ms = {got['any_rank_ms'] / step_ms * 100:.2f}% of a step")
 
 

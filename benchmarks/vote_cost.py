@@ -1,4 +1,4 @@
-"""The cost of one step-boundary vote (distributed.any_rank) with 2, 4, 8 ... gloo processes.
+"""The cost of one step-boundary vote (dist.comm.any_rank) with 2, 4, 8 ... gloo processes.
 
     python benchmarks/vote_cost.py [--procs 2,4,8] [--votes 2000]
 
@@ -23,20 +23,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu import config, distributed  # noqa: E402
+from distribuuuu import config  # noqa: E402
+from distribuuuu.dist import comm, group, spawn  # noqa: E402
 
 
 def _worker(votes: int, out_path: str) -> None:
     """One rank: join the group, warm up, time each vote, rank 0 writes the times."""
     cfg = config.get_defaults()
     cfg.DEVICE, cfg.NUM_THREADS = "cpu", 1
-    with distributed.session(cfg) as ctx:
+    with group.session(cfg) as ctx:
         for _ in range(50):
-            distributed.any_rank([False, False])
+            comm.any_rank([False, False])
         times = []
         for _ in range(votes):
             start = time.perf_counter()
-            distributed.any_rank([False, False])
+            comm.any_rank([False, False])
             times.append(time.perf_counter() - start)
         if ctx.is_main:
             with open(out_path, "w") as f:
@@ -46,7 +47,7 @@ def _worker(votes: int, out_path: str) -> None:
 def measure(procs: int, votes: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        status = distributed.spawn(_worker, procs, (votes, out))
+        status = spawn.spawn(_worker, procs, (votes, out))
         if status != 0:
             raise SystemExit(f"the run with {procs} processes exited with status {status}")
         with open(out) as f:
@@ -62,7 +63,7 @@ def main() -> None:
     for n in (int(p) for p in args.procs.split(",")):
         times = sorted(measure(n, args.votes))
         rows.append((n, statistics.median(times), times[int(0.9 * (len(times) - 1))]))
-    print(f"\nvote cost: distributed.any_rank over gloo, one host, {os.cpu_count()} cores, {args.votes} votes")
+    print(f"\nvote cost: dist.comm.any_rank over gloo, one host, {os.cpu_count()} cores, {args.votes} votes")
     print(f"{'processes':>9} {'median us':>10} {'p90 us':>8} {'per step, every step':>21} {'every 10 steps':>15}")
     for n, med, p90 in rows:
         print(f"{n:>9} {1e6 * med:>10.0f} {1e6 * p90:>8.0f} {1e6 * med:>18.0f} us {1e6 * med / 10:>12.0f} us")

@@ -1,4 +1,6 @@
-"""Checkpoints: atomic writes, keep-k pruning, auto-resume, safe loading.
+"""Checkpoint files: atomic writes, keep-k pruning, finding the newest intact one, safe and
+verified loading, RNG capture. What goes into a checkpoint of a run, and resuming from one, is
+the training side's (engine/state.py, with the strategy's model and optimizer state).
 
 Layout under OUT_DIR/checkpoints/: ``epoch_0007.pth`` at epoch ends, ``step_00001234.pth``
 mid-epoch (the newest TRAIN.CKPT_KEEP of each kind are kept), ``last.pth`` (the newest of all)
@@ -36,13 +38,12 @@ import pickle
 import random
 import re
 import shutil
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from distribuuuu import files
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -55,38 +56,16 @@ def checkpoint_dir(out_dir: str) -> str:
 
 
 def _atomic_save(obj: Any, path: str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over the target.
-
-    A crash at any point leaves either the old file or the new one, never half of one; the
-    temporary name does not match the patterns that resume looks for.
-    """
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """torch.save through files.atomic_write: a crash at any point leaves either the old file or the
+    new one, never half of one; the temporary name does not match the patterns resume looks for."""
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        files.atomic_write(path, lambda f: torch.save(obj, f))
     except Exception as e:  # torch wraps ENOSPC in a RuntimeError: say plainly what happened
         raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); "
                       "the previous checkpoint is intact") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
-def _atomic_link(src: str, dst: str) -> None:
-    """Make dst the same content as src: a hard link when the filesystem allows, else a copy."""
-    tmp = f"{dst}.tmp.{os.getpid()}"
-    try:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+_atomic_link = files.atomic_link
 
 
 def numbered_checkpoints(out_dir: str, kind: str) -> list[str]:
@@ -301,128 +280,3 @@ def _set_cuda_rng_state(saved: bytes | list[bytes]) -> None:
 def _as_tuple(x: Any) -> Any:
     """random.setstate wants tuples all the way down; pickling may give lists."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------------------------------------
-# The state of a run: what the loop carries and what a checkpoint restores
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class TrainState:
-    """Counters of the run (the model, optimizer, scaler and EMA hold the rest)."""
-
-    epoch: int = 0  # epochs completed
-    samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
-    global_step: int = 0  # optimizer steps taken
-    best_metric: float = float("-inf")  # TRAIN.BEST_METRIC's best value so far
-    best_epoch: int = 0
-    evals_since_best: int = 0  # for TRAIN.PATIENCE
-    bad_steps: int = 0  # consecutive non-finite steps
-    resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
-    stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
-    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (resume_check.run_facts), checked on resume
-
-    COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
-
-
-class CheckpointTimer:
-    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
-
-    def __init__(self, minutes: float) -> None:
-        self.period_s, self.last = minutes * 60.0, time.monotonic()
-
-    def due(self) -> bool:
-        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
-
-    def reset(self) -> None:
-        self.last = time.monotonic()
-
-
-def _all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
-    floats = [t for t in state_dict.values() if t.is_floating_point()]
-    return not floats or bool(torch.isfinite(torch.stack(torch._foreach_norm(floats))).all())
-
-
-def save_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, Any], state: TrainState, timer: CheckpointTimer, is_best: bool = False,
-             train_sums: torch.Tensor | None = None) -> None:
-    """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run;
-    ``extra`` holds the state of other parts (grad scaler, EMA)."""
-    from distribuuuu import distributed, models, sharding  # models imports this module
-
-    rng = distributed.all_gather_object(rng_state())  # each rank's own streams
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: collect the shards on rank 0
-        optimizer.consolidate_state_dict(to=0)
-    if train_sums is not None:  # a mid-epoch checkpoint carries the epoch's metrics so far
-        train_sums = distributed.all_reduce_sum(train_sums.clone()).tolist()
-    timer.reset()
-    counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
-    record = {**extra, **counters, "cfg": cfg.dump(), "rng": rng, "world_size": ctx.world_size,
-              "train_sums": train_sums, "facts": state.facts}
-    net = models.unwrap(model)
-    if sharding.is_sharded(net) and cfg.DIST.FSDP_STATE_DICT == "sharded":
-        # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
-        finite = not distributed.any_rank([not _all_finite({k: sharding.local_tensor(v)
-                                                            for k, v in net.state_dict().items()})])[0]
-        if finite:
-            shards = checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
-            sharding.save_sharded(net, optimizer, shards)
-            record["sharded"] = os.path.basename(shards)
-    elif sharding.is_sharded(net):  # gathered whole on rank 0: the same file as ddp's
-        record["model"], record["optimizer"] = sharding.full_state(net, optimizer)
-        finite = not ctx.is_main or _all_finite(record["model"])
-    elif ctx.is_main:
-        record["model"], record["optimizer"] = models.state_dict_for_saving(model), optimizer.state_dict()
-        finite = _all_finite(record["model"])
-    else:
-        finite = True
-    if ctx.is_main:
-        if not finite:
-            log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
-        else:
-            path = save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
-            log.info("saved %s%s", path, " (best)" if is_best else "")
-    distributed.barrier()  # nobody races ahead (or exits) while rank 0 writes
-
-
-def resume_run(cfg: Any, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               state: TrainState) -> dict[str, Any] | None:
-    """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
-    the checkpoint (for the other parts' state) or None. A checkpoint that does not fit this run
-    (config, data, model or optimizer: resume_check) is refused before anything is loaded."""
-    from distribuuuu import models, resume_check, sharding
-
-    if not cfg.TRAIN.AUTO_RESUME:
-        return None
-    ckpt, path = load_latest(cfg.OUT_DIR)
-    if ckpt is None:
-        return None
-    net, opt = models.unwrap(model), optimizer if cfg.TRAIN.LOAD_OPT else None
-    plain = not ckpt.get("sharded") and not sharding.is_sharded(net)  # shapes of sharded state: torch checks
-    resume_check.check(ckpt, path, cfg, state.facts, net if plain else None, opt if plain else None)
-    if ckpt.get("sharded"):
-        if not sharding.is_sharded(net):
-            raise UserError(f"{path} keeps its weights in FSDP shards ({ckpt['sharded']}); resume it with "
-                            "DIST.STRATEGY fsdp and more than one process")
-        sharding.load_sharded(net, opt, os.path.join(checkpoint_dir(cfg.OUT_DIR), ckpt["sharded"]))
-    elif sharding.is_sharded(net):
-        sharding.load_full_state(net, opt, ckpt["model"], ckpt.get("optimizer"))
-    else:
-        net.load_state_dict(ckpt["model"])
-        if opt is not None and "optimizer" in ckpt:
-            optimizer.load_state_dict(ckpt["optimizer"])
-    for key in TrainState.COUNTERS:
-        setattr(state, key, ckpt.get(key, getattr(state, key)))
-    state.resumed_sums = ckpt.get("train_sums")
-    saved_world = ckpt.get("world_size", ctx.world_size)
-    if saved_world == ctx.world_size:
-        set_rng_state(ckpt["rng"][ctx.rank])
-    else:
-        # The sampler position is counted in samples, so the epoch goes on with the next unseen
-        # samples; each rank's RNG streams cannot be carried over and keep their fresh seeds.
-        log.warning("resuming %d processes from a checkpoint of %d: the global batch and the LR are "
-                    "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
-                    "are re-seeded", ctx.world_size, saved_world, state.samples_in_epoch)
-    log.info("resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
-             path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step,
-             cfg.TRAIN.BEST_METRIC, state.best_metric)
-    return ckpt

@@ -17,12 +17,12 @@ built-in spawner (--nproc-per-node). A user error exits with status 2 and one me
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 from typing import Callable, Sequence
 
+from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
 
 
@@ -43,9 +43,12 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
                             help="with --nproc-per-node: the rendezvous port (default: MASTER_PORT if "
                                  "set, else a free one); a port in use is replaced by a free one")
     # torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
-    # environment instead (see distributed.detect), so the value is accepted and ignored here.
+    # environment instead (see dist.launch.detect), so the value is accepted and ignored here.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", default=None,
                         help=argparse.SUPPRESS)
+    parser.add_argument("--import", dest="imports", action="append", default=None, metavar="MODULE",
+                        help="import MODULE (a dotted name or a .py file) in every process before the model "
+                             "and data are built, e.g. to register a timm model; repeatable, adds to IMPORTS")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config")
 
 
@@ -71,7 +74,9 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots, or ./plots)")
     bench = sub.add_parser("bench", help="time the model, the data loader and the step; --scaling sweeps processes")
     _add_cfg_args(bench, with_nproc=False)
-    bench.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    bench.add_argument("--iters", type=int, default=20,
+                       help="timed iterations per measurement (the model's: at least this many calls' time, "
+                            "in blocks chosen by torch.utils.benchmark.Timer)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     bench.add_argument("--scaling", default=None, metavar="LIST",
                        help="process counts such as 1,2,4: train the same short run with each")
@@ -119,35 +124,43 @@ def _options_first(tokens: list[str]) -> list[str]:
 
 
 def _run_tool(args: argparse.Namespace) -> int:
+    """plot, bench, predict, export: each tool module (distribuuuu/tools/) is imported only when
+    chosen; `distribuuuu --help` and train/eval load none of them."""
     opts = list(getattr(args, "opts", None) or [])
     if args.command == "plot":
-        from distribuuuu import plot
+        from distribuuuu.tools import plot
 
         return plot.main(args.run_dirs, args.out)
     if args.command == "bench":
         return _run_bench(args, opts)
     if args.command == "predict":
-        from distribuuuu import predict
+        from distribuuuu.tools import predict
 
         return predict.main(args.cfg_file, opts, args.topk)
-    from distribuuuu import export
+    from distribuuuu.tools import export
 
     return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
 
 
 def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
-    """bench: the one-process timings, --scaling (bench.py) or --compare (compare.py)."""
-    if args.compare is None:
-        from distribuuuu import bench
+    """bench: the one-process timings (tools/bench.py), --scaling (tools/scaling.py) or --compare
+    (tools/compare.py). The options are checked here, before the chosen module imports torch."""
+    if args.compare is not None:
+        if args.scaling is not None:
+            raise UserError("--compare and --scaling are two different sweeps; give one of them")
+        from distribuuuu.tools import compare
 
-        epochs = 1 if args.epochs is None else args.epochs
-        return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.scaling, epochs, args.out)
+        return compare.run_compare(args.cfg_file, opts, args.compare, 2 if args.epochs is None else args.epochs,
+                                   args.out, args.nproc, args.global_batch, args.amp)
+    if args.iters < 1 or args.warmup < 0:
+        raise UserError(f"--iters must be at least 1 and --warmup at least 0, got {args.iters} and {args.warmup}")
     if args.scaling is not None:
-        raise UserError("--compare and --scaling are two different sweeps; give one of them")
-    from distribuuuu import compare
+        from distribuuuu.tools import scaling
 
-    return compare.run_compare(args.cfg_file, opts, args.compare, 2 if args.epochs is None else args.epochs,
-                               args.out, args.nproc, args.global_batch, args.amp)
+        return scaling.main(args.cfg_file, opts, args.scaling, 1 if args.epochs is None else args.epochs, args.out)
+    from distribuuuu.tools import bench
+
+    return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.out)
 
 
 def _resolve_nproc(value: str | None) -> int | None:
@@ -166,88 +179,20 @@ def _resolve_nproc(value: str | None) -> int | None:
     return n
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
-
-
-def _check_batch_fits(command: str, cfg) -> None:
-    """Refuse an input batch that alone exceeds the host's memory, before anything is allocated:
-    TRAIN.IM_SIZE 200000 would otherwise end in an allocator traceback per rank. The GPU's memory is
-    not asked here: that would initialise CUDA in the launching process (the spawner's parent)."""
-    limits = [("this host's", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))]
-    splits = [("TEST", "evaluation")] if command == "eval" else [("TRAIN", "training"), ("TEST", "evaluation")]
-    for group, what in splits:
-        batch, side = cfg[group].BATCH_SIZE, cfg[group].IM_SIZE
-        size = batch * cfg.MODEL.IN_CHANS * side * side * 4  # float32, as the model sees it
-        for where, limit in limits:
-            if size > limit:
-                raise UserError(
-                    f"one {what} batch ({group}.BATCH_SIZE {batch} images of {cfg.MODEL.IN_CHANS}x{side}x{side}, "
-                    f"float32) is {_gib(size)}, more than {where} {_gib(limit)} of memory before any "
-                    f"activation; lower {group}.IM_SIZE (e.g. 224) or {group}.BATCH_SIZE")
-
-
-def _check_cfg_dest(cfg) -> None:
-    """CFG_DEST names a file in OUT_DIR: an existing folder there cannot become one."""
-    path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
-    if os.path.isdir(path):
-        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is an existing folder in OUT_DIR ({path}); the full config "
-                        "is written to that name: use a file name such as config.yaml")
-
-
-def _preflight(command: str, cfg, world_size: int, all_ranks_here: bool = True) -> None:
-    """Checks that need no process group, run before any starts so no rank is left waiting.
-    all_ranks_here: every rank runs on this host (plain, spawner, one-node torchrun/srun)."""
-    from distribuuuu import data, models, resume_check, run_folder
-
-    models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
-    _check_batch_fits(command, cfg)
-    if command == "train":
-        _check_cfg_dest(cfg)
-    if cfg.DIST.STRATEGY == "dp" and world_size > 1:
-        raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
-                        "were started; run it with plain python, or use DIST.STRATEGY ddp")
-    if command == "eval":
-        if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
-            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
-    elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
-        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
-                        "checkpoint or state dict, or leave MODEL.WEIGHTS None")
-    data.check_datasets(cfg, world_size, train=(command == "train"))
-    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable and not another run's
-    if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)
-        resume_check.preflight(cfg)
-
-
 def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
-    """Run train or eval in this process (any launcher); returns the exit status."""
-    from distribuuuu import config, distributed, engine, faults, run_folder
-    from distribuuuu.logger import LOGGER_NAME, setup_logging
+    """Run train or eval in this process (any launcher); returns the exit status.
+
+    The work is api.run_command's (the Python API runs the same); here only the statuses: 0, or
+    128 + signal after a preemption checkpoint. UserError and stop signals: see _guarded.
+    """
+    from distribuuuu import api, config
+    from distribuuuu.dist.signals import Preempted
 
     cfg = config.load_config(cfg_file, opts)
-    info = distributed.detect()
-    _preflight(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
-    # A train run holds OUT_DIR/run.lock (rank 0) from here to its end, however it ends.
-    with distributed.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
-        setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
-        run_folder.log_notes(notes)  # a stale lock taken over, debris removed
-        if command == "eval":
-            engine.run_eval(cfg, ctx)
-            return 0
-        if ctx.is_main:
-            config.dump_to_run_folder(cfg, cfg.OUT_DIR)
-        try:
-            with faults.preemption_signals(cfg.TRAIN.PREEMPT_SIGNALS):
-                engine.fit(cfg, ctx)
-        except engine.Preempted as stop:
-            if cfg.TRAIN.REQUEUE and ctx.is_main:
-                distributed.slurm_requeue()
-            return 128 + stop.signum  # "ended by this signal", after the checkpoint
-        except Exception as e:  # a crash: name the rank in log.txt, where every rank's errors go
-            # A UserError (e.g. engine.NonFiniteLoss) is printed once by _guarded: log.txt only here.
-            logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e,
-                                                 extra={"console": not isinstance(e, UserError)})
-            raise
+    try:
+        api.run_command(command, cfg)
+    except Preempted as stop:
+        return 128 + stop.signum  # "ended by this signal", after the checkpoint
     return 0
 
 
@@ -261,16 +206,16 @@ def _guarded(fn: Callable[[], int]) -> int:
     try:
         return fn()
     except UserError as e:
-        rank = os.environ.get("RANK", "0")
+        rank = rank_label()
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         # One write of the whole line: print() writes text and newline apart, and the ranks of a
         # spawned job share stderr (two ranks' lines were seen glued together).
         sys.stderr.write(f"{prefix}: {e}\n")
         sys.stderr.flush()
         return USER_ERROR_EXIT
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (distributed.Terminated): see handle_stop_signals
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (dist.signals.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))
-        rank = os.environ.get("RANK", "0")
+        rank = rank_label()
         who = "" if rank == "0" else f" (rank {rank})"
         print(f"stopped by {signal.Signals(signum).name}{who}", file=sys.stderr, flush=True)
         return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
@@ -281,6 +226,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv and argv[0] in TOOLS:
         argv = [argv[0], *_options_first(argv[1:])]
     args = build_parser().parse_args(argv)
+    if getattr(args, "imports", None):  # --import M: an IMPORTS override, so spawned ranks get it too
+        from distribuuuu import config
+
+        args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
     if args.command in TOOLS:
         return _run_tool(args)
     if args.command == "data":
@@ -302,14 +251,15 @@ def _main(argv: Sequence[str] | None) -> int:
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
-    from distribuuuu import config, distributed
+    from distribuuuu import config, preflight
+    from distribuuuu.dist import launch, spawn
 
-    if distributed.detect().launcher != "plain":
+    if launch.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
     cfg = config.load_config(args.cfg_file, opts)  # fail here, once, before any child starts
-    _preflight(args.command, cfg, nproc)
-    return distributed.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+    preflight.check(args.command, cfg, nproc)
+    return spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ With the bar, the periodic lines still go to log.txt.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -21,6 +22,8 @@ import time
 from typing import Any, Callable
 
 from yacs.config import CfgNode
+
+from distribuuuu.files import atomic_write_bytes
 
 LOGGER_NAME = "distribuuuu"
 PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
@@ -170,7 +173,7 @@ class MetricsWriter:
                 kept.append(line)
         if not dropped and raw.endswith(b"\n"):
             return []
-        _replace_file(self.path, b"".join(ln + b"\n" for ln in kept))
+        atomic_write_bytes(self.path, b"".join(ln + b"\n" for ln in kept))
         notes = self._move_dropped(dropped)
         self._rebuild_csv([json.loads(ln) for ln in kept])
         return notes
@@ -192,12 +195,11 @@ class MetricsWriter:
     def _rebuild_csv(self, records: list[dict[str, Any]]) -> None:
         header = list(CSV_COLUMNS) + [k for r in records for k in r if k not in CSV_COLUMNS]
         header = list(dict.fromkeys(header))
-        tmp = f"{self.csv_path}.tmp.{os.getpid()}"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=header)
-            w.writeheader()
-            w.writerows(records)
-        os.replace(tmp, self.csv_path)
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, fieldnames=header)
+        w.writeheader()
+        w.writerows(records)
+        atomic_write_bytes(self.csv_path, text.getvalue().encode())
 
 
 def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
@@ -213,16 +215,6 @@ def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
         return (f"records written after the checkpoint the run resumes from (epoch {completed_epochs}); "
                 "those epochs are trained and recorded again")
     return None
-
-
-def _replace_file(path: str, data: bytes) -> None:
-    """Write data to path atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

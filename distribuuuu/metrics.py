@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from distribuuuu import distributed
+from distribuuuu.dist import comm
 
 
 def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
@@ -47,7 +47,7 @@ class Counter:
 
     def reduce(self) -> "Counter":
         """Sum over all ranks with one all-reduce; returns self."""
-        both = distributed.all_reduce_sum(self.sums_with_n())
+        both = comm.all_reduce_sum(self.sums_with_n())
         self.sums, self.n = both[:3], int(both[3].item())
         return self
 

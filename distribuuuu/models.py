@@ -8,6 +8,7 @@ to the device, converts BatchNorm (``convert_syncbn``) and wraps it in DDP, in t
 
 from __future__ import annotations
 
+import collections
 import difflib
 import functools
 import logging
@@ -23,8 +24,10 @@ import torchvision
 from timm.models import adapt_input_conv
 from timm.models.resnet import BasicBlock
 from timm.models.resnet import ResNet as TimmResNet
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from distribuuuu import checkpoint
+from distribuuuu.config import import_user_modules
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -83,7 +86,9 @@ def resolve_arch(arch: str) -> tuple[str, str]:
         return ALIASES[arch]
     if arch in _torchvision_names():
         return "torchvision", arch
-    if arch.split(".", 1)[0] in _timm_names():  # timm also takes "name.pretrained_tag"
+    # timm also takes "name.pretrained_tag". Asked live, not from the cached list: an IMPORTS module
+    # may have registered the name after the first lookup.
+    if timm.is_model(arch.split(".", 1)[0]):
         _check_timm_tag(arch)
         return "timm", arch
     known = sorted(set(ALIASES) | _torchvision_names() | _timm_names())
@@ -169,6 +174,8 @@ def _use_small_stem(model: nn.Module, arch: str) -> None:
 
 def build_model(cfg) -> nn.Module:
     """The model named by cfg.MODEL.ARCH, on the CPU, not wrapped and not SyncBN-converted."""
+    # load_config imported them already; a cfg built by hand (the Python API) may not have been.
+    import_user_modules(cfg.get("IMPORTS", ()))
     arch = cfg.MODEL.ARCH
     lib, name = resolve_arch(arch)
     args = (cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
@@ -253,13 +260,15 @@ def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
 
 
 def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
-    """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model."""
+    """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model.
+    Only then: torch's helper alone would also strip a model's own layer named 'module'."""
+    state = collections.OrderedDict(state)  # a copy: torch's helper renames in place
     stripped = True
     while stripped:
         stripped = False
         for prefix in _WRAPPER_PREFIXES:
             if state and all(k.startswith(prefix) for k in state):
-                state = {k[len(prefix):]: v for k, v in state.items()}
+                consume_prefix_in_state_dict_if_present(state, prefix)
                 stripped = True
     return dict(state)
 

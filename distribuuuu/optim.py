@@ -6,12 +6,11 @@ run recomputes the same LR from its epoch and step.
 
 from __future__ import annotations
 
-import inspect
 import math
+from typing import Any
 
 import torch
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from timm.optim import get_optimizer_info, param_groups_weight_decay
 from yacs.config import CfgNode
 
 
@@ -23,28 +22,24 @@ def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
     return param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
 
 
-def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """torch's SGD with Distribuuuu's keys, or timm's AdamW / LAMB / LARS; multi-tensor kernels."""
+def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD
+    with Distribuuuu's keys and multi-tensor kernels, or timm's AdamW / LAMB / LARS (MOMENTUM is
+    used where the optimizer has one, as timm's factory does)."""
     o = cfg.OPTIM
-    groups = param_groups(cfg, model)
     if o.OPTIMIZER == "sgd":
-        cls, kwargs = torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV,
-                                           foreach=True)
-    else:
-        # timm's factory knows LAMB and LARS; MOMENTUM is used where the optimizer has one.
-        probe = create_optimizer_v2(groups, opt=o.OPTIMIZER, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY,
-                                    momentum=o.MOMENTUM, filter_bias_and_bn=False)
-        if cfg.DIST.STRATEGY != "zero1":
-            return probe
-        # Rebuild it the same way under ZeRO: its class and the defaults its constructor takes.
-        cls = type(probe)
-        accepted = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in probe.defaults.items() if k in accepted and k not in ("lr", "weight_decay")}
-    if cfg.DIST.STRATEGY == "zero1" and torch.distributed.is_initialized():
-        # ZeRO stage 1: each rank keeps the optimizer state of its share of the parameters only
-        # and broadcasts its updated share after the step.
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY, **kwargs)
-    return cls(groups, lr=o.BASE_LR, weight_decay=o.WEIGHT_DECAY, **kwargs)
+        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, foreach=True)
+    info = get_optimizer_info(o.OPTIMIZER)
+    kwargs = dict(info.defaults or {})
+    if info.has_momentum:
+        kwargs.setdefault("momentum", o.MOMENTUM)
+    return info.opt_class, kwargs
+
+
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py)."""
+    cls, kwargs = optimizer_class(cfg)
+    return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
 
 
 def peak_lr(cfg: CfgNode, global_batch: int) -> float:

@@ -18,7 +18,7 @@ A differing dataset size, a model whose state dict does not fit, and an optimize
 optimizer are refused with one message each (never a traceback from deep inside torch). Every rank
 reads the same file and takes the same decision. ``preflight`` runs the config comparison in the
 launching process, before config.yaml or any checkpoint is written; ``check`` runs it again inside
-``checkpoint.resume_run`` (for callers of engine.fit) together with the facts and the state.
+``engine.state.resume_run`` (for callers of engine.fit) together with the facts and the state.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from typing import Any, Iterable
 
 import torch
 import yaml
+
+from distribuuuu import checkpoint, config
+from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
 
@@ -65,6 +68,8 @@ SAFE_KEYS = frozenset({
     "TRAIN.BAD_IMAGES", "TRAIN.LOAD_OPT", "DIST.VOTE_PERIOD_STEPS",
     # a data check: a change that alters the samples shows as another dataset size (the facts)
     "TRAIN.DUPLICATE_IMAGES",
+    # where the user's code is found (what it builds is compared: MODEL.ARCH, the state's shapes)
+    "IMPORTS",
 })
 
 # Not compared at all: the run folder is where the checkpoint was found.
@@ -88,8 +93,6 @@ def flatten_yaml(text: str) -> dict[str, Any]:
 def config_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
     """(key, old, new) for every key whose value differs; a key the old config lacks (written by
     an older version) counts as its default, a key the new one lacks (since removed) is skipped."""
-    from distribuuuu import config
-
     old, new = flatten_yaml(old_yaml), flatten_yaml(cfg.dump())
     defaults = flatten_yaml(config.get_defaults().dump())
     return [(k, old.get(k, defaults.get(k)), v) for k, v in new.items()
@@ -114,8 +117,6 @@ def refusal(path: str, out_dir: str, lines: Iterable[str], allow: list[str] | No
 
 def compare_configs(old_yaml: str, cfg: Any, path: str) -> list[tuple[str, Any, Any]]:
     """Raise UserError when a change is not allowed; return the allowed changes (to be logged)."""
-    from distribuuuu.errors import UserError
-
     allowed = set(cfg.TRAIN.RESUME_ALLOW or [])
     changes = config_changes(old_yaml, cfg)
     identity = [c for c in changes if c[0] in IDENTITY_KEYS and c[0] not in allowed]
@@ -140,8 +141,6 @@ def peek_cfg(path: str) -> str | None:
 def preflight(cfg: Any) -> None:
     """In the launching process, before config.yaml or any checkpoint is written: refuse a resume
     whose config differs where it may not (the full check runs again in resume_run)."""
-    from distribuuuu import checkpoint
-
     if not cfg.TRAIN.AUTO_RESUME:
         return
     for path in checkpoint.resume_candidates(cfg.OUT_DIR):
@@ -157,8 +156,6 @@ def run_facts(train_samples: int, val_samples: int) -> dict[str, Any]:
 
 
 def check_facts(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path: str) -> None:
-    from distribuuuu.errors import UserError
-
     names = {"train_samples": f"the training set ({cfg.TRAIN.DATASET}, split {cfg.TRAIN.SPLIT!r})",
              "val_samples": f"the validation set ({cfg.TEST.DATASET}, split {cfg.TEST.SPLIT!r})"}
     lines = [f"{names.get(k, k)} has {now[k]} samples now, {saved[k]} when the checkpoint was written"
@@ -216,8 +213,6 @@ def check(ckpt: dict[str, Any], path: str, cfg: Any, facts: dict[str, Any], mode
           optimizer: torch.optim.Optimizer | None) -> None:
     """Everything resume_run verifies before it loads: config, facts, model and optimizer state.
     Raises UserError; logs ``resume: KEY changed old -> new`` for each accepted change."""
-    from distribuuuu.errors import UserError
-
     if ckpt.get("cfg"):
         for key, old, new in compare_configs(ckpt["cfg"], cfg, path):
             log.info("resume: %s changed %s -> %s", key, _fmt(old), _fmt(new))

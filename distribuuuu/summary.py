@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import distributed
-from distribuuuu.distributed import DistContext
+from distribuuuu.dist import comm
+from distribuuuu.dist.group import DistContext
 
 log = logging.getLogger("distribuuuu")
 
@@ -72,7 +72,7 @@ def _placement(ctx: DistContext) -> dict[str, Any]:
 
 def gather_placements(ctx: DistContext) -> list[dict[str, Any]]:
     """Every rank's host and device, in rank order. A collective when there is a process group."""
-    return distributed.all_gather_object(_placement(ctx))
+    return comm.all_gather_object(_placement(ctx))
 
 
 def _command_line() -> str:

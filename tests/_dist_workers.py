@@ -33,17 +33,17 @@ def _wait_for(path: str, timeout_s: float = 30.0) -> None:
 
 def all_reduce_worker(out_dir: str) -> None:
     """Each rank contributes rank + 1 and writes the sum and its launch facts."""
-    from distribuuuu import distributed as du
+    from distribuuuu.dist import comm, group
 
     torch.set_num_threads(1)
-    ctx = du.setup(_cfg())
-    t = du.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]))
-    obj = du.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
-    du.barrier()
+    ctx = group.setup(_cfg())
+    t = comm.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]))
+    obj = comm.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
+    comm.barrier()
     facts = (f"{t.item()} {ctx.info.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
-             f"{du.get_rank()} {du.get_world_size()} {int(du.is_main_process())} {obj['from']} {ctx.backend}")
-    du.teardown()
-    du.teardown()  # safe twice
+             f"{comm.get_rank()} {comm.get_world_size()} {int(comm.is_main_process())} {obj['from']} {ctx.backend}")
+    group.teardown()
+    group.teardown()  # safe twice
     _write(out_dir, f"rank{ctx.rank}.txt", facts)
     session_worker(out_dir)  # one spawn for both: a child's start-up costs seconds
 
@@ -79,13 +79,13 @@ def session_worker(out_dir: str) -> None:
     """The body raises (ValueError, then KeyboardInterrupt); the group must be gone each time."""
     import torch.distributed as dist
 
-    from distribuuuu import distributed as du
+    from distribuuuu.dist import group
 
     torch.set_num_threads(1)
     results = []
     for exc in (ValueError("body failed"), KeyboardInterrupt()):
         try:
-            with du.session(_cfg()) as ctx:
+            with group.session(_cfg()) as ctx:
                 assert dist.is_initialized() and ctx.distributed
                 raise exc
         except (ValueError, KeyboardInterrupt) as e:
@@ -95,10 +95,10 @@ def session_worker(out_dir: str) -> None:
 
 def setup_worker(out_dir: str) -> None:
     """Only joins the group (used with a master port that is taken)."""
-    from distribuuuu import distributed as du
+    from distribuuuu.dist import group
 
     torch.set_num_threads(1)
-    with du.session(_cfg()):
+    with group.session(_cfg()):
         pass
 
 

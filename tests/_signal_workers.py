@@ -12,15 +12,15 @@ import time
 def stuck_save_worker(out_dir: str) -> None:
     """Behave like a rank whose step checkpoint hangs: the first SIGTERM is only recorded (as
     TRAIN.PREEMPT_SIGNALS does), then the rank never reaches a step boundary. Only a second
-    SIGTERM gets it out (faults.py escalates it to distributed.Terminated)."""
-    from distribuuuu import distributed, faults
+    SIGTERM gets it out (dist.signals escalates it to Terminated)."""
+    from distribuuuu.dist import signals
 
-    distributed.handle_stop_signals()
+    signals.handle_stop_signals()
     rank = os.environ["RANK"]
-    with faults.preemption_signals(["SIGTERM"]):
+    with signals.preemption_signals(["SIGTERM"]):
         with open(os.path.join(out_dir, f"ready{rank}"), "w") as f:
             f.write(str(os.getpid()))
-        while faults.stop_signal() is None:
+        while signals.stop_signal() is None:
             time.sleep(0.02)
         with open(os.path.join(out_dir, f"recorded{rank}"), "w") as f:
             f.write("1")

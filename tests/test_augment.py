@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-from _data_helpers import make_cfg, write_constant_image_tree
-from helpers import TINY, check, distribuuuu, read_metrics
 from distribuuuu import data
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.samplers import ResumableDistributedSampler
+from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_constant_image_tree
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -278,6 +277,7 @@ def test_both_train_pipelines_use_it_and_copies_get_their_own_augmentation():
 # ---------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_training_with_randaugment_erasing_and_repeats_on_two_processes(tmp_path):
     out = str(tmp_path / "run")
     check(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out,

@@ -6,7 +6,9 @@ import os
 import pytest
 from PIL import Image
 
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, distribuuuu, read_metrics
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 
 def _jpeg_bytes(mode="RGB", size=(12, 12)):

@@ -7,11 +7,12 @@ import os
 import pytest
 
 from distribuuuu.errors import UserError
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.e2e
 def test_bench_times_model_data_and_step(tmp_path):
     out = str(tmp_path / "bench")
     proc = check(distribuuuu("bench", "--cfg", TINY, "--iters", "4", "--warmup", "1", "--out", out,
@@ -34,6 +35,7 @@ def test_bench_times_model_data_and_step(tmp_path):
     assert s["img_per_s"] == pytest.approx(16 / (s["ms_per_step"] / 1e3))
 
 
+@pytest.mark.e2e
 def test_bench_scaling_runs_one_and_two_processes(tmp_path):
     out = str(tmp_path / "scaling")
     proc = check(distribuuuu("bench", "--cfg", TINY, "--scaling", "2,1", "--out", out,
@@ -62,18 +64,18 @@ def test_bench_scaling_runs_one_and_two_processes(tmp_path):
 
 @pytest.mark.parametrize("text", ["1,x", "0,1", "1,1", "", "2;4"])
 def test_bad_scaling_lists_are_user_errors(text):
-    from distribuuuu.bench import parse_counts
+    from distribuuuu.tools.scaling import parse_counts
 
     with pytest.raises(UserError, match="--scaling takes a comma-separated list"):
         parse_counts(text)
 
 
 def test_bench_bad_input_exits_2_with_one_message(tmp_path):
-    bad = check(distribuuuu("bench", "--cfg", TINY, "--scaling", "1,two", "--out", str(tmp_path)), 2)
+    bad = check(cli_main("bench", "--cfg", TINY, "--scaling", "1,two", "--out", str(tmp_path)), 2)
     assert "--scaling takes a comma-separated list of process counts such as 1,2,4, got '1,two'" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    iters = check(distribuuuu("bench", "--cfg", TINY, "--iters", "0"), 2)
+    iters = check(cli_main("bench", "--cfg", TINY, "--iters", "0"), 2)
     assert "--iters must be at least 1" in iters.stderr
-    key = check(distribuuuu("bench", "--cfg", TINY, "--scaling", "1,2", "MODEL.ARHC", "x"), 2)
+    key = check(cli_main("bench", "--cfg", TINY, "--scaling", "1,2", "MODEL.ARHC", "x"), 2)
     assert "MODEL.ARHC" in key.stderr and "MODEL.ARCH" in key.stderr  # before any process starts
     assert not os.path.exists(os.path.join(tmp_path, "p1"))

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from distribuuuu.errors import UserError
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CORES = len(os.sched_getaffinity(0))
@@ -20,6 +20,7 @@ def _config(run_dir: str) -> dict:
         return yaml.safe_load(f)
 
 
+@pytest.mark.e2e
 def test_compare_runs_each_method_with_the_same_global_batch(tmp_path):
     out = str(tmp_path / "cmp")
     # 32 samples at a global batch of 16: 2 optimizer steps per epoch, 2 epochs, for every method.
@@ -75,21 +76,21 @@ def test_compare_runs_each_method_with_the_same_global_batch(tmp_path):
 @pytest.mark.parametrize("text, wanted", [("ddp,single", ["single", "ddp"]), ("ddp+amp", ["ddp+amp"]),
                                           (" dp , ddp", ["dp", "ddp"])])
 def test_methods_parse_in_canonical_order(text, wanted):
-    from distribuuuu.compare import parse_methods
+    from distribuuuu.tools.compare import parse_methods
 
     assert parse_methods(text) == wanted
 
 
 @pytest.mark.parametrize("text", ["", "single,fsdp", "ddp,ddp", "single;ddp"])
 def test_bad_method_lists_are_user_errors(text):
-    from distribuuuu.compare import parse_methods
+    from distribuuuu.tools.compare import parse_methods
 
     with pytest.raises(UserError, match="--compare"):
         parse_methods(text)
 
 
 def test_compare_plans_split_the_global_batch_and_refuse_uneven_ones():
-    from distribuuuu.compare import plan_runs
+    from distribuuuu.tools.compare import plan_runs
 
     plans = {p.method: p for p in plan_runs(["single", "dp", "ddp", "ddp+amp"], 0, 4, 32, "auto", 8)}
     assert (plans["single"].processes, plans["single"].threads, plans["single"].batch) == (1, 8, 32)
@@ -105,10 +106,10 @@ def test_compare_plans_split_the_global_batch_and_refuse_uneven_ones():
 
 def test_compare_unknown_method_exits_2_listing_the_valid_ones(tmp_path):
     out = str(tmp_path / "cmp")
-    bad = check(distribuuuu("bench", "--cfg", TINY, "--compare", "single,ddp+fp8", "--out", out), 2)
+    bad = check(cli_main("bench", "--cfg", TINY, "--compare", "single,ddp+fp8", "--out", out), 2)
     assert ("--compare takes a comma-separated list of methods from single, dp, ddp, ddp+amp; "
             "unknown: 'ddp+fp8'") in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not os.path.exists(out)  # nothing started
-    both = check(distribuuuu("bench", "--cfg", TINY, "--compare", "single", "--scaling", "1,2"), 2)
+    both = check(cli_main("bench", "--cfg", TINY, "--compare", "single", "--scaling", "1,2"), 2)
     assert "--compare and --scaling" in both.stderr

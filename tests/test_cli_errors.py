@@ -1,10 +1,16 @@
-"""Bad input: exit status 2, one clear message, no traceback, no process left behind."""
+"""Bad input: exit status 2, one clear message, no traceback, no process left behind.
+
+The mistakes are found before any process group or child process starts, so most tests run the
+command in this process (tests.conftest.cli_main, through distribuuuu.cli.main); the e2e ones
+prove the same of the installed command and of the spawner.
+"""
 
 import os
+import sys
 
 import pytest
 
-from tests.helpers import TINY, check, distribuuuu
+from tests.conftest import TINY, check, cli_main, distribuuuu, run
 
 
 def _user_error(proc, *fragments):
@@ -17,21 +23,21 @@ def _user_error(proc, *fragments):
 
 
 def test_unknown_key():
-    _user_error(distribuuuu("train", "--cfg", TINY, "MODEL.ARHC", "resnet18"),
+    _user_error(cli_main("train", "--cfg", TINY, "MODEL.ARHC", "resnet18"),
                 "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
 
 
 def test_wrong_type():
-    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.BATCH_SIZE", "big"),
+    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE", "big"),
                 "TRAIN.BATCH_SIZE", "expects an int", "'big'")
 
 
 def test_missing_config_file():
-    _user_error(distribuuuu("train", "--cfg", "no/such.yaml"), "no/such.yaml", "does not exist")
+    _user_error(cli_main("train", "--cfg", "no/such.yaml"), "no/such.yaml", "does not exist")
 
 
 def test_missing_dataset_folder(tmp_path):
-    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path / "imagenet")),
+    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path / "imagenet")),
                 "TRAIN.DATASET", str(tmp_path / "imagenet"))
 
 
@@ -41,30 +47,43 @@ def test_empty_class_folder(tmp_path):
     for cls in ("cat", "dog"):
         os.makedirs(tmp_path / "train" / cls)
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
-    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path)), "dog")
+    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path)), "dog")
 
 
 def test_unknown_arch():
-    _user_error(distribuuuu("train", "--cfg", TINY, "MODEL.ARCH", "resnt18"),
+    _user_error(cli_main("train", "--cfg", TINY, "MODEL.ARCH", "resnt18"),
                 "MODEL.ARCH", "resnet18")
 
 
 def test_missing_weights_file(tmp_path):
-    _user_error(distribuuuu("eval", "--cfg", TINY, "MODEL.WEIGHTS", str(tmp_path / "w.pth")),
+    _user_error(cli_main("eval", "--cfg", TINY, "MODEL.WEIGHTS", str(tmp_path / "w.pth")),
                 "MODEL.WEIGHTS", "w.pth")
 
 
-@pytest.mark.timeout(120)
 def test_world_size_larger_than_the_data():
-    _user_error(distribuuuu("train", "--nproc-per-node", "3", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2"),
+    """Refused by the spawner's parent, before any child starts."""
+    _user_error(cli_main("train", "--nproc-per-node", "3", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2"),
                 "world size 3")
 
 
+def test_bad_nproc_and_odd_override_list():
+    _user_error(cli_main("train", "--nproc-per-node", "zero", "--cfg", TINY), "--nproc-per-node")
+    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE"), "KEY VALUE pairs")
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the installed command and the spawner
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_the_installed_command_exits_2_with_one_message():
+    command = os.path.join(os.path.dirname(sys.executable), "distribuuuu")  # the console script
+    _user_error(run([command, "train", "--cfg", TINY, "MODEL.ARHC", "resnet18"], timeout=120),
+                "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
+
+
+@pytest.mark.e2e
 def test_unknown_arch_with_spawned_processes_fails_once_and_cleanly():
     _user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
                 "MODEL.ARCH")
-
-
-def test_bad_nproc_and_odd_override_list():
-    _user_error(distribuuuu("train", "--nproc-per-node", "zero", "--cfg", TINY), "--nproc-per-node")
-    _user_error(distribuuuu("train", "--cfg", TINY, "TRAIN.BATCH_SIZE"), "KEY VALUE pairs")

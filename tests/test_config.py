@@ -35,7 +35,7 @@ def test_every_shipped_config_validates():
 
 
 def test_every_key_has_a_comment():
-    source = open(os.path.join(ROOT, "distribuuuu", "config.py")).read().splitlines()
+    source = open(os.path.join(ROOT, "distribuuuu", "config", "defaults.py")).read().splitlines()
     for i, line in enumerate(source):
         if line.startswith("_C.") and " = " in line and "CN()" not in line:
             assert source[i - 1].lstrip().startswith("#"), f"no comment above: {line}"
@@ -77,6 +77,8 @@ def test_later_overrides_win_over_the_file(tmp_path):
     (["OPTIM.NESTEROV", "True", "OPTIM.MOMENTUM", "0.0"], "OPTIM.NESTEROV True needs OPTIM.MOMENTUM > 0"),
     (["DEVICE", "tpu"], "DEVICE must be one of auto, cpu, cuda"),
     (["OPTIM.MIN_LR", "2.0"], "OPTIM.MIN_LR is a fraction"),
+    (["IMPORTS", "[1]"], "IMPORTS holds module names or .py file paths (e.g. ['mypkg.models']), got [1]"),
+    (["IMPORTS", "mypkg"], "config key IMPORTS expects a list, got 'mypkg'"),
 ])
 def test_bad_values_are_user_errors_with_clear_messages(opts, message):
     with pytest.raises(UserError) as err:

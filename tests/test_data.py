@@ -9,12 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from _data_helpers import (make_cfg, write_fake_cifar10, write_fake_cifar100, write_image,
-                           write_image_tree)
 from distribuuuu import data
 from distribuuuu.data.samplers import ResumableDistributedSampler
 from distribuuuu.data import sources
 from distribuuuu.errors import UserError
+from tests.conftest import make_cfg, write_fake_cifar10, write_fake_cifar100, write_image, write_image_tree
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -1,10 +1,11 @@
-"""distribuuuu.distributed: launcher detection, Slurm notations, setup/teardown, the spawner.
+"""distribuuuu.dist: launcher detection, Slurm notations, setup/teardown, the spawner.
 
 The spawn tests start real processes with a real gloo process group (2 processes, CPU).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
@@ -17,10 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribuuuu import distributed as du
 from distribuuuu.config import load_config
+from distribuuuu.dist import comm, group, launch, spawn
 from distribuuuu.errors import UserError
 from tests import _dist_workers as workers
+from tests.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,12 +90,12 @@ def read_pids(out_dir, n: int) -> list[int]:
 
 
 def test_detect_plain():
-    assert du.detect({}, ["train_net.py"]) == du.LaunchInfo("plain", 0, 0, 1, 1, 0, "127.0.0.1", 0)
+    assert launch.detect({}, ["train_net.py"]) == launch.LaunchInfo("plain", 0, 0, 1, 1, 0, "127.0.0.1", 0)
 
 
 def test_detect_torchrun():
-    info = du.detect(TORCHRUN_ENV, ["train_net.py", "--cfg", "x.yaml"])
-    assert info == du.LaunchInfo("torchrun", 3, 1, 4, 2, 1, "10.0.0.1", 29500)
+    info = launch.detect(TORCHRUN_ENV, ["train_net.py", "--cfg", "x.yaml"])
+    assert info == launch.LaunchInfo("torchrun", 3, 1, 4, 2, 1, "10.0.0.1", 29500)
 
 
 @pytest.mark.parametrize("argv", [
@@ -104,65 +106,65 @@ def test_detect_torchrun():
 def test_detect_legacy_launch(argv):
     # torch.distributed.launch without --use-env: LOCAL_RANK only on the command line.
     env = {k: v for k, v in TORCHRUN_ENV.items() if k != "LOCAL_RANK"}
-    info = du.detect(env, argv)
+    info = launch.detect(env, argv)
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("launch", 3, 1, 4)
     # With --use-env-style LOCAL_RANK as well it is still the legacy launcher.
-    assert du.detect(TORCHRUN_ENV, argv).launcher == "launch"
+    assert launch.detect(TORCHRUN_ENV, argv).launcher == "launch"
 
 
 def test_detect_legacy_launch_disagreeing_local_rank():
     with pytest.raises(UserError, match="LOCAL_RANK"):
-        du.detect(TORCHRUN_ENV, ["train_net.py", "--local-rank=0"])
+        launch.detect(TORCHRUN_ENV, ["train_net.py", "--local-rank=0"])
 
 
 def test_local_rank_flag_without_rank_env_is_ignored():
-    assert du.detect({}, ["train_net.py", "--local-rank=0"]).launcher == "plain"
+    assert launch.detect({}, ["train_net.py", "--local-rank=0"]).launcher == "plain"
 
 
 def test_strip_local_rank_args():
     argv = ["--local-rank=1", "--cfg", "a.yaml", "--local_rank", "1", "OUT_DIR", "x"]
-    assert du.strip_local_rank_args(argv) == ["--cfg", "a.yaml", "OUT_DIR", "x"]
+    assert launch.strip_local_rank_args(argv) == ["--cfg", "a.yaml", "OUT_DIR", "x"]
 
 
 def test_detect_spawn():
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242", "DISTRIBUUUU_LAUNCHER": "spawn"}
-    assert du.detect(env, ["x"]) == du.LaunchInfo("spawn", 1, 1, 2, 2, 0, "127.0.0.1", 4242)
+    assert launch.detect(env, ["x"]) == launch.LaunchInfo("spawn", 1, 1, 2, 2, 0, "127.0.0.1", 4242)
 
 
 def test_detect_slurm_srun_step():
-    info = du.detect(SLURM_SRUN_ENV, ["train_net.py"])
+    info = launch.detect(SLURM_SRUN_ENV, ["train_net.py"])
     # The master is the first host of the STEP's nodes; the port comes from the job id.
-    assert info == du.LaunchInfo("slurm", 3, 1, 4, 2, 1, "node01", 10000 + 123456 % 20000)
+    assert info == launch.LaunchInfo("slurm", 3, 1, 4, 2, 1, "node01", 10000 + 123456 % 20000)
 
 
 def test_detect_slurm_other_hostlist_and_fallbacks():
     env = dict(SLURM_SRUN_ENV, SLURM_STEP_NODELIST="a1,b[2-3]")
-    assert du.detect(env, []).master_addr == "a1"
+    assert launch.detect(env, []).master_addr == "a1"
     # Without the step's variables the job-wide ones are used.
     env = {k: v for k, v in SLURM_SRUN_ENV.items() if k not in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE")}
     env.update(SLURM_JOB_NODELIST="a1,b[2-3]", SLURM_TASKS_PER_NODE="2(x2)")
-    info = du.detect(env, [])
+    info = launch.detect(env, [])
     assert (info.master_addr, info.local_world_size) == ("a1", 2)
 
 
 def test_detect_slurm_master_overrides():
     env = dict(SLURM_SRUN_ENV, MASTER_ADDR="10.1.2.3", MASTER_PORT="23456")
-    info = du.detect(env, [])
+    info = launch.detect(env, [])
     assert (info.launcher, info.master_addr, info.master_port) == ("slurm", "10.1.2.3", 23456)
 
 
 def test_detect_slurm_uneven_tasks_per_node():
     env = dict(SLURM_SRUN_ENV, SLURM_STEP_NUM_TASKS="5", SLURM_STEP_TASKS_PER_NODE="3,2",
                SLURM_PROCID="4", SLURM_LOCALID="1", SLURM_NODEID="1")
-    assert du.detect(env, []).local_world_size == 2
+    assert launch.detect(env, []).local_world_size == 2
 
 
 def test_torchrun_inside_slurm_is_torchrun():
     env = {**SLURM_SRUN_ENV, **TORCHRUN_ENV}
-    assert du.detect(env, ["train_net.py"]) == du.detect(TORCHRUN_ENV, ["train_net.py"])
+    assert launch.detect(env, ["train_net.py"]) == launch.detect(TORCHRUN_ENV, ["train_net.py"])
     env = {**SLURM_BATCH_ENV, **TORCHRUN_ENV}
-    assert du.detect(env, ["train_net.py"]).launcher == "torchrun"
+    assert launch.detect(env, ["train_net.py"]).launcher == "torchrun"
 
 
 @pytest.mark.parametrize("extra", [
@@ -172,7 +174,7 @@ def test_torchrun_inside_slurm_is_torchrun():
     {"SLURM_STEP_ID": "0"},  # a step id but no step task count: not started by srun
 ])
 def test_sbatch_without_srun_is_plain(extra):
-    info = du.detect({**SLURM_BATCH_ENV, **extra}, ["train_net.py"])
+    info = launch.detect({**SLURM_BATCH_ENV, **extra}, ["train_net.py"])
     assert (info.launcher, info.rank, info.world_size) == ("plain", 0, 1)
 
 
@@ -197,7 +199,7 @@ def test_detect_bad_values(env, name, monkeypatch):
     # No scontrol fallback: where Slurm is installed it "expands" even a malformed hostlist.
     monkeypatch.setenv("PATH", "")
     with pytest.raises(UserError, match=name):
-        du.detect(env, ["train_net.py"])
+        launch.detect(env, ["train_net.py"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,26 +220,26 @@ def test_detect_bad_values(env, name, monkeypatch):
     (" a[1-2] ", ["a1", "a2"]),
 ])
 def test_parse_hostlist(spec, hosts):
-    assert du.parse_hostlist(spec) == hosts
+    assert launch.parse_hostlist(spec) == hosts
 
 
 @pytest.mark.parametrize("spec", ["", "a,,b", "n[1-", "n]1[", "n[[1]]", "n[3-1]", "n[a-b]", "n[]"])
 def test_parse_hostlist_errors(spec):
     with pytest.raises(UserError, match="hostlist"):
-        du.parse_hostlist(spec)
+        launch.parse_hostlist(spec)
 
 
 @pytest.mark.parametrize("spec, counts", [
     ("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("2(x2)", [2, 2]), ("1,2,3", [1, 2, 3]), ("8(x1)", [8]),
 ])
 def test_parse_tasks_per_node(spec, counts):
-    assert du.parse_tasks_per_node(spec) == counts
+    assert launch.parse_tasks_per_node(spec) == counts
 
 
 @pytest.mark.parametrize("spec", ["", "x", "2(3)", "2(x)", "2,,1", "-1"])
 def test_parse_tasks_per_node_errors(spec):
     with pytest.raises(UserError, match="tasks-per-node"):
-        du.parse_tasks_per_node(spec)
+        launch.parse_tasks_per_node(spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_parse_tasks_per_node_errors(spec):
 def test_setup_plain_single_process(plain_env, capsys):
     threads = torch.get_num_threads()
     try:
-        with du.session(cpu_cfg()) as ctx:
+        with group.session(cpu_cfg()) as ctx:
             assert ctx.info.launcher == "plain"
             assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 0, 1, True, False)
             assert ctx.device == torch.device("cpu") and ctx.backend == "gloo"
@@ -262,29 +264,29 @@ def test_setup_plain_single_process(plain_env, capsys):
 
 def test_helpers_without_process_group():
     assert not dist.is_initialized()
-    assert (du.get_rank(), du.get_world_size(), du.is_main_process()) == (0, 1, True)
-    du.barrier()
+    assert (comm.get_rank(), comm.get_world_size(), comm.is_main_process()) == (0, 1, True)
+    comm.barrier()
     t = torch.tensor([2.0])
-    assert du.all_reduce_sum(t) is t and t.item() == 2.0
-    assert du.broadcast_object({"a": 1}) == {"a": 1}
-    du.teardown()
-    du.teardown()
+    assert comm.all_reduce_sum(t) is t and t.item() == 2.0
+    assert comm.broadcast_object({"a": 1}) == {"a": 1}
+    group.teardown()
+    group.teardown()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_cuda_without_gpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="no CUDA GPU"):
-        du.setup(load_config(None, ["DEVICE", "cuda"]))
+        group.setup(load_config(None, ["DEVICE", "cuda"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_nccl_on_cpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="nccl"):
-        du.setup(load_config(None, ["DIST.BACKEND", "nccl"]))
+        group.setup(load_config(None, ["DIST.BACKEND", "nccl"]))
 
 
 def test_free_port_is_bindable():
-    port = du.free_port()
+    port = free_port()  # the tests' helper (tests/conftest.py)
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", port))
@@ -296,8 +298,9 @@ def test_free_port_is_bindable():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_spawn_all_reduce_and_session_teardown(plain_env, tmp_path, capfd):
-    assert du.spawn(workers.all_reduce_worker, 2, (str(tmp_path),)) == 0
+    assert spawn.spawn(workers.all_reduce_worker, 2, (str(tmp_path),)) == 0
     for rank in range(2):
         facts = (tmp_path / f"rank{rank}.txt").read_text().split()
         # sum | launcher | rank | world | local rank | get_rank | get_world_size | is_main | broadcast | backend
@@ -317,9 +320,10 @@ def test_spawn_all_reduce_and_session_teardown(plain_env, tmp_path, capfd):
     (workers.exit_on_rank1_worker, 2),
     (workers.raise_on_rank1_worker, 1),
 ])
+@pytest.mark.e2e
 def test_spawn_failure_stops_everyone(plain_env, tmp_path, capfd, worker, status):
     start = time.monotonic()
-    assert du.spawn(worker, 2, (str(tmp_path),)) == status
+    assert spawn.spawn(worker, 2, (str(tmp_path),)) == status
     assert time.monotonic() - start < 30  # rank 0 would sleep 120 s: it was stopped
     pids = read_pids(tmp_path, 2)
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
@@ -329,19 +333,21 @@ def test_spawn_failure_stops_everyone(plain_env, tmp_path, capfd, worker, status
         assert "ValueError: boom from rank 1" in err  # the child's own traceback
 
 
+@pytest.mark.e2e
 def test_spawn_user_error_in_child(plain_env, tmp_path, capfd):
     # One process is enough to see the status: a UserError that escapes the worker is status 2.
-    assert du.spawn(workers.user_error_worker, 1, (str(tmp_path),)) == 2
+    assert spawn.spawn(workers.user_error_worker, 1, (str(tmp_path),)) == 2
     assert "error: bad thing in rank 0" in capfd.readouterr().err
 
 
+@pytest.mark.e2e
 def test_spawn_master_port_in_use(plain_env, tmp_path, capfd):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         s.listen(8)
         port = s.getsockname()[1]
         # The port asked for is taken: the spawner says so, picks a free one, and the run works.
-        assert du.spawn(workers.setup_worker, 2, (str(tmp_path),), port=port) == 0
+        assert spawn.spawn(workers.setup_worker, 2, (str(tmp_path),), port=port) == 0
     assert f"[spawn] master port {port} is in use; using free port " in capfd.readouterr().out
 
 
@@ -349,22 +355,23 @@ def test_spawn_refuses_inside_another_launcher(monkeypatch):
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match="already started by torchrun"):
-        du.spawn(workers.sleep_worker, 2, ("unused",))
+        spawn.spawn(workers.sleep_worker, 2, ("unused",))
 
 
 def test_spawn_rejects_zero_processes():
     with pytest.raises(UserError, match="nproc-per-node"):
-        du.spawn(workers.sleep_worker, 0)
+        spawn.spawn(workers.sleep_worker, 0)
 
 
 @pytest.mark.parametrize("whole_group", [True, False], ids=["ctrl-c", "sigint-parent-only"])
+@pytest.mark.e2e
 def test_spawn_ctrl_c(tmp_path, whole_group):
     """Ctrl-C reaches the parent (and, from a terminal, the children too): status 130, no child left."""
     script = textwrap.dedent(f"""
         import sys
-        from distribuuuu import distributed as du
+        from distribuuuu.dist import spawn
         from tests import _dist_workers as w
-        sys.exit(du.spawn(w.sleep_worker, 2, ({str(tmp_path)!r},)))
+        sys.exit(spawn.spawn(w.sleep_worker, 2, ({str(tmp_path)!r},)))
     """)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = ROOT
@@ -389,6 +396,7 @@ def test_spawn_ctrl_c(tmp_path, whole_group):
     assert not any(pid_alive(p) for p in pids)
 
 
+@pytest.mark.e2e
 def test_under_real_torchrun(tmp_path):
     """torchrun's own variables (and its agent store) drive setup(); the sum crosses processes."""
     script = tmp_path / "train.py"
@@ -396,10 +404,10 @@ def test_under_real_torchrun(tmp_path):
         import sys
         sys.path.insert(0, {ROOT!r})
         import torch
-        from distribuuuu import distributed as du
         from distribuuuu.config import load_config
-        with du.session(load_config(None, ["DEVICE", "cpu"])) as ctx:
-            t = du.all_reduce_sum(torch.tensor([ctx.rank + 1.0]))
+        from distribuuuu.dist import comm, group
+        with group.session(load_config(None, ["DEVICE", "cpu"])) as ctx:
+            t = comm.all_reduce_sum(torch.tensor([ctx.rank + 1.0]))
             print(f"sum {{ctx.rank}} {{t.item()}} threads {{torch.get_num_threads()}}", flush=True)
     """))
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k != "OMP_NUM_THREADS"}
@@ -420,12 +428,12 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(1)
-        du.setup(load_config(None, ["DEVICE", "cpu"]))
+        group.setup(load_config(None, ["DEVICE", "cpu"]))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        du.setup(load_config(None, ["DEVICE", "cpu"]))
+        group.setup(load_config(None, ["DEVICE", "cpu"]))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # left as torch has it
-        du.setup(cpu_cfg())
+        group.setup(cpu_cfg())
         assert torch.get_num_threads() == 1  # NUM_THREADS wins
     finally:
         torch.set_num_threads(threads)
@@ -434,13 +442,48 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
 def test_setup_cudnn_flags(plain_env):
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
-        du.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
+        group.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-        du.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
+        group.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
         assert not torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved
+
+
+def _reads_launcher_variable(node: ast.AST) -> bool:
+    """`environ.get("RANK")`, `environ["SLURM_..."]`, `"WORLD_SIZE" in environ` and the like."""
+    def launcher_name(n: ast.AST) -> bool:
+        return isinstance(n, ast.Constant) and isinstance(n.value, str) and (
+            n.value in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"}
+            or n.value.startswith(("SLURM_", "TORCHELASTIC_")))
+
+    def is_environ(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Attribute) and n.attr == "environ") or (isinstance(n, ast.Name) and n.id == "environ")
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop"):
+        return is_environ(node.func.value) and any(launcher_name(a) for a in node.args[:1])
+    if isinstance(node, ast.Subscript):
+        return is_environ(node.value) and launcher_name(node.slice)
+    if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+        return launcher_name(node.left) and is_environ(node.comparators[0])
+    return False
+
+
+def test_only_dist_launch_reads_the_launcher_variables():
+    """#15: RANK / WORLD_SIZE / SLURM_* ... are read in dist/launch.py alone; the rest asks it."""
+    package = os.path.join(ROOT, "distribuuuu")
+    readers = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == os.path.join(package, "dist", "launch.py"):
+                continue
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            readers += [f"{os.path.relpath(path, ROOT)}:{n.lineno}" for n in ast.walk(tree)
+                        if _reads_launcher_variable(n)]
+    assert not readers, readers

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, check, env, read_metrics
+from tests.conftest import ROOT, TINY, check, env, read_metrics
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 SCRIPT = "tests/scripts/fault_run.py"
 # 2 ranks x batch 16 on 256 samples: 8 steps per epoch; no augmentation, 1 thread: bitwise repeatable.
@@ -180,7 +182,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tiny_fs):
 def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tmp_path):
     """Under the local Slurm cluster: rank 1 of `srun -n 2` gets SIGUSR1 after step 3; both ranks
     agree, checkpoint, and exit; a second srun resumes from that step and finishes."""
-    from tests.slurm_utils import require_slurm
+    from tests.conftest import require_slurm
 
     require_slurm()
     out = str(tmp_path / "run")
@@ -202,7 +204,7 @@ def test_preempted_sbatch_job_requeues_itself_and_the_second_run_finishes(tmp_pa
     """TRAIN.REQUEUE True in a `sbatch --requeue` job: the preempted first run checkpoints at step 3,
     rank 0 runs `scontrol requeue`, Slurm starts the same script again (restart count 1), and that
     run resumes from step 3 and completes the job."""
-    from tests import slurm_utils as su
+    from tests import conftest as su
 
     su.require_slurm()
     out, log, name = str(tmp_path / "run"), str(tmp_path / "job.log"), f"requeue-{os.getpid()}"

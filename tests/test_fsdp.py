@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
 
 # AdamW keeps two state tensors per parameter: the per-rank share of it is easy to see.
 ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"]
@@ -16,9 +16,11 @@ def _strategy_worker(out_dir):
     """In each of 2 spawned processes: 3 steps (with accumulation 2 and clipping) from the same
     start under ddp, fsdp, fsdp + CPU offload and ddp + activation checkpointing; saves the whole
     weights and the optimizer-state bytes this rank holds."""
-    from distribuuuu import distributed, engine, models, optim, sharding
+    from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.stepper import Stepper
+    from distribuuuu.dist import group
+    from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.strategies import base, fsdp
 
     variants = {"ddp": [], "fsdp": ["DIST.STRATEGY", "fsdp"],
                 "fsdp_offload": ["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True",
@@ -26,28 +28,30 @@ def _strategy_worker(out_dir):
                 "ddp_ac": ["TRAIN.ACTIVATION_CHECKPOINTING", "True"]}
     common = [*ADAMW, "TRAIN.ACCUM_STEPS", "2", "TRAIN.CLIP_GRAD_NORM", "0.5"]
     results = {}
-    with distributed.session(load_config(TINY, common)) as ctx:
+    with group.session(load_config(TINY, common)) as ctx:
         for name, opts in variants.items():
             cfg = load_config(TINY, [*common, *opts])
             torch.manual_seed(0)
-            model = engine.build_model(cfg, ctx)
-            opt = optim.build_optimizer(cfg, model)
-            stepper = Stepper(cfg, ctx.device, model, opt, global_batch=32)
+            strategy = strategies.build(cfg, ctx)
+            model = strategy.wrap_model(models.build_model(cfg))
+            opt = strategy.build_optimizer(model)
+            stepper = Stepper(cfg, ctx.device, model, opt, global_batch=32, strategy=strategy)
             g = torch.Generator().manual_seed(ctx.rank)
             for _ in range(6):  # 3 optimizer steps of 2 micro-batches
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
                 stepper.micro_step(x, y)
             net = models.unwrap(model)
-            weights = sharding.full_state(net, None)[0] if sharding.is_sharded(net) else net.state_dict()
+            weights = fsdp.full_state(net, None)[0] if fsdp.is_sharded(net) else net.state_dict()
             results[name] = ({k: v.detach().clone() for k, v in weights.items()},
-                             sharding.optimizer_state_bytes(opt))
+                             base.optimizer_state_bytes(opt))
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
 
 
+@pytest.mark.e2e
 def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimizer_state(tmp_path):
-    from distribuuuu import distributed
+    from distribuuuu.dist import spawn
 
-    assert distributed.spawn(_strategy_worker, 2, args=(str(tmp_path),)) == 0
+    assert spawn.spawn(_strategy_worker, 2, args=(str(tmp_path),)) == 0
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     ddp_w, ddp_bytes = r0["ddp"]
@@ -74,14 +78,15 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
 
 def test_activation_checkpointing_keeps_fewer_activations():
     """The bytes autograd saves for the backward pass, counted with saved_tensors_hooks."""
-    from distribuuuu import models, sharding
+    from distribuuuu import models
     from distribuuuu.config import load_config
+    from distribuuuu.strategies.base import blocks, checkpoint_activations
 
     def saved_bytes(checkpointing: bool) -> int:
         torch.manual_seed(0)
         model = models.build_model(load_config(TINY, ["TRAIN.IM_SIZE", "32"]))
         if checkpointing:
-            assert sharding.checkpoint_activations(model, sharding.blocks(model)) == 4
+            assert checkpoint_activations(model, blocks(model)) == 4
         total = 0
 
         def pack(t):
@@ -98,6 +103,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
     assert recomputed < 0.5 * plain, (plain, recomputed)
 
 
+@pytest.mark.e2e
 def test_fsdp_full_checkpoint_resumes_exactly_and_evaluates(tmp_path):
     """2 epochs straight vs 1 epoch + resume: the same weights, bit for bit; the checkpoint is a
     whole state dict, so `distribuuuu eval` reads it like a ddp one."""
@@ -118,6 +124,7 @@ def test_fsdp_full_checkpoint_resumes_exactly_and_evaluates(tmp_path):
     assert f"top-1 {read_metrics(straight)[-1]['top1']:.2f}%" in proc.stdout  # the same exact eval
 
 
+@pytest.mark.e2e
 def test_fsdp_sharded_checkpoint_writes_shards_resumes_and_prunes(tmp_path):
     out = str(tmp_path / "run")
     fsdp = ["--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out, "DIST.STRATEGY", "fsdp",
@@ -138,7 +145,7 @@ def test_fsdp_sharded_checkpoint_writes_shards_resumes_and_prunes(tmp_path):
 
 
 def test_fsdp_rejects_what_it_cannot_do():
-    proc = distribuuuu("train", "--cfg", TINY, "DIST.STRATEGY", "fsdp", "TRAIN.EMA_DECAY", "0.9")
+    proc = cli_main("train", "--cfg", TINY, "DIST.STRATEGY", "fsdp", "TRAIN.EMA_DECAY", "0.9")
     assert proc.returncode == 2 and "TRAIN.EMA_DECAY needs whole parameters" in proc.stderr
-    proc = distribuuuu("train", "--cfg", TINY, "DIST.CPU_OFFLOAD", "True")
+    proc = cli_main("train", "--cfg", TINY, "DIST.CPU_OFFLOAD", "True")
     assert proc.returncode == 2 and "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp" in proc.stderr

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, distribuuuu, read_metrics
 
 
 def _cfg(*opts: str):
@@ -33,7 +33,7 @@ def _tiny_model() -> nn.Module:
 
 def _fp16_stepper(init_scale: float, *opts: str):
     """A Stepper under TRAIN.AMP fp16 on the CPU, with a CPU GradScaler starting at init_scale."""
-    from distribuuuu.stepper import Stepper
+    from distribuuuu.engine.stepper import Stepper
 
     cfg = _cfg("TRAIN.AMP", "fp16", *opts)
     model = _tiny_model()
@@ -95,7 +95,7 @@ def test_fp16_non_finite_loss_in_an_early_micro_batch_is_a_failure():
 def test_fp16_overflow_below_the_scale_floor_is_a_failure():
     """Gradients that stay infinite (a real hook multiplies one by inf) with a finite loss: an
     overflow while the scale is high, a failure once it is below FP16_MIN_LOSS_SCALE."""
-    from distribuuuu.stepper import FP16_MIN_LOSS_SCALE
+    from distribuuuu.engine.stepper import FP16_MIN_LOSS_SCALE
 
     stepper, model = _fp16_stepper(4 * FP16_MIN_LOSS_SCALE)
     model[1].weight.register_hook(lambda g: g * float("inf"))
@@ -112,7 +112,7 @@ def test_dataparallel_replicas_keep_the_amp_dtype_in_worker_threads():
     """torch's parallel_apply runs each replica in a thread under ``autocast(device_type)`` with no
     dtype: on CUDA that is float16 whatever the main thread chose. On this CPU the worker's wrong
     dtype is set explicitly (float16, CUDA autocast's default); the replica wrapper must override it."""
-    from distribuuuu.stepper import _AutocastReplica
+    from distribuuuu.strategies.dp import _AutocastReplica
 
     assert torch.get_autocast_dtype("cuda") == torch.float16  # what parallel_apply's workers get on a GPU
     lin = nn.Linear(8, 8)
@@ -133,7 +133,7 @@ def test_dataparallel_replicas_keep_the_amp_dtype_in_worker_threads():
 
 def test_autocast_dataparallel_keeps_dataparallel_state_dict_keys():
     from distribuuuu import models
-    from distribuuuu.stepper import AutocastDataParallel
+    from distribuuuu.strategies.dp import AutocastDataParallel
 
     model = _tiny_model()
     wrapped = AutocastDataParallel(model, torch.bfloat16)
@@ -154,28 +154,29 @@ def _fake_gpus(monkeypatch, count: int) -> None:
 
 
 def _slurm_info(local_rank: int, local_world: int):
-    from distribuuuu.distributed import LaunchInfo
+    from distribuuuu.dist.launch import LaunchInfo
 
     return LaunchInfo("slurm", local_rank, local_rank, local_world, local_world, 0, "n1", 12345)
 
 
 def test_slurm_more_tasks_than_gpus_is_a_user_error(monkeypatch):
-    from distribuuuu import distributed
+    from distribuuuu.dist import group
     from distribuuuu.errors import UserError
 
     _fake_gpus(monkeypatch, 4)
     monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
     cfg = _cfg("DEVICE", "auto")
     with pytest.raises(UserError) as e:  # --ntasks-per-node 8 --gres gpu:4: two ranks per GPU
-        distributed._choose_device(cfg, _slurm_info(5, 8))
+        group._choose_device(cfg, _slurm_info(5, 8))
     assert "8 processes on this node but only 4 GPU(s)" in str(e.value)
     assert "--gpus-per-task=1" in str(e.value)
-    assert distributed._choose_device(cfg, _slurm_info(3, 4)) == torch.device("cuda", 3)  # one per GPU
+    assert group._choose_device(cfg, _slurm_info(3, 4)) == torch.device("cuda", 3)  # one per GPU
     _fake_gpus(monkeypatch, 1)  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
     monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
-    assert distributed._choose_device(cfg, _slurm_info(5, 8)) == torch.device("cuda", 0)
+    assert group._choose_device(cfg, _slurm_info(5, 8)) == torch.device("cuda", 0)
 
 
+@pytest.mark.e2e
 def test_cli_exits_2_when_slurm_tasks_outnumber_gpus(tmp_path):
     """The whole command under a Slurm task's environment, with a sitecustomize that makes torch
     report 1 GPU (there is none): exit 2, one message, no traceback, nothing started."""
@@ -186,7 +187,7 @@ def test_cli_exits_2_when_slurm_tasks_outnumber_gpus(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import ROOT, env
+    from tests.conftest import ROOT, env
 
     e = env()
     e.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0",
@@ -266,13 +267,14 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
 def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monkeypatch):
     """bench._synchronize is the one place bench waits for the GPU; counting its calls on the CPU
     shows where a GPU run would wait (the code runs unpatched otherwise)."""
-    from distribuuuu import bench, distributed
+    from distribuuuu.dist import group
+    from distribuuuu.tools import bench
 
     calls = []
     monkeypatch.setattr(bench, "_synchronize", lambda device: calls.append(time.perf_counter()))
     cfg = _cfg("TRAIN.DATASET", "mnist5k", "TEST.DATASET", "mnist5k", "MODEL.IN_CHANS", "1",
                "MODEL.NUM_CLASSES", "10", "TRAIN.IM_SIZE", "28", "TRAIN.BATCH_SIZE", "8")
-    with distributed.session(cfg) as ctx:
+    with group.session(cfg) as ctx:
         for iters in (4, 12):
             calls.clear()
             step = bench.bench_step(cfg, ctx, iters=iters, warmup=2)
@@ -289,18 +291,21 @@ def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monk
 
 def _replica_worker(out_dir: str) -> None:
     """2 gloo ranks: an FSDP model (with CPU offload), one step, then the evaluation replica."""
-    from distribuuuu import distributed, engine, models, optim, sharding
-    from distribuuuu.stepper import Stepper
+    from distribuuuu import models, strategies
+    from distribuuuu.dist import group
+    from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.strategies import fsdp
 
     cfg = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", "TRAIN.CLIP_GRAD_NORM", "1.0")
-    with distributed.session(cfg) as ctx:
+    with group.session(cfg) as ctx:
         torch.manual_seed(0)
-        model = engine.build_model(cfg, ctx)
-        stepper = Stepper(cfg, ctx.device, model, optim.build_optimizer(cfg, model), global_batch=32)
+        strategy = strategies.build(cfg, ctx)
+        model = strategy.wrap_model(models.build_model(cfg))
+        stepper = Stepper(cfg, ctx.device, model, strategy.build_optimizer(model), global_batch=32, strategy=strategy)
         g = torch.Generator().manual_seed(ctx.rank)
         stepper.micro_step(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
-        host = sharding.host_full_state(model)
-        replica = sharding.EvalReplica(lambda: models.build_model(cfg), ctx.device)
+        host = fsdp.host_full_state(model)
+        replica = fsdp.EvalReplica(lambda: models.build_model(cfg), ctx.device)
         net = replica.refresh(model)
         same = all(torch.equal(net.state_dict()[k], v) for k, v in host.items())
         replica.release()
@@ -309,10 +314,11 @@ def _replica_worker(out_dir: str) -> None:
                     "devices": {str(t.device) for t in host.values()}}, os.path.join(out_dir, f"r{ctx.rank}.pt"))
 
 
+@pytest.mark.e2e
 def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
-    from distribuuuu import distributed
+    from distribuuuu.dist import spawn
 
-    assert distributed.spawn(_replica_worker, 2, args=(str(tmp_path),)) == 0
+    assert spawn.spawn(_replica_worker, 2, args=(str(tmp_path),)) == 0
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["same"] and r1["same"] and r0["reused"]
     assert r0["devices"] == {"cpu"}
@@ -326,15 +332,16 @@ def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
 def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     """The default group's backend: NCCL cannot reduce the CPU tensors of FSDP's CPU offload (the
     clipping norm, the non-finite vote). The run below does those CPU collectives for real (gloo)."""
-    from distribuuuu import distributed
+    from distribuuuu.dist import group
 
     offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
-    assert distributed._group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
-    assert distributed._group_backend(offload, "gloo") == "gloo"
-    assert distributed._group_backend(_cfg("DIST.STRATEGY", "fsdp"), "nccl") == "nccl"
-    assert distributed._group_backend(_cfg(), "nccl") == "nccl"
+    assert group._group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
+    assert group._group_backend(offload, "gloo") == "gloo"
+    assert group._group_backend(_cfg("DIST.STRATEGY", "fsdp"), "nccl") == "nccl"
+    assert group._group_backend(_cfg(), "nccl") == "nccl"
 
 
+@pytest.mark.e2e
 def test_fsdp_cpu_offload_clipping_and_nonfinite_skip_train_and_evaluate(tmp_path):
     """2 processes, fsdp + CPU offload + clipping + NONFINITE skip, 2 epochs: every evaluation
     refreshes (and then releases) the replica, and counts the whole validation set."""
@@ -348,14 +355,14 @@ def test_fsdp_cpu_offload_clipping_and_nonfinite_skip_train_and_evaluate(tmp_pat
 
 def _timeout_worker(out_dir: str) -> None:
     """Rank 0 votes on a gloo side group made with a 3 s timeout; rank 1 does not join for 8 s."""
-    from distribuuuu import distributed
+    from distribuuuu.dist import comm, group
 
-    with distributed.session(_cfg()) as ctx:
-        distributed._control_group = distributed.gloo_side_group(datetime.timedelta(seconds=3))
+    with group.session(_cfg()) as ctx:
+        comm.set_control_group(group.gloo_side_group(datetime.timedelta(seconds=3)))
         start = time.monotonic()
         if ctx.rank == 0:
             try:
-                distributed.any_rank([True])
+                comm.any_rank([True])
                 outcome = "returned"
             except Exception as e:  # noqa: BLE001 - the timeout's exception type is gloo's
                 outcome = f"raised {type(e).__name__}"
@@ -366,15 +373,17 @@ def _timeout_worker(out_dir: str) -> None:
         os._exit(0)
 
 
+@pytest.mark.e2e
 def test_gloo_side_group_uses_the_run_timeout(tmp_path):
-    from distribuuuu import distributed
+    from distribuuuu.dist import spawn
 
-    distributed.spawn(_timeout_worker, 2, args=(str(tmp_path),))
+    spawn.spawn(_timeout_worker, 2, args=(str(tmp_path),))
     outcome, seconds = (tmp_path / "r0.txt").read_text().rsplit(" ", 1)
     assert outcome.startswith("raised"), outcome
     assert float(seconds) < 7.5  # the 3 s timeout (not torch's 30 minutes), before rank 1 wakes
 
 
+@pytest.mark.e2e
 def test_a_coarser_vote_acts_on_a_signal_at_the_next_vote_and_resumes_step_exactly(tmp_path):
     """As tests/test_faults.py's step-exact resume, with DIST.VOTE_PERIOD_STEPS 3: SIGUSR1 after
     step 5 is acted on at step 6's vote; the resumed run's losses equal an uninterrupted run's."""
@@ -405,14 +414,14 @@ def test_vote_period_auto_and_explicit():
 def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
     """Both APIs read back consistently: dynamo reads the legacy cuBLAS flag (raises after the new
     setters), inductor the new fp32_precision."""
-    from distribuuuu import distributed
+    from distribuuuu.dist import group
 
     try:
         for value, on in (("False", False), ("True", True)):
-            distributed._set_cudnn(_cfg("CUDNN.TF32", value))
+            group._set_cudnn(_cfg("CUDNN.TF32", value))
             assert torch._C._get_cublas_allow_tf32() is on  # what torch._dynamo reads
             assert torch.backends.cudnn.allow_tf32 is on
             assert (torch.backends.cuda.matmul.fp32_precision == "tf32") is on  # what inductor reads
             assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is on
     finally:
-        distributed._set_cudnn(_cfg())
+        group._set_cudnn(_cfg())

@@ -20,8 +20,7 @@ from distribuuuu import data, models
 from distribuuuu.config import load_config
 from distribuuuu.data import integrity, sources, transforms
 from distribuuuu.errors import UserError
-from tests._data_helpers import make_cfg, write_image_tree
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, write_image_tree
 
 
 def _tree(root, train=None, val=None) -> str:
@@ -62,7 +61,7 @@ def test_symlink_loop_in_a_class_is_refused_naming_the_link(tmp_path):
     link = os.path.join(root, "train", "2", "loop")
     os.symlink("..", link)  # train/2/loop -> train: os.walk would follow it until the path is too long
     out = str(tmp_path / "run")
-    line = _user_error(distribuuuu(*_train_args(root, out)), "TRAIN.DATASET", link,
+    line = _user_error(cli_main(*_train_args(root, out)), "TRAIN.DATASET", link,
                        os.path.realpath(os.path.join(root, "train")), "loop")
     assert "rm " + link in line
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before anything ran
@@ -90,7 +89,7 @@ def test_symlinked_duplicate_file_is_refused_and_keep_keeps_it(tmp_path):
     root = _tree(tmp_path / "ds")
     train = os.path.join(root, "train")
     os.symlink(os.path.join(train, "0", "0.png"), os.path.join(train, "1", "dup.png"))
-    line = _user_error(distribuuuu(*_train_args(root, str(tmp_path / "run"))),
+    line = _user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
                        "1 image file(s)", "1/dup.png is 0/0.png", "TRAIN.DUPLICATE_IMAGES keep")
     assert "TRAIN.DATASET" in line
     # keep: every listed path is a sample, as torchvision's ImageFolder lists them (oversampling)
@@ -177,6 +176,7 @@ def eval_tree(tmp_path_factory):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.e2e
 def test_unreadable_eval_images_are_left_out_and_counted_with_1_and_2_processes(eval_tree, tmp_path):
     args = ["--cfg", TINY, "TEST.DATASET", eval_tree, "TRAIN.DATASET", eval_tree, "MODEL.NUM_CLASSES", "3",
             "TRAIN.TOPK", "1", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TEST.BATCH_SIZE", "3"]
@@ -221,7 +221,7 @@ def test_class_whose_every_file_is_unreadable_is_refused(tmp_path):
     root = _tree(tmp_path / "ds")
     for i in range(4):
         (tmp_path / "ds" / "train" / "1" / f"{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    _user_error(distribuuuu(*_train_args(root, str(tmp_path / "run"))),
+    _user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
                 "TRAIN.DATASET", "every image file of 1 class folder(s)", "1 (4 files;", "0.png")
     # One good file is enough: the class trains, its bad files are skipped as before.
     Image.new("RGB", (10, 10)).save(tmp_path / "ds" / "train" / "1" / "3.png")
@@ -238,8 +238,8 @@ def test_truncated_jpeg_with_a_good_header_counts_as_unreadable(tmp_path):
 
 
 def test_batch_larger_than_the_training_set_is_refused_with_the_numbers():
-    proc = distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "20",
-                       "TRAIN.BATCH_SIZE", "16", "OUT_DIR", "/nonexistent/never/written")
+    proc = cli_main("train", "--nproc-per-node", "2", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "20",
+                    "TRAIN.BATCH_SIZE", "16", "OUT_DIR", "/nonexistent/never/written")
     _user_error(proc, "20 training samples, 10 per process", "TRAIN.BATCH_SIZE 16 x 2 process(es) x "
                 "TRAIN.ACCUM_STEPS 1 = 32", "set TRAIN.BATCH_SIZE 10 or less")
     cfg = make_cfg({"TRAIN.DATASET": "synthetic", "TEST.DATASET": "synthetic", "TRAIN.SYNTHETIC_SAMPLES": 64,

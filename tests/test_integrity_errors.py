@@ -18,7 +18,7 @@ import timm
 import torch
 
 from distribuuuu import cli
-from tests.helpers import ROOT, TINY, env
+from tests.conftest import ROOT, TINY, env
 
 PY = sys.executable
 FAST = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
@@ -121,6 +121,7 @@ def test_an_image_size_that_cannot_fit_in_memory(tmp_path, capsys, command, key)
     assert "this host's" in msg and f"lower {key}.IM_SIZE" in msg
 
 
+@pytest.mark.e2e
 def test_a_mistake_before_the_spawner_starts_is_one_message(tmp_path):
     """The same checks in a real `distribuuuu train --nproc-per-node 2`: refused in the parent,
     once, before any process starts."""
@@ -159,6 +160,7 @@ def _assert_nonfinite_ending(proc: subprocess.CompletedProcess, *parts: str) -> 
 
 
 @pytest.mark.parametrize("nproc", [0, 2], ids=["plain", "spawn-2"])
+@pytest.mark.e2e
 def test_nonfinite_stop_is_a_clear_ending_on_every_rank(tmp_path, nproc):
     out = tmp_path / "run"
     proc = _train(out, *FAST, "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE", "stop", nproc=nproc)
@@ -169,11 +171,13 @@ def test_nonfinite_stop_is_a_clear_ending_on_every_rank(tmp_path, nproc):
     assert "rank 0 failed: NonFiniteLoss: non-finite loss" in log  # why the run ended, in the run folder
 
 
+@pytest.mark.e2e
 def test_nonfinite_skip_limit_is_a_clear_ending(tmp_path):
     proc = _train(tmp_path / "run", *FAST, "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE_MAX_SKIPS", "1")
     _assert_nonfinite_ending(proc, "2 in a row", "NONFINITE_MAX_SKIPS 1")
 
 
+@pytest.mark.e2e
 def test_nonfinite_off_ends_at_the_epoch_and_keeps_the_last_good_checkpoint(tmp_path):
     """TRAIN.NONFINITE off checks nothing per step; an epoch whose loss is not finite ends the run
     with the same kind of message, before a checkpoint of the broken weights replaces the good one."""

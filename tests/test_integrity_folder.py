@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, check, env, read_metrics
+from tests.conftest import ROOT, TINY, check, env, read_metrics
 
-from distribuuuu import run_folder
+from distribuuuu import run_lock
 from distribuuuu.errors import UserError
 
 KILL_IN_SAVE = os.path.join(ROOT, "tests", "scripts", "kill_in_save.py")
@@ -59,6 +59,7 @@ def _debris(out):
 # ---------------------------------------------------------------------------------------------
 # 1. one run per folder
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_second_train_into_a_running_folder_is_refused_naming_the_holder(tmp_path):
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "distribuuuu", "train", *SHORT, "OUT_DIR", str(out),
@@ -93,6 +94,7 @@ def test_second_train_into_a_running_folder_is_refused_naming_the_holder(tmp_pat
     assert ckpt["epoch"] == len(epochs)
 
 
+@pytest.mark.e2e
 def test_foreign_host_lock_is_refused_with_the_delete_hint(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -108,6 +110,7 @@ def test_foreign_host_lock_is_refused_with_the_delete_hint(tmp_path):
     check(_train(tmp_path, *SHORT, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1"))
 
 
+@pytest.mark.e2e
 def test_foreign_lock_on_a_two_node_job_ends_every_rank_without_a_hang(tmp_path):
     """Two torchrun groups (--nnodes 2, one process each) on this host: no rank can check another
     host's lock before the process group, so rank 0 decides after it and every rank exits 2."""
@@ -146,20 +149,20 @@ def test_lock_of_a_live_process_holds_and_a_reused_pid_does_not(tmp_path):
     time (a reused pid) -> taken over; our own lock is removed on release, another's is not."""
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        me = run_folder.this_process()
-        live = run_folder.Holder(me.host, sleeper.pid, run_folder.process_start(sleeper.pid), "now", "sleep 60",
+        me = run_lock.this_process()
+        live = run_lock.Holder(me.host, sleeper.pid, run_lock.process_start(sleeper.pid), "now", "sleep 60",
                                  me.boot_id)
         (tmp_path / "run.lock").write_text(json.dumps(live.__dict__))
         with pytest.raises(UserError, match=f"in use by another training run: pid {sleeper.pid}"):
-            run_folder.acquire(str(tmp_path), me)
-        reused = run_folder.Holder(**{**live.__dict__, "pid_start": live.pid_start - 1})
+            run_lock.acquire(str(tmp_path), me)
+        reused = run_lock.Holder(**{**live.__dict__, "pid_start": live.pid_start - 1})
         (tmp_path / "run.lock").write_text(json.dumps(reused.__dict__))
-        notes = run_folder.acquire(str(tmp_path), me)
+        notes = run_lock.acquire(str(tmp_path), me)
         assert len(notes) == 1 and f"pid {sleeper.pid}" in notes[0]
-        assert run_folder.read_lock(str(tmp_path)) == me
-        run_folder.release(str(tmp_path), live)  # not the holder: nothing happens
-        assert run_folder.read_lock(str(tmp_path)) == me
-        run_folder.release(str(tmp_path), me)
+        assert run_lock.read_lock(str(tmp_path)) == me
+        run_lock.release(str(tmp_path), live)  # not the holder: nothing happens
+        assert run_lock.read_lock(str(tmp_path)) == me
+        run_lock.release(str(tmp_path), me)
         assert not (tmp_path / "run.lock").exists()
     finally:
         sleeper.kill()
@@ -169,6 +172,7 @@ def test_lock_of_a_live_process_holds_and_a_reused_pid_does_not(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 5. a killed save leaves nothing behind; a killed run's lock is taken over
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_killed_save_debris_and_stale_lock_are_cleared_and_training_resumes(tmp_path):
     out = tmp_path / "run"
     killed = _train(tmp_path, *SHORT, "OUT_DIR", str(out), script=KILL_IN_SAVE, extra_env={"KILL_IN_SAVE": "2"})
@@ -188,6 +192,7 @@ def test_killed_save_debris_and_stale_lock_are_cleared_and_training_resumes(tmp_
     assert torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)["epoch"] == 2
 
 
+@pytest.mark.e2e
 def test_killed_link_of_last_pth_is_cleared_and_training_resumes(tmp_path):
     out = tmp_path / "run"
     killed = _train(tmp_path, *SHORT, "OUT_DIR", str(out), script=KILL_IN_SAVE, extra_env={"KILL_IN_LINK": "1"})
@@ -203,6 +208,7 @@ def test_killed_link_of_last_pth_is_cleared_and_training_resumes(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 3. AUTO_RESUME False never destroys the previous run; a run without checkpoints is set aside
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_auto_resume_false_into_a_finished_run_exits_2_and_keeps_it(tmp_path):
     out = tmp_path / "run"
     check(_train(tmp_path, *SHORT, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1"))
@@ -215,6 +221,7 @@ def test_auto_resume_false_into_a_finished_run_exits_2_and_keeps_it(tmp_path):
     assert (out / "metrics.jsonl").read_bytes() == metrics
 
 
+@pytest.mark.e2e
 def test_records_of_a_run_killed_before_its_first_checkpoint_are_moved_aside(tmp_path):
     out = tmp_path / "run"
     killed = _train(tmp_path, *SHORT, "OUT_DIR", str(out), script=KILL_IN_SAVE, extra_env={"KILL_IN_SAVE": "1"})
@@ -251,12 +258,14 @@ def _unprivileged(cmd_args, cwd):
     return _train(cwd, "train", *cmd_args, script=AS_NOBODY)
 
 
+@pytest.mark.e2e
 def test_out_dir_that_is_a_file_exits_2(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     _one_error(_train(tmp_path, *SHORT, "OUT_DIR", "notes.txt"), "OUT_DIR notes.txt is a file, not a folder")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.e2e
 def test_out_dir_not_writable_exits_2_before_training(shared_tmp):
     out = os.path.join(shared_tmp, "theirs")
     os.makedirs(out)
@@ -266,6 +275,7 @@ def test_out_dir_not_writable_exits_2_before_training(shared_tmp):
     assert os.listdir(out) == []
 
 
+@pytest.mark.e2e
 def test_read_only_checkpoints_folder_exits_2_before_training(shared_tmp):
     out = os.path.join(shared_tmp, "run")
     os.makedirs(os.path.join(out, "checkpoints"))

@@ -11,10 +11,10 @@ import zipfile
 import pytest
 import torch
 
-from distribuuuu import checkpoint, export, predict
+from distribuuuu import checkpoint
 from distribuuuu.errors import UserError
-from tests._data_helpers import write_image, write_image_tree
-from tests.helpers import TINY, check, distribuuuu, read_metrics
+from distribuuuu.tools import export, predict
+from tests.conftest import TINY, check, distribuuuu, read_metrics, write_image, write_image_tree
 
 
 def _train(out: str, *opts: str, status: int = 0):
@@ -67,6 +67,7 @@ def _flip_tensor_byte(path: str) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
+@pytest.mark.e2e
 def test_an_identity_key_change_is_refused_and_touches_nothing(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     before = _snapshot(out)
@@ -78,6 +79,7 @@ def test_an_identity_key_change_is_refused_and_touches_nothing(base_run, tmp_pat
     assert _snapshot(out) == before  # checkpoints (bytes and inodes) and config.yaml untouched
 
 
+@pytest.mark.e2e
 def test_a_recipe_change_needs_resume_allow_and_safe_changes_are_logged(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     before = _snapshot(out)
@@ -95,6 +97,7 @@ def test_a_recipe_change_needs_resume_allow_and_safe_changes_are_logged(base_run
     assert checkpoint.load(os.path.join(out, "checkpoints", "last.pth"))["epoch"] == 3
 
 
+@pytest.mark.e2e
 def test_a_state_that_does_not_fit_is_one_message(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     before = _snapshot(out, with_config=False)
@@ -108,6 +111,7 @@ def test_a_state_that_does_not_fit_is_one_message(base_run, tmp_path):
     assert _snapshot(out, with_config=False) == before
 
 
+@pytest.mark.e2e
 def test_a_dataset_of_another_size_is_refused(tmp_path):
     data = str(tmp_path / "data")
     write_image_tree(data, "train", {"a": 8, "b": 8}, size=(8, 8))
@@ -125,6 +129,7 @@ def test_a_dataset_of_another_size_is_refused(tmp_path):
     assert _snapshot(out, with_config=False) == before
 
 
+@pytest.mark.e2e
 def test_flipped_bytes_are_detected_skipped_on_resume_and_refused_by_tools(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     last = os.path.join(out, "checkpoints", "last.pth")
@@ -162,6 +167,7 @@ def test_every_checkpoint_damaged_is_refused_not_overwritten(tmp_path, caplog):
     assert caplog.text.count("skipping damaged checkpoint") == 2  # last.pth and epoch_0002.pth: read once
 
 
+@pytest.mark.e2e
 def test_a_torn_record_and_records_after_the_checkpoint_are_moved(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     folder = checkpoint.checkpoint_dir(out)
@@ -187,6 +193,7 @@ def test_a_torn_record_and_records_after_the_checkpoint_are_moved(base_run, tmp_
     assert len(csv_rows) == 1 + 4  # header + the same records
 
 
+@pytest.mark.e2e
 def test_plot_skips_a_bad_line_with_a_warning(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
     path = os.path.join(out, "metrics.jsonl")
@@ -201,7 +208,7 @@ def test_plot_skips_a_bad_line_with_a_warning(base_run, tmp_path):
 def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow():
     from distribuuuu import config, resume_check
 
-    known = set(config._flatten(config.get_defaults()))
+    known = set(config.flatten(config.get_defaults()))
     assert resume_check.IDENTITY_KEYS <= known and resume_check.SAFE_KEYS <= known
     assert not resume_check.IDENTITY_KEYS & resume_check.SAFE_KEYS
     old = config.load_config(TINY, [])

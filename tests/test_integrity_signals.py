@@ -18,7 +18,9 @@ import time
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, alive, check, env, kill_tree, process_tree, read_metrics, wait_gone
+from tests.conftest import ROOT, TINY, alive, check, env, kill_tree, process_tree, read_metrics, wait_gone
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PY = sys.executable
 # 1024 samples / (2 ranks x 16) = 32 steps in the one epoch (64 in one process): long enough that a
@@ -146,9 +148,9 @@ def test_a_second_signal_to_the_spawner_reaches_a_stuck_rank(tmp_path):
     once, long before the spawner's 30 s grace period and its SIGKILL."""
     script = textwrap.dedent(f"""
         import sys
-        from distribuuuu import distributed as du
+        from distribuuuu.dist import spawn
         from tests import _signal_workers as w
-        sys.exit(du.spawn(w.stuck_save_worker, 2, ({str(tmp_path)!r},)))
+        sys.exit(spawn.spawn(w.stuck_save_worker, 2, ({str(tmp_path)!r},)))
     """)
     proc = subprocess.Popen([PY, "-c", script], cwd=ROOT, env=env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -20,16 +20,13 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, TINY, check, env, kill_tree, process_tree, read_metrics, run, wait_gone
+from tests.conftest import (ROOT, TINY, check, env, free_port, kill_tree, process_tree, read_metrics, run,
+                            wait_gone)
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PY = sys.executable
 SHORT = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64"]  # 64 = 2 ranks x 2 batches of 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _dist_lines(text: str) -> list[str]:
@@ -63,29 +60,22 @@ def test_plain_python_is_one_process(tmp_path):
     assert [m["n"] for m in val] == [50]
 
 
-# Trains like train_net.py and saves every rank's final weights as OUT_DIR/rank<R>.pt. The
-# patches sit at module level: the spawner's children import this file as __mp_main__, so they
-# apply in every child; the entry point is guarded, as spawn() requires.
+# Trains like train_net.py and saves every rank's final weights as OUT_DIR/rank<R>.pt with a hook
+# (TRAIN.HOOKS "spawn_dump:DumpWeights": the spawner's children find this file's folder on sys.path);
+# the entry point is guarded, as spawn() requires.
 SPAWN_DUMP = textwrap.dedent("""
     import os, sys
     import torch
-    from distribuuuu import cli, engine, models
+    from distribuuuu import cli, models
+    from distribuuuu.engine import HookBase
 
-    _wrap, _fit, _model = engine.wrap_model, engine.fit, {}
-
-    def wrap_model(cfg, ctx, model):
-        _model["m"] = _wrap(cfg, ctx, model)
-        return _model["m"]
-
-    def fit(cfg, ctx):
-        summary = _fit(cfg, ctx)
-        torch.save(models.state_dict_for_saving(_model["m"]), os.path.join(cfg.OUT_DIR, f"rank{ctx.rank}.pt"))
-        return summary
-
-    engine.wrap_model, engine.fit = wrap_model, fit
+    class DumpWeights(HookBase):
+        def after_fit(self, trainer):
+            torch.save(models.state_dict_for_saving(trainer.model),
+                       os.path.join(trainer.cfg.OUT_DIR, f"rank{trainer.ctx.rank}.pt"))
 
     if __name__ == "__main__":
-        sys.exit(cli.main(["train", *sys.argv[1:]]))
+        sys.exit(cli.main(["train", *sys.argv[1:], "TRAIN.HOOKS", "['spawn_dump:DumpWeights']"]))
 """)
 
 
@@ -119,7 +109,7 @@ def test_legacy_launch_passes_local_rank(tmp_path):
     """`python -m torch.distributed.launch` appends --local-rank=N to the script's arguments."""
     out = tmp_path / "run"
     proc = check(run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2",
-                      f"--master_port={_free_port()}", "train_net.py", "--cfg", TINY, "OUT_DIR", str(out),
+                      f"--master_port={free_port()}", "train_net.py", "--cfg", TINY, "OUT_DIR", str(out),
                       *SHORT]))
     lines = _dist_lines(proc.stdout)
     assert [line.split(" | ")[:2] for line in lines] == [
@@ -280,7 +270,7 @@ def test_distribuuuu_readme_command(tmp_path):
     out = tmp_path / "r18"
     proc = check(run([
         PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--nnodes=1", "--node_rank=0",
-        "--master_addr=localhost", f"--master_port={_free_port()}",
+        "--master_addr=localhost", f"--master_port={free_port()}",
         "train_net.py", "--cfg", "config/resnet18.yaml", "OUT_DIR", str(out),
         "MODEL.SYNCBN", "True", "TRAIN.BATCH_SIZE", "256",
         # CPU-sized: a tiny ResNet, the local folder, small images, one epoch, no loader workers.

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, check, distribuuuu, env, read_metrics
+from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PY = sys.executable
 SUBNET = "10.123.0"  # private addresses of our own choosing, only inside the namespaces

@@ -18,7 +18,7 @@ import pytest
 import torch
 from yacs.config import CfgNode
 
-from tests.helpers import ROOT, TINY, check, distribuuuu, env, read_metrics
+from tests.conftest import ROOT, TINY, check, cli_main, distribuuuu, env, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -35,6 +35,7 @@ def run2(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 # TensorBoard and metrics.csv
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_tensorboard_events_hold_every_metric(run2):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -53,6 +54,7 @@ def test_tensorboard_events_hold_every_metric(run2):
     assert len(acc.Scalars("val/top1")) == 2
 
 
+@pytest.mark.e2e
 def test_metrics_csv_has_the_rows_of_metrics_jsonl(run2):
     out, _ = run2
     with open(os.path.join(out, "metrics.csv"), newline="") as f:
@@ -86,6 +88,7 @@ def test_csv_header_grows_with_a_new_key(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # env.json and model.txt
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_env_json_records_versions_commit_and_every_rank(run2):
     import timm
     import torchvision
@@ -107,6 +110,7 @@ def test_env_json_records_versions_commit_and_every_rank(run2):
     assert rec["start_time"][:4].isdigit()
 
 
+@pytest.mark.e2e
 def test_model_txt_lists_every_parameter_with_totals_and_flops(run2):
     from distribuuuu import config, models
 
@@ -141,6 +145,7 @@ def test_flop_count_is_exact_and_leaves_the_model_unchanged():
 # ---------------------------------------------------------------------------------------------
 # Progress: lines without a terminal, a tqdm bar on one
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_without_a_terminal_progress_is_plain_lines(run2):
     out, proc = run2
     assert "[train] epoch 1/2 iter 1/2" in proc.stdout and "[train] epoch 2/2 iter 2/2" in proc.stdout
@@ -168,6 +173,7 @@ def _read_pty(cmd, cols=100):
     return proc.wait(timeout=240), b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.e2e
 def test_on_a_terminal_progress_is_a_bar_and_log_txt_stays_plain(tmp_path):
     out = str(tmp_path / "run")
     status, text = _read_pty([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", out,
@@ -243,10 +249,11 @@ def _fake_run(path, epochs, top1, topk=2):
         f.write(json.dumps({"epoch": None, "split": "val", "loss": 9.0, "top1": 1.0, "top5": 2.0, "n": 5}) + "\n")
 
 
+@pytest.mark.e2e
 def test_plot_writes_pngs_of_the_series_in_metrics_jsonl(run2, tmp_path):
     import matplotlib.image
 
-    from distribuuuu import plot
+    from distribuuuu.tools import plot
 
     out, _ = run2
     other = str(tmp_path / "other")
@@ -277,14 +284,14 @@ def test_plot_writes_pngs_of_the_series_in_metrics_jsonl(run2, tmp_path):
 
 
 def test_plot_bad_input_exits_2_with_one_message(tmp_path):
-    missing = check(distribuuuu("plot", str(tmp_path / "nope")), 2)
+    missing = check(cli_main("plot", str(tmp_path / "nope")), 2)
     assert "does not exist" in missing.stderr and "Traceback" not in missing.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    no_metrics = check(distribuuuu("plot", str(empty)), 2)
+    no_metrics = check(cli_main("plot", str(empty)), 2)
     assert "has no metrics.jsonl" in no_metrics.stderr and "Traceback" not in no_metrics.stderr
     (empty / "metrics.jsonl").write_text("{not json\n")
-    broken = check(distribuuuu("plot", str(empty)), 2)
+    broken = check(cli_main("plot", str(empty)), 2)
     assert "line 1 is not JSON" in broken.stderr
-    none = check(distribuuuu("plot"), 2)
+    none = check(cli_main("plot"), 2)
     assert "RUN_DIR" in none.stderr and len(none.stderr.strip().splitlines()) == 1

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
 
-from _data_helpers import make_cfg, write_fake_cifar10
 from distribuuuu import data
 from distribuuuu.config import load_config
 from distribuuuu.data import loaders, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
+from tests.conftest import make_cfg, write_fake_cifar10
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-from tests.helpers import ROOT, check, distribuuuu
+from tests.conftest import ROOT, check, distribuuuu
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 MNIST = os.path.join(ROOT, "config", "mnist5k_demo.yaml")
 OPTS = ["DEVICE", "cpu", "NUM_THREADS", "1"]
@@ -100,7 +102,7 @@ def _no_weights(cfg):
 
 
 def test_export_fails_when_an_output_differs_beyond_the_tolerance(trained, tmp_path, monkeypatch, capsys):
-    from distribuuuu import export
+    from distribuuuu.tools import export
 
     cfg, weights = trained
     # A TorchScript file that computes something else: the check must catch it.

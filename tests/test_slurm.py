@@ -21,8 +21,10 @@ import uuid
 import pytest
 import torch
 
-from tests import slurm_utils as su
-from tests.helpers import ROOT, TINY, env, read_metrics
+from tests import conftest as su
+from tests.conftest import ROOT, TINY, env, read_metrics
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PY = sys.executable
 TRAIN_AND_DUMP = os.path.join("tests", "scripts", "train_and_dump.py")
@@ -88,7 +90,7 @@ def expected_dist_line(rank: int, world: int, master: str, launcher: str) -> str
 
 
 def slurm_master(job: dict[str, str]) -> str:
-    """What distributed.detect should derive: first host of the node list, 10000 + job id % 20000."""
+    """What dist.launch.detect should derive: first host of the node list, 10000 + job id % 20000."""
     return f"{su.hostnames(job['nodes'])[0]}:{10000 + int(job['id']) % 20000}"
 
 

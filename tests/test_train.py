@@ -10,7 +10,9 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
+from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 
 def _weights(path):

@@ -5,8 +5,8 @@ import torch
 
 from distribuuuu import optim
 from distribuuuu.config import load_config
-from distribuuuu.stepper import Stepper, ema_decay_per_step
-from tests.helpers import TINY, check, distribuuuu, read_metrics, torchrun
+from distribuuuu.engine.stepper import Stepper, ema_decay_per_step
+from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics, torchrun
 
 CPU = torch.device("cpu")
 
@@ -78,6 +78,7 @@ def test_optimizers_build_and_step(name, cls):
     assert outs[0].stepped is True
 
 
+@pytest.mark.e2e
 def test_ddp_with_accumulation_bf16_ema_keeps_replicas_identical(tmp_path):
     out = str(tmp_path / "run")
     check(torchrun(2, "tests/scripts/train_and_dump.py", "--cfg", TINY, "OUT_DIR", out,
@@ -94,6 +95,7 @@ def test_ddp_with_accumulation_bf16_ema_keeps_replicas_identical(tmp_path):
     assert "ema" in ckpt and "scaler" in ckpt
 
 
+@pytest.mark.e2e
 def test_fp16_with_grad_scaler_checkpoints_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "TRAIN.AMP", "fp16", "OPTIM.MAX_EPOCH", "1"))
@@ -103,6 +105,7 @@ def test_fp16_with_grad_scaler_checkpoints_and_resumes(tmp_path):
     assert "resumed from" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_patience_stops_early_and_target_records_time_to_accuracy(tmp_path):
     out = str(tmp_path / "patience")
     proc = check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "6",
@@ -116,6 +119,7 @@ def test_patience_stops_early_and_target_records_time_to_accuracy(tmp_path):
     assert "target top-1 90% reached" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_torch_compile_runs_and_logs_compile_time_apart(tmp_path):
     out = str(tmp_path / "run")
     proc = check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", "TRAIN.COMPILE", "True"),)
@@ -128,20 +132,21 @@ def _zero_vs_ddp_worker(out_dir):
     start; saves the weights and the bytes of optimizer state this rank holds."""
     import os
 
-    from distribuuuu import distributed, engine, models
-    from distribuuuu import optim as optim_
+    from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.stepper import Stepper
+    from distribuuuu.dist import group
+    from distribuuuu.engine.stepper import Stepper
 
     results = {}
     base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
-    with distributed.session(base) as ctx:
+    with group.session(base) as ctx:
         for strategy in ("ddp", "zero1"):
             cfg = load_config(TINY, ["DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
             torch.manual_seed(0)
-            model = engine.build_model(cfg, ctx)
-            opt = optim_.build_optimizer(cfg, model)
-            stepper = Stepper(cfg, ctx.device, model, opt, global_batch=32)
+            strat = strategies.build(cfg, ctx)
+            model = strat.wrap_model(models.build_model(cfg))
+            opt = strat.build_optimizer(model)
+            stepper = Stepper(cfg, ctx.device, model, opt, global_batch=32, strategy=strat)
             g = torch.Generator().manual_seed(ctx.rank)
             for _ in range(3):
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -157,10 +162,11 @@ def _zero_vs_ddp_worker(out_dir):
     torch.save(results, os.path.join(out_dir, f"zero_rank{ctx.rank}.pt"))
 
 
+@pytest.mark.e2e
 def test_zero1_matches_ddp_and_shards_the_optimizer_state(tmp_path):
-    from distribuuuu import distributed
+    from distribuuuu.dist import spawn
 
-    assert distributed.spawn(_zero_vs_ddp_worker, 2, args=(str(tmp_path),)) == 0
+    assert spawn.spawn(_zero_vs_ddp_worker, 2, args=(str(tmp_path),)) == 0
     r0 = torch.load(tmp_path / "zero_rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "zero_rank1.pt", weights_only=True)
     ddp_w, ddp_bytes = r0["ddp"]
@@ -177,6 +183,7 @@ def test_zero1_matches_ddp_and_shards_the_optimizer_state(tmp_path):
     assert r0["zero1_full_state_entries"] == len([p for p in ddp_w if "running" not in p and "num_batches" not in p])
 
 
+@pytest.mark.e2e
 def test_zero1_checkpoints_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     check(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", out, "DIST.STRATEGY", "zero1",
@@ -187,5 +194,5 @@ def test_zero1_checkpoints_and_resumes(tmp_path):
 
 
 def test_dp_runs_in_one_process_and_refuses_several():
-    proc = distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY", "dp")
+    proc = cli_main("train", "--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY", "dp")
     assert proc.returncode == 2 and "DIST.STRATEGY dp is ONE process" in proc.stderr

@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from tests.helpers import ROOT, check, run
+from tests.conftest import ROOT, check, free_port, require_slurm, run
 
 PY = sys.executable
 TUTORIAL = os.path.join(ROOT, "tutorial")
@@ -41,12 +40,6 @@ def script(name: str) -> str:
 def read_lines(path: str) -> list[str]:
     with open(path) as f:
         return f.read().splitlines()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd() -> list[str]:
@@ -74,20 +67,24 @@ def check_ladder_output(proc: subprocess.CompletedProcess, world: int) -> str:
     return out
 
 
+@pytest.mark.e2e
 def test_snsc():
     check_ladder_output(run([PY, script("snsc.py"), *ARGS]), world=1)
 
 
+@pytest.mark.e2e
 def test_snmc_dp():
     # No GPU here: DataParallel is the module itself, and the script behaves like snsc.py.
     check_ladder_output(run([PY, script("snmc_dp.py"), *ARGS]), world=1)
 
 
+@pytest.mark.e2e
 def test_mnmc_ddp_launch_torchrun():
     cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", script("mnmc_ddp_launch.py"), *ARGS]
     check_ladder_output(run(cmd), world=2)
 
 
+@pytest.mark.e2e
 def test_mnmc_ddp_launch_legacy_launcher():
     # torch.distributed.launch appends --local-rank=N to the script's arguments.
     cmd = [PY, "-m", "torch.distributed.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -95,34 +92,18 @@ def test_mnmc_ddp_launch_legacy_launcher():
     check_ladder_output(run(cmd), world=2)
 
 
+@pytest.mark.e2e
 def test_mnmc_ddp_mp():
     cmd = [PY, script("mnmc_ddp_mp.py"), "--nodes", "1", "--ngpus_per_node", "2", "--node_rank", "0",
            "--dist-url", f"tcp://127.0.0.1:{free_port()}", *ARGS]
     check_ladder_output(run(cmd), world=2)
 
 
-def require_slurm() -> None:
-    """tests/slurm_utils.require_slurm when it exists, else: skip (printed) unless `scontrol ping` answers."""
-    if os.path.exists(os.path.join(ROOT, "tests", "slurm_utils.py")):
-        from tests.slurm_utils import require_slurm as require
-
-        return require()
-    reason = ""
-    if not shutil.which("srun") or not shutil.which("scontrol"):
-        reason = "srun/scontrol not found; start a local cluster with scripts/local_slurm.sh"
-    else:
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
-        if " is UP" not in ping.stdout:
-            reason = f"no Slurm controller answers (`scontrol ping`: {(ping.stdout + ping.stderr).strip()})"
-    if reason:
-        print(f"\nSKIP (Slurm): {reason}", file=sys.__stderr__, flush=True)
-        pytest.skip(reason)
-
-
+@pytest.mark.e2e
 def test_mnmc_ddp_slurm():
     require_slurm()
     name = f"tut-{uuid.uuid4().hex[:8]}"
-    # MASTER_PORT is unset (helpers.env drops it): the script derives the port from the job id.
+    # MASTER_PORT is unset (conftest.env drops it): the script derives the port from the job id.
     # --kill-on-bad-exit=1: a crashing rank stops the other instead of leaving it in a collective.
     cmd = ["srun", "-J", name, "-t", "5", "-N", "1", "-n", "2", "--kill-on-bad-exit=1",
            PY, "-u", script("mnmc_ddp_slurm.py"), *ARGS]
@@ -143,13 +124,14 @@ def mnist5k_tree(tmp_path_factory) -> str:
     The function behind `distribuuuu data export mnist5k DIR`, called in this process: a
     subprocess would spend seconds of CPU importing torch again for a few seconds of PNG writing.
     """
-    from distribuuuu.data.export import export_mnist5k
+    from distribuuuu.data.mnist5k import export_mnist5k
 
     root = str(tmp_path_factory.mktemp("tutorial") / "mnist5k")
     assert export_mnist5k(root) == {"train": 4000, "val": 1000}
     return root
 
 
+@pytest.mark.e2e
 def test_imagenet_torchrun(mnist5k_tree, tmp_path):
     ckpt = str(tmp_path / "checkpoint.pth")
     cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", script("imagenet.py"),
@@ -161,6 +143,7 @@ def test_imagenet_torchrun(mnist5k_tree, tmp_path):
     assert os.path.exists(ckpt) and not os.path.exists(ckpt + ".tmp")
 
 
+@pytest.mark.e2e
 def test_bad_data_folder_exits_2_before_any_process_group(tmp_path):
     """A wrong --data is reported (exit 2, one message, no traceback) before the launcher check."""
     proc = run([PY, script("imagenet.py"), "--data", str(tmp_path)], timeout=120)

@@ -15,7 +15,9 @@ import re
 import subprocess
 import sys
 
-from tests.helpers import ROOT, check, env, torchrun
+import pytest
+
+from tests.conftest import ROOT, check, env, torchrun
 
 TUTORIAL = os.path.join(ROOT, "tutorial")
 NAIVE, PIPELINE = (os.path.join(TUTORIAL, name) for name in ("mp_naive.py", "mp_pipeline.py"))
@@ -36,6 +38,7 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= ATOL + RTOL * abs(b)
 
 
+@pytest.mark.e2e
 def test_naive_split_equals_the_unsplit_model():
     proc = check(torchrun(2, NAIVE, "--steps", "2"))
     out, why = proc.stdout, report(proc)
@@ -60,6 +63,7 @@ def test_naive_split_equals_the_unsplit_model():
     assert busy0 + busy1 <= 101, f"the stages' busy times overlap, or the step time misses one{why}"
 
 
+@pytest.mark.e2e
 def test_pipeline_equals_the_unsplit_model_for_every_micro_batch_count():
     # 1, 2, 4, 8 as by default, and 3: 1/3 is not exact in floating point, so the reference must
     # divide the accumulated gradients by M in the schedule's order to stay allclose.
@@ -88,6 +92,7 @@ def test_pipeline_equals_the_unsplit_model_for_every_micro_batch_count():
         assert abs(measured - 100 * (1 - ideal / pipe)) <= 0.06 + 5 * (1 / pipe + ideal / pipe**2), why
 
 
+@pytest.mark.e2e
 def test_scripts_refuse_bad_starts_with_one_message():
     """Before any process group: a micro-batch count that does not divide the batch, and a start
     without torchrun. Exit 2 (argparse), one line saying what is wrong, no traceback."""

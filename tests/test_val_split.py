@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from _data_helpers import make_cfg, write_fake_cifar10, write_image_tree
-from helpers import TINY, check, distribuuuu, read_metrics
 from distribuuuu import data
 from distribuuuu.data import sources, split, transforms
 from distribuuuu.data.loaders import SplitPart
 from distribuuuu.errors import UserError
+from tests.conftest import (TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, write_fake_cifar10,
+                            write_image_tree)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -159,12 +159,13 @@ def test_check_names_the_sizes_for_bad_counts(trees):
 
 
 def test_bad_val_split_exits_2_through_the_cli():
-    proc = check(distribuuuu("train", "--cfg", TINY, "TRAIN.VAL_SPLIT", "128"), status=2)
+    proc = check(cli_main("train", "--cfg", TINY, "TRAIN.VAL_SPLIT", "128"), status=2)
     assert "TRAIN.VAL_SPLIT 128" in proc.stderr and "128 samples" in proc.stderr and "Traceback" not in proc.stderr
-    proc = check(distribuuuu("train", "--cfg", TINY, "TRAIN.VAL_SPLIT", "0.999"), status=2)
+    proc = check(cli_main("train", "--cfg", TINY, "TRAIN.VAL_SPLIT", "0.999"), status=2)
     assert "no training sample in class" in proc.stderr and "(32 samples)" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_training_validates_on_the_held_out_part(tmp_path):
     out = str(tmp_path / "run")
     check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", "TRAIN.VAL_SPLIT", "0.25"))
@@ -173,6 +174,7 @@ def test_training_validates_on_the_held_out_part(tmp_path):
     assert [m["n"] for m in lines if m["split"] == "val"] == [32]
 
 
+@pytest.mark.e2e
 def test_best_on_valid_then_one_test_of_best_pth_at_the_end(tmp_path):
     """2 processes, 4 epochs: best.pth is chosen on the held-out split, TEST is evaluated once, at
     the end, on that checkpoint, and equals what `distribuuuu eval` gives for best.pth."""

@@ -31,7 +31,7 @@ each rank.
 """
 
 from distribuuuu.data.check import check_datasets
-from distribuuuu.data.export import export_mnist5k
+from distribuuuu.data.mnist5k import export_mnist5k
 from distribuuuu.data.loaders import (build_dataset, build_test_loader, build_train_loader, build_val_loader,
                                       take_bad_image_count)
 from distribuuuu.data.samplers import ShardedEvalSampler

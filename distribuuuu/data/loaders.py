@@ -20,17 +20,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sized
+from typing import Any, Callable, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, split, transforms
+from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker
 from distribuuuu.data.memory import MemoryLoader
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
@@ -121,7 +121,7 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
     """The data of cfg[key], with the training transforms (train) or the eval ones.
 
     batched=True (the loaders, with TRAIN.IMAGE_DECODE fast): folder items stay uint8, to be
-    normalized (and erased) per batch on the device (see _NormalizedBatches)."""
+    normalized (and erased) per batch on the device (see batches.NormalizedBatches)."""
     group, chans, size = cfg[key], cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE  # val crops TRAIN.IM_SIZE too
     if cfg.MODEL.DUMMY_INPUT:
         return sources.RandomTensorDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES,
@@ -182,37 +182,6 @@ def _part(cfg: CfgNode, dataset: Dataset, part: str | None) -> Dataset:
     return SplitPart(dataset, kept if part == "train" else held)
 
 
-def seed_worker(worker_id: int) -> None:
-    """torch seeds each worker itself (base seed + worker id); numpy and random need it too.
-    From torch's reproducibility notes."""
-    worker_seed = torch.initial_seed() % 2**32
-    np.random.seed(worker_seed)
-    random.seed(worker_seed)
-
-
-def collate_readable(items: list[Any]) -> Any:
-    """default_collate of the items that are not None (the unreadable images of an evaluation
-    set); None when none is left (_ReadableBatches drops that batch)."""
-    kept = [item for item in items if item is not None]
-    return default_collate(kept) if kept else None
-
-
-class _ReadableBatches:
-    """An evaluation DataLoader (collate_readable) without its empty batches; the rest is the loader's."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        return (batch for batch in self.loader if batch is not None)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
-
-
 def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
             rank: int, device: torch.device, stream: int, collate_fn: Callable | None = None) -> DataLoader:
     """TRAIN.WORKERS processes per training process (Distribuuuu's 4 by default; see
@@ -230,32 +199,6 @@ def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, d
         pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
         worker_init_fn=seed_worker, generator=generator, collate_fn=collate_fn,
     )
-
-
-class _NormalizedBatches:
-    """A DataLoader of uint8 batches, moved to the device and normalized there, one batch at a time.
-
-    Everything else (dataset, sampler, drop_last, len ...) is the DataLoader's.
-    """
-
-    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device, erase: float = 0.0) -> None:
-        self.loader, self.device = loader, device
-        self.normalize = transforms.BatchNormalize(stats, device)
-        # Erasing needs the normalized floats, which exist only here: per image, batched on the device.
-        self.erase = transforms.BatchRandomErasing(erase) if erase > 0 else None
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for images, target in self.loader:
-            images = self.normalize(images.to(self.device, non_blocking=True))
-            if self.erase is not None:
-                images = self.erase(images)
-            yield images, target.to(self.device, non_blocking=True)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
 
 
 def data_pipeline(cfg: CfgNode, key: str) -> str:
@@ -383,7 +326,7 @@ def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size
         return _memory_loader(cfg, key, False, part, sampler_of, cfg.TEST.BATCH_SIZE, device)
     batched = _fast_folder(cfg, key)
     dataset = _part(cfg, _build_dataset(cfg, key, False, batched=batched), part)
-    loader = _ReadableBatches(_loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device,
+    loader = ReadableBatches(_loader(cfg, dataset, sampler_of(dataset), cfg.TEST.BATCH_SIZE, False, rank, device,
                                       stream=1, collate_fn=collate_readable))
     return _normalized(cfg, loader, device) if batched else loader
 
@@ -402,9 +345,9 @@ def _fast_folder(cfg: CfgNode, key: str) -> bool:
             and sources.source_kind(cfg[key].DATASET) == "folder")
 
 
-def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device, erase: float = 0.0) -> _NormalizedBatches:
+def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device, erase: float = 0.0) -> NormalizedBatches:
     stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
-    return _NormalizedBatches(loader, stats, device, erase)
+    return NormalizedBatches(loader, stats, device, erase)
 
 
 def take_bad_image_count(loader: DataLoader) -> int:

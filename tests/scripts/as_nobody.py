@@ -11,10 +11,11 @@ import sys
 
 import torchvision  # noqa: F401 - loaded while the files are readable
 
+import distribuuuu.api  # noqa: F401
 import distribuuuu.cli
 import distribuuuu.config  # noqa: F401
 import distribuuuu.data  # noqa: F401
-import distribuuuu.distributed  # noqa: F401
+import distribuuuu.dist.spawn  # noqa: F401
 import distribuuuu.engine  # noqa: F401
 import distribuuuu.models  # noqa: F401
 import distribuuuu.run_folder  # noqa: F401

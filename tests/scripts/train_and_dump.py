@@ -1,7 +1,8 @@
 """Train like `distribuuuu train`, then save EVERY rank's final weights as OUT_DIR/rank<R>.pt.
 
 Used by the tests to check that all DDP replicas end identical. Launch it like train_net.py
-(plain python, torchrun, srun). The model is captured by wrapping engine.wrap_model.
+(plain python, torchrun, srun). The weights are saved by a hook (TRAIN.HOOKS), so the framework
+runs unchanged: this script's folder is sys.path[0], where "train_and_dump:DumpWeights" is found.
 """
 
 import os
@@ -9,21 +10,17 @@ import sys
 
 import torch
 
-from distribuuuu import cli, engine, models
-
-captured = {}
-_wrap = engine.wrap_model
+from distribuuuu import cli, models
+from distribuuuu.engine import HookBase
 
 
-def _capture(cfg, ctx, model):
-    captured["model"], captured["rank"] = _wrap(cfg, ctx, model), ctx.rank
-    return captured["model"]
+class DumpWeights(HookBase):
+    """After the run: this rank's weights (wrapper prefixes stripped) as OUT_DIR/rank<R>.pt."""
+
+    def after_fit(self, trainer):
+        torch.save(models.state_dict_for_saving(trainer.model),
+                   os.path.join(trainer.cfg.OUT_DIR, f"rank{trainer.ctx.rank}.pt"))
 
 
-engine.wrap_model = _capture
-status = cli.main(["train", *sys.argv[1:]])
-if status == 0:
-    out_dir = sys.argv[sys.argv.index("OUT_DIR") + 1]
-    torch.save(models.state_dict_for_saving(captured["model"]),
-               os.path.join(out_dir, f"rank{captured['rank']}.pt"))
-sys.exit(status)
+if __name__ == "__main__":
+    sys.exit(cli.main(["train", *sys.argv[1:], "TRAIN.HOOKS", "['train_and_dump:DumpWeights']"]))

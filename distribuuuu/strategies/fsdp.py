@@ -1,60 +1,36 @@
-"""Memory-saving strategies: FSDP2 (``fully_shard``), CPU offload and activation checkpointing.
+"""FSDP2 (``fully_shard``), with optional CPU offload: each rank holds 1/world of every parameter.
 
-Call order (engine.wrap_model): bare model on its device -> ``checkpoint_activations`` (TRAIN.
-ACTIVATION_CHECKPOINTING) -> ``shard`` (DIST.STRATEGY fsdp: every block, then the root) ->
-optimizer over the sharded parameters. Under FSDP each rank holds 1/world of every parameter, its
-gradient and its optimizer state (ZeRO-3, Rajbhandari et al., 2020); whole parameters exist only
-while a block runs. Three things differ from DDP and live here:
+Order (Strategy.wrap_model): bare model on its device -> activation checkpointing -> ``shard``
+(every block, then the root) -> optimizer over the sharded parameters. Each rank holds 1/world of
+every parameter, its gradient and its optimizer state (ZeRO-3, Rajbhandari et al., 2020); whole
+parameters exist only while a block runs. Three things differ from DDP and live here:
   * state dicts are collectives (``full_state`` gathers them; ``save_sharded``/``load_sharded``
     write and read each rank's shards with torch.distributed.checkpoint);
   * the forward pass is a collective, so exact evaluation with uneven shards runs on a plain
     replica (``EvalReplica``) instead of the sharded model;
-  * gradient checks must combine the ranks' shards (stepper.grads_finite: local shards + an all-reduce).
+  * gradient checks must combine the ranks' shards (local shards + an all-reduce).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+import os
+from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from distribuuuu import models
+from distribuuuu.dist import comm
+from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
+
 log = logging.getLogger("distribuuuu")
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated units: the children of its top-level Sequential / ModuleList stages
-    (ResNet's BasicBlocks and Bottlenecks, ViT's blocks, EfficientNet's stages), with parameters.
-
-    These are the units FSDP gathers one at a time and activation checkpointing recomputes.
-    """
-    found = []
-    for child in model.children():
-        if isinstance(child, (nn.Sequential, nn.ModuleList)):
-            found += [m for m in child.children() if any(True for _ in m.parameters())]
-    return found
-
-
-def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> int:
-    """Wrap every unit (``blocks(model)``) so that its activations are recomputed in the backward pass instead of
-    kept (non-reentrant torch.utils.checkpoint). State-dict keys stay the same. Returns the count.
-
-    BatchNorm's running statistics are updated again by the recomputation: with momentum 0.1
-    they move as with momentum 0.19 per step, which only shifts the evaluation statistics.
-    """
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if any(child is u for u in units):
-                setattr(parent, name, checkpoint_wrapper(child))
-                count += 1
-    return count
 
 
 def shard(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
@@ -75,17 +51,6 @@ def shard(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool,
 
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
@@ -112,16 +77,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
     """Collective: each rank writes its own shards into folder (torch.distributed.checkpoint);
     nothing is gathered, so no rank ever holds the whole state."""
-    import torch.distributed.checkpoint as dcp
-
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str) -> None:
     """Collective: read this rank's shards from a ``save_sharded`` folder (any world size)."""
-    import torch.distributed.checkpoint as dcp
-
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=folder)
@@ -131,6 +92,17 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, fold
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def host_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the whole model state dict in host memory, on every rank, gathered one tensor at
+    a time (peak device memory: the largest tensor, not the model)."""
+    out = {}
+    for name, value in get_model_state_dict(model).items():  # this rank's shards, clean names
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # one all-gather per tensor
+        out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out
 
 
 class EvalReplica:
@@ -169,19 +141,68 @@ class EvalReplica:
             torch.cuda.empty_cache()
 
 
-def host_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the whole model state dict in host memory, on every rank, gathered one tensor at
-    a time (peak device memory: the largest tensor, not the model)."""
-    out = {}
-    for name, value in get_model_state_dict(model).items():  # this rank's shards, clean names
-        full = value.full_tensor() if isinstance(value, DTensor) else value  # one all-gather per tensor
-        out[name] = full.detach().to("cpu", copy=True)
-        del full
-    return out
+class FSDP(Strategy):
+    name = "fsdp"
+
+    def __init__(self, cfg: Any, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self.replica = EvalReplica(lambda: models.build_model(cfg), ctx.device)
+        self.sharded: nn.Module | None = None
+
+    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        d = self.cfg.DIST
+        self.sharded = shard(model, units, d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
+        return self.sharded
+
+    def no_sync(self, sync: bool) -> ContextManager:
+        # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.
+        self.sharded.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Each rank checks its shards; the answers are combined with one all-reduce."""
+        finite = super().grads_finite(params)
+        bad = (~finite).to(torch.int32).reshape(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bad[0] == 0
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         shards: str) -> tuple[dict[str, Any], bool]:
+        if self.cfg.DIST.FSDP_STATE_DICT == "sharded":
+            # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
+            local = [local_tensor(v) for v in self.sharded.state_dict().values()]
+            if comm.any_rank([not bool(all_finite(local))])[0]:
+                return {}, False
+            save_sharded(self.sharded, optimizer, shards)
+            return {"sharded": os.path.basename(shards)}, True
+        model_state, optim_state = full_state(self.sharded, optimizer)  # gathered whole on rank 0
+        entries = {"model": model_state, "optimizer": optim_state}
+        return entries, not self.ctx.is_main or bool(all_finite(list(model_state.values())))
+
+    def checkable(self, ckpt: dict[str, Any]) -> bool:
+        return False  # shapes of sharded state: torch checks them while loading
+
+    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: dict[str, Any],
+                        path: str, folder: str) -> None:
+        if ckpt.get("sharded"):
+            load_sharded(self.sharded, optimizer, os.path.join(folder, ckpt["sharded"]))
+        else:
+            load_full_state(self.sharded, optimizer, ckpt["model"], ckpt.get("optimizer"))
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """FSDP's forward is a collective: evaluate a whole replica instead (EvalReplica)."""
+        return self.replica.refresh(self.sharded)
+
+    def release_eval(self) -> None:
+        self.replica.release()  # its GPU memory goes back to the sharded training
+
+    def test_model(self, model: nn.Module, ckpt: dict[str, Any], weights: str, folder: str) -> nn.Module:
+        if ckpt.get("sharded"):  # training is over: the sharded model may take the chosen weights
+            load_sharded(self.sharded, None, os.path.join(folder, ckpt["sharded"]))
+            return self.replica.refresh(self.sharded)
+        net = self.replica.on_device()
+        net.load_state_dict(models.strip_wrapper_prefixes(ckpt[weights]))
+        return net
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state held by THIS rank (shards only, under FSDP or ZeRO)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
-    return sum(local_tensor(t).numel() * t.element_size() for s in inner.state.values()
-               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+STRATEGY = FSDP

@@ -1,4 +1,4 @@
-"""Pictures of runs: learning curves from metrics.jsonl, and the scalability figure of `bench --scaling`.
+"""Learning curves of runs, from their metrics.jsonl (the sweeps draw their own figures with pyplot()).
 
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]
 
@@ -23,7 +23,9 @@ PANELS = [("top1", "top-1 accuracy (%)", [("train", "top1"), ("val", "top1")]),
           ("lr", "learning rate (end of epoch)", [("train", "lr")])]
 
 
-def _pyplot():
+def pyplot() -> Any:
+    """matplotlib.pyplot with the file-only Agg backend. matplotlib is imported here, not at the
+    top: it takes a second to import and only the drawing functions need it."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -106,7 +108,7 @@ def plot_runs(run_dirs: Sequence[str], out_dir: str) -> dict[str, Any]:
     if not run_dirs:
         raise UserError("give at least one run folder (OUT_DIR of a training run)")
     runs = dict(zip(_labels(run_dirs), (run_curves(d) for d in run_dirs)))
-    plt = _pyplot()
+    plt = pyplot()
     colors = [plt.cm.tab10(i % 10) for i in range(len(runs))]
     os.makedirs(out_dir, exist_ok=True)
     files, drawn = [], {}
@@ -126,33 +128,6 @@ def plot_runs(run_dirs: Sequence[str], out_dir: str) -> dict[str, Any]:
         fig.savefig(files[-1])
         plt.close(fig)
     return {"files": files, "series": runs, "drawn": drawn}
-
-
-def plot_scaling(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
-    """Throughput and epoch time against the number of processes, each with its ideal (linear) line."""
-    plt = _pyplot()
-    procs = [r["processes"] for r in rows]
-    x = [str(p) for p in procs]
-    n0, r0 = procs[0], rows[0]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=90)
-    bars = ax1.bar(x, [r["img_per_s"] for r in rows], color="tab:blue", label="measured")
-    ax1.plot(x, [r0["img_per_s"] * p / n0 for p in procs], "k--", marker="o", label="ideal (linear)")
-    for bar, r in zip(bars, rows):
-        ax1.text(bar.get_x() + bar.get_width() / 2, bar.get_height() / 2, f"{r['efficiency']:.0%}",
-                 ha="center", va="center", color="white", fontsize=9, fontweight="bold")
-    ax1.set(title="throughput (in the bars: scaling efficiency)", xlabel="processes", ylabel="images / s")
-    ax2.plot(x, [r["epoch_s"] for r in rows], color="tab:orange", marker="o", label="measured")
-    ax2.plot(x, [r0["epoch_s"] * n0 / p for p in procs], "k--", marker="o", label="ideal (1 / processes)")
-    ax2.set(title="training time of one epoch", xlabel="processes", ylabel="seconds")
-    ax2.set_ylim(bottom=0)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def main(run_dirs: Sequence[str], out_dir: str | None) -> int:

@@ -14,13 +14,19 @@ printed, and the command exits with status 1 if one exceeds --tol. Exports run o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import warnings
 from typing import Any, Callable
 
+from distribuuuu import config
 from distribuuuu.errors import UserError
+from distribuuuu.tools.predict import resolve_weights
+
+# torch and models are imported inside the functions, after the checks of the arguments (see
+# predict.py); onnx, onnxruntime and safetensors too, being optional.
 
 DEFAULT_TOL = 1e-4  # absolute, on logits: float32 reorderings stay around 1e-6
 
@@ -62,8 +68,6 @@ def _safetensors(cfg: Any, model: Any, batches: list[Any], expected: list[Any], 
 
 def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tuple[float | None, str]:
     """(max diff or None, note). Skipped, with the reason, when a package it needs is missing."""
-    import importlib.util
-
     import torch
 
     if importlib.util.find_spec("onnx") is None:
@@ -89,8 +93,6 @@ def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tup
 
 def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> dict[str, Any]:
     """Write and check every format; returns what export.json holds."""
-    from distribuuuu.predict import resolve_weights
-
     cfg = resolve_weights(cfg, "export")
     import torch  # after the checks, which need no torch
 
@@ -121,8 +123,6 @@ def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> 
 
 def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, batch: int) -> int:
     """`distribuuuu export`: print each file and its difference from the eager model."""
-    from distribuuuu import config
-
     if batch < 1 or not tol > 0:
         raise UserError(f"--batch must be at least 1 and --tol above 0, got {batch} and {tol}")
     cfg = config.load_config(cfg_file, opts)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
+from PIL import Image
+
+from distribuuuu import config
 from distribuuuu.errors import UserError
+
+# torch, and the modules that import it (checkpoint, data, models), are imported inside the
+# functions, after the checks of the arguments and files: a mistyped path is reported at once,
+# not after torch's start-up (seconds). predict and export both start this way.
 
 
 def split_opts_and_images(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -22,7 +29,6 @@ def split_opts_and_images(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
     A token is a key when it names a config key, or when it starts with a key group (MODEL., TRAIN.,
     ...) and is not an existing file, so that a typo gets the config's "did you mean" message.
     """
-    from distribuuuu import config
 
     def flat(node: Any, prefix: str = "") -> set[str]:
         return set().union(*[flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
@@ -117,8 +123,6 @@ def classes_and_transform(cfg: Any) -> tuple[list[str], Callable[[str], Any]]:
 
 def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tuple[str, float]]]:
     """The top-k (class name, probability) of each image."""
-    from PIL import Image
-
     for path in image_paths:  # every file is checked before the model is built
         if not os.path.isfile(path):
             raise UserError(f"image file {path!r} does not exist")
@@ -158,8 +162,6 @@ def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tu
 
 def main(cfg_file: str | None, tokens: Sequence[str], topk: int) -> int:
     """`distribuuuu predict`: print each image's top-k classes."""
-    from distribuuuu import config
-
     opts, images = split_opts_and_images(tokens)
     if not images:
         raise UserError("give one or more image files after the KEY VALUE pairs, e.g. "

@@ -1,9 +1,11 @@
 """One optimizer step made of TRAIN.ACCUM_STEPS micro-batches.
 
 Everything between "a batch arrived" and "the weights moved" lives here, in this order:
-mixup/cutmix -> channels_last -> autocast forward and loss -> (scaled) backward, under DDP's
-no_sync for all but the last micro-batch -> unscale -> gradient clipping -> non-finite check ->
-optimizer step -> EMA update. The engine calls ``micro_step`` once per batch.
+mixup/cutmix -> channels_last -> autocast forward and loss -> (scaled) backward, under the
+strategy's no_sync for all but the last micro-batch -> unscale -> gradient clipping -> non-finite check ->
+optimizer step -> EMA update. The engine calls ``micro_step`` once per batch. What differs
+between the ways of training (the no-sync context, the gradient check under sharding) is asked
+of the Strategy.
 
 Under fp16 a non-finite gradient is usually no failure: the GradScaler grows the loss scale every
 2000 clean steps until the scaled gradients overflow, then skips that step and halves the scale.
@@ -21,14 +23,15 @@ import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 from timm.utils import ModelEmaV3
-from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import distributed, models, sharding
+from distribuuuu import models
+from distribuuuu.dist import comm
+from distribuuuu.strategies.base import AMP_DTYPES, Strategy, local_tensor
 
 log = logging.getLogger("distribuuuu")
 
-AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["AMP_DTYPES", "FP16_MIN_LOSS_SCALE", "MicroStep", "Stepper", "ema_decay_per_step"]
 # fp16: below this loss scale an overflow is a failure, not the GradScaler's normal probing (it
 # starts at 2**16 and halves per overflow, so ~17 overflows in a row without a finite step get here):
 # the gradients overflow fp16 even unscaled.
@@ -55,11 +58,12 @@ class Stepper:
     """Forward, backward and optimizer step with AMP, accumulation, clipping, checks and EMA."""
 
     def __init__(self, cfg: CfgNode, device: torch.device, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, global_batch: int) -> None:
+                 optimizer: torch.optim.Optimizer, global_batch: int, strategy: Strategy | None = None) -> None:
         t = cfg.TRAIN
         self.model, self.optimizer, self.device = model, optimizer, device
+        # The strategy that wrapped the model (None: one plain process, Strategy's defaults).
+        self.strategy = strategy if strategy is not None else Strategy(cfg, None)
         self.accum, self.micro = t.ACCUM_STEPS, 0
-        self.sharded = sharding.is_sharded(getattr(model, "_orig_mod", model))
         self.amp_dtype = AMP_DTYPES[t.AMP]
         self.channels_last = t.CHANNELS_LAST
         self.clip, self.check_finite = t.CLIP_GRAD_NORM, t.NONFINITE != "off"
@@ -89,12 +93,8 @@ class Stepper:
         hard = target
         if self.mixup is not None:
             images, target = self.mixup(images, target)
-        # Gradients are all-reduced only on the last micro-batch; before that they just add up.
-        ddp = getattr(self.model, "_orig_mod", self.model)  # torch.compile wraps the DDP module
-        no_sync = isinstance(ddp, DDP) and not last
-        if self.sharded:  # FSDP: reduce-scatter the gradients on the last micro-batch only
-            sharding.set_gradient_sync(ddp, last)
-        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+        # Gradients are synchronised only on the last micro-batch; before that they just add up.
+        with self.strategy.no_sync(last):
             with self.autocast():
                 logits = self.model(self.prepare(images))
                 loss = self.criterion(logits, target)
@@ -117,9 +117,9 @@ class Stepper:
         if self.clip > 0:
             # The total norm is non-finite iff some gradient is: it doubles as the check.
             norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
-            finite = torch.isfinite(sharding.local_tensor(norm))  # FSDP: a replicated DTensor
+            finite = torch.isfinite(local_tensor(norm))  # FSDP: a replicated DTensor
         elif self.check_finite:
-            finite = grads_finite(params, self.sharded)
+            finite = self.strategy.grads_finite(params)
         if self.check_finite and not bool(finite):  # the one host sync this check costs
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # under fp16: a smaller loss scale for the next step
@@ -140,7 +140,7 @@ class Stepper:
         if not self.scaler.is_enabled():
             return False
         loss_bad = loss_finite is not None and not bool(loss_finite)
-        if distributed.any_rank([loss_bad])[0] or self.scaler.get_scale() < FP16_MIN_LOSS_SCALE:
+        if comm.any_rank([loss_bad])[0] or self.scaler.get_scale() < FP16_MIN_LOSS_SCALE:
             return False
         self.overflows += 1
         log.info("fp16: gradients overflowed, the GradScaler skipped this step and lowered the loss "
@@ -158,55 +158,3 @@ class Stepper:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
-
-
-def grads_finite(params: list[torch.nn.Parameter], sharded: bool = False) -> torch.Tensor:
-    """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet).
-
-    DDP has already averaged the gradients, so a NaN on any rank is a NaN on all of them and
-    every rank reaches the same answer without a collective. Under FSDP each rank holds other
-    shards, so the ranks' answers are combined with one all-reduce.
-    """
-    grads = [sharding.local_tensor(p.grad) for p in params if p.grad is not None]
-    finite = torch.tensor(True, device=grads[0].device) if grads else torch.tensor(True)
-    if grads:
-        finite = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()  # one multi-tensor kernel
-    if sharded:
-        bad = (~finite).to(torch.int32).reshape(1)
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        finite = bad[0] == 0
-    return finite
-
-
-class _AutocastReplica(torch.nn.Module):
-    """One DataParallel replica whose forward re-enters autocast with the run's dtype."""
-
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module, self.dtype = module, dtype
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the replica's own signature
-        for device_type in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(device_type):
-                with torch.autocast(device_type, dtype=self.dtype):
-                    return self.module(*args, **kwargs)
-        return self.module(*args, **kwargs)
-
-
-class AutocastDataParallel(torch.nn.DataParallel):
-    """DataParallel that keeps TRAIN.AMP's dtype in its worker threads.
-
-    torch's parallel_apply re-enters ``autocast(device_type, enabled=...)`` in each worker thread
-    without a dtype, so the replicas run in the device's default dtype (float16 on CUDA) while the
-    main thread asked for bfloat16, and no GradScaler guards that fp16. Each replica here enters
-    autocast with the dtype itself. State-dict keys are DataParallel's (the wrapper is per call).
-    """
-
-    def __init__(self, module: torch.nn.Module, amp_dtype: torch.dtype | None) -> None:
-        super().__init__(module)
-        self.amp_dtype = amp_dtype
-
-    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - DataParallel's signature
-        if self.amp_dtype is not None:
-            replicas = [_AutocastReplica(r, self.amp_dtype) for r in replicas]
-        return super().parallel_apply(replicas, inputs, kwargs)

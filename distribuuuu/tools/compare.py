@@ -15,7 +15,7 @@ The methods (any subset, always shown in this order):
               GradScaler (V100, T4). bf16 keeps fp32's range, so it needs no loss scaling; --amp
               picks one.
 
-Each method is one real `distribuuuu train` in its own subprocess (a fresh interpreter: no thread
+Each method is one real `distribuuuu train` in its own subprocess (runner.py; a fresh interpreter: no thread
 setting, CUDA context or RNG state carries over from one method to the next), with the same
 config, seed (RNG_SEED, 0 when unset) and GLOBAL batch (--global-batch, default the config's
 TRAIN.BATCH_SIZE; each process gets global / processes). So every method sees the same samples
@@ -37,12 +37,15 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from distribuuuu import config
+from distribuuuu.dist import launch
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
+from distribuuuu.tools import runner
+from distribuuuu.tools.plot import pyplot, read_metrics
 
 METHODS = ("single", "dp", "ddp", "ddp+amp")
 AMP_CHOICES = ("auto", "bf16", "fp16")
@@ -86,21 +89,12 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _gpus(cfg: Any) -> int:
-    """GPUs the runs will see: 0 on the CPU. device_count() creates no CUDA context."""
-    if cfg.DEVICE == "cpu":
-        return 0  # and no torch.cuda call at all
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _amp_dtype(choice: str, gpus: int) -> str:
     if choice != "auto":
         return choice
     if not gpus:
         return "bf16"  # CPU autocast: bf16 is the type with fast kernels (oneDNN)
-    import torch
+    import torch  # here, on a GPU only: the CPU path of the sweep's parent never loads torch
 
     # Native bf16 from Ampere (8.0) on; older GPUs emulate it slowly, so they get fp16 + GradScaler.
     return "bf16" if torch.cuda.get_device_capability(0) >= (8, 0) else "fp16"
@@ -148,8 +142,6 @@ def train_args(plan: Plan, cfg_file: str | None, keys: list[str]) -> list[str]:
 def read_run(run_dir: str) -> dict[str, Any]:
     """Timed figures of one finished run: its metrics.jsonl (epoch 1 left out when there are more)
     and env.json (the world size and threads it really had)."""
-    from distribuuuu.plot import read_metrics
-
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
     for r in read_metrics(run_dir):
@@ -208,9 +200,7 @@ def print_table(rows: Sequence[dict[str, Any]], header: str) -> None:
 
 def plot_compare(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     """Bars of img/s (speed-up vs single written in each) and of the final training loss."""
-    from distribuuuu.plot import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     names = [r["method"] for r in rows]
     ran = [r["status"] == "ok" for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=90)
@@ -237,27 +227,6 @@ def plot_compare(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _run_one(args: list[str], log_path: str, threads: int) -> int:
-    """`distribuuuu args` in a fresh interpreter, output to log_path; the exit status."""
-    import distribuuuu
-
-    env = dict(os.environ, DISTRIBUUUU_PROGRESS="lines", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-    # The same code as this process, wherever the child starts.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(distribuuuu.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    with open(log_path, "w") as log:
-        return subprocess.run([sys.executable, "-m", "distribuuuu", *args], stdout=log, stderr=subprocess.STDOUT,
-                              env=env).returncode
-
-
-def _child_error(log_path: str) -> str:
-    """The one-line message of a run that exited with a user error (the spawner's children prefix
-    theirs with 'error (rank N):')."""
-    with open(log_path) as f:
-        lines = [ln.strip() for ln in f if ln.startswith("error")]
-    return lines[-1].split(": ", 1)[-1] if lines else "see the log"
-
-
 def _run_all(plans: Sequence[Plan], cfg_file: str | None, keys: dict[str, list[str]], run_dirs: dict[str, str],
              out_dir: str) -> tuple[dict[str, dict[str, Any] | str], int]:
     """Run the methods one after the other: their figures (or why they failed) and the exit status."""
@@ -271,16 +240,15 @@ def _run_all(plans: Sequence[Plan], cfg_file: str | None, keys: dict[str, list[s
         shutil.rmtree(run_dir, ignore_errors=True)  # bench's own folder: a fresh run every time
         args = train_args(p, cfg_file, keys[p.method])
         print(f"[compare] {p.method}: distribuuuu {' '.join(args)}  (log: {log_path})", flush=True)
-        code = _run_one(args, log_path, p.threads)
-        if code == 0:
+        run = runner.run_train(args, log_path, p.threads)
+        if run.status == 0:
             results[p.method] = read_run(run_dir)
-        elif code == USER_ERROR_EXIT:  # the config or data is wrong for every method alike: stop here
-            raise UserError(f"the {p.method} run: {_child_error(log_path)} (log: {log_path})")
+        elif run.status == USER_ERROR_EXIT:  # the config or data is wrong for every method alike: stop here
+            raise UserError(f"the {p.method} run: {run.error} (log: {log_path})")
         else:  # a crash: show it, keep going, so the other methods still get their rows
-            with open(log_path) as f:
-                print(f.read()[-3000:], file=sys.stderr, flush=True)
-            results[p.method] = f"failed (exit {code}; log: {log_path})"
-            status = status or code
+            print(run.tail(), file=sys.stderr, flush=True)
+            results[p.method] = f"failed (exit {run.status}; log: {log_path})"
+            status = status or run.status
     return results, status
 
 
@@ -288,22 +256,19 @@ def run_compare(cfg_file: str | None, opts: list[str], methods_text: str, epochs
                 nproc: int | None, global_batch: int | None, amp: str) -> int:
     """Run each method, print the table, write compare.csv and compare.png; the exit status
     (0, or the first failing run's)."""
-    methods = parse_methods(methods_text)  # before torch is imported: a typo fails at once
+    methods = parse_methods(methods_text)
     if epochs < 1:
         raise UserError(f"--epochs must be at least 1, got {epochs}")
     if amp not in AMP_CHOICES:
         raise UserError(f"--amp must be one of {', '.join(AMP_CHOICES)}, got {amp!r}")
-    from distribuuuu import config, distributed
-    from distribuuuu.bench import _device_label
-
-    if distributed.detect().launcher != "plain":
+    if launch.detect().launcher != "plain":
         raise UserError("`distribuuuu bench --compare` starts its own processes; run it without a launcher")
     cfg = config.load_config(cfg_file, opts)
     out_dir = out_dir or os.path.join(cfg.OUT_DIR, "bench")
     batch = cfg.TRAIN.BATCH_SIZE if global_batch is None else global_batch
     if batch < 1:
         raise UserError(f"--global-batch must be at least 1, got {batch}")
-    gpus = _gpus(cfg)
+    gpus = runner.visible_gpus(cfg)
     plans = plan_runs(methods, gpus, nproc, batch, amp, _cores())
     seed = cfg.RNG_SEED if cfg.RNG_SEED is not None else 0
     run_dirs = {p.method: os.path.join(out_dir, p.folder) for p in plans if not p.skip}
@@ -316,7 +281,7 @@ def run_compare(cfg_file: str | None, opts: list[str], methods_text: str, epochs
     results, status = _run_all(plans, cfg_file, keys, run_dirs, out_dir)
     load_end = os.getloadavg()[0]
     rows = compare_rows(plans, results, gpus, run_dirs)
-    device = _device_label(gpus or None)  # after the runs: this may create a CUDA context
+    device = runner.device_label(gpus)  # after the runs: this may create a CUDA context
     timed = ("epoch 1 of 1 timed (includes warm-up; use --epochs 2 or more)" if epochs == 1 else
              f"{f'epoch {epochs}' if epochs == 2 else f'epochs 2-{epochs}'} of {epochs} timed (epoch 1 is warm-up)")
     print_table(rows, f"compare: {cfg.MODEL.ARCH} on {cfg.TRAIN.DATASET} | {device} | global batch {batch} "

@@ -1,0 +1,71 @@
+"""What a DataLoader's batches go through on their way to the step: worker seeding, evaluation
+batches without their unreadable images, and uint8 batches normalized on the device.
+Each wrapper has the DataLoader's len() and passes every other attribute (dataset, sampler) through."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from distribuuuu.data import transforms
+
+
+def seed_worker(worker_id: int) -> None:
+    """torch seeds each worker itself (base seed + worker id); numpy and random need it too.
+    From torch's reproducibility notes."""
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def collate_readable(items: list[Any]) -> Any:
+    """default_collate of the items that are not None (the unreadable images of an evaluation
+    set); None when none is left (ReadableBatches drops that batch)."""
+    kept = [item for item in items if item is not None]
+    return default_collate(kept) if kept else None
+
+
+class ReadableBatches:
+    """An evaluation DataLoader (collate_readable) without its empty batches; the rest is the loader's."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return (batch for batch in self.loader if batch is not None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+class NormalizedBatches:
+    """A DataLoader of uint8 batches, moved to the device and normalized there, one batch at a time.
+
+    Everything else (dataset, sampler, drop_last, len ...) is the DataLoader's.
+    """
+
+    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device, erase: float = 0.0) -> None:
+        self.loader, self.device = loader, device
+        self.normalize = transforms.BatchNormalize(stats, device)
+        # Erasing needs the normalized floats, which exist only here: per image, batched on the device.
+        self.erase = transforms.BatchRandomErasing(erase) if erase > 0 else None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, target in self.loader:
+            images = self.normalize(images.to(self.device, non_blocking=True))
+            if self.erase is not None:
+                images = self.erase(images)
+            yield images, target.to(self.device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)

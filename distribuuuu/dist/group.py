@@ -1,0 +1,276 @@
+"""The process group of a run: setup, teardown, and what each process chooses once.
+
+What ``setup(cfg)`` chooses, once per process (the launch itself comes from dist.launch.detect):
+
+- device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
+  visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
+  GPUs) is right: ``cuda:0`` then; anything else is a UserError (two ranks would share a GPU).
+- backend: ``DIST.BACKEND auto`` is nccl on CUDA, gloo on CPU.
+- intra-op threads: ``NUM_THREADS`` if > 0; else an ``OMP_NUM_THREADS`` already in the environment
+  (torchrun sets 1 for several processes per node); else the usable cores / processes on the node.
+- cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
+  ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
+  convolutions as ``CUDNN.TF32`` says (on by default).
+- the process group (``env://``), only with more than one process, and under nccl a gloo side
+  group for dist.comm.any_rank.
+- stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
+  with 130 / 143 (dist.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distribuuuu.dist import comm, launch, signals
+from distribuuuu.dist.launch import LaunchInfo
+from distribuuuu.errors import UserError
+
+__all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The launch, plus the device and backend this process uses."""
+
+    info: LaunchInfo
+    device: torch.device
+    backend: str  # the backend of the process group ("nccl"/"gloo"); chosen even for one process
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.info.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.info.world_size > 1
+
+
+def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
+    want = cfg.DEVICE
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("DEVICE is cuda but no CUDA GPU is visible to this process; use DEVICE cpu or auto")
+    count = torch.cuda.device_count()
+    if info.local_world_size <= count:  # every process of the node sees every GPU: one each
+        return torch.device("cuda", info.local_rank)
+    # Fewer visible GPUs than processes on the node is right only when srun gave each task its
+    # own GPUs (--gpus-per-task: CUDA_VISIBLE_DEVICES differs per task); otherwise two processes
+    # would share a GPU and NCCL stops with "Duplicate GPU detected".
+    if info.launcher == "slurm" and launch.slurm_gpus_per_task():
+        return torch.device("cuda", 0)  # the first of this task's own GPUs
+    hint = ("request as many GPUs as tasks per node (--gres gpu:N with --ntasks-per-node N) or bind one "
+            "GPU per task (srun --gpus-per-task=1)" if info.launcher == "slurm"
+            else "start at most one process per GPU")
+    raise UserError(
+        f"{info.local_world_size} processes on this node but only {count} GPU(s) visible to each, so two "
+        f"would share a GPU; {hint}, or use DEVICE cpu"
+    )
+
+
+def _choose_backend(cfg: Any, device: torch.device) -> str:
+    backend = cfg.DIST.BACKEND
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("DIST.BACKEND nccl needs CUDA GPUs, but this run uses the CPU; use DIST.BACKEND gloo or auto")
+    return backend
+
+
+def _num_threads(cfg: Any, info: LaunchInfo) -> int | None:
+    """Intra-op threads for this process, or None to keep what torch read from OMP_NUM_THREADS.
+
+    Order: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS is kept (torchrun sets it
+    to 1 when it starts several processes per node and prints so; NUM_THREADS overrides it);
+    else the cores this process may use, split evenly between the processes on the node.
+    """
+    if cfg.NUM_THREADS > 0:
+        return cfg.NUM_THREADS
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm_cpus = launch.slurm_cpus_per_task() if info.launcher == "slurm" else None
+    if slurm_cpus is not None:
+        return max(1, min(cores, slurm_cpus))
+    return max(1, cores // info.local_world_size)
+
+
+def _set_cudnn(cfg: Any) -> None:
+    deterministic = bool(cfg.CUDNN.DETERMINISTIC)
+    if deterministic:
+        # cuBLAS needs this before its first call to be deterministic; a user's value is kept.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = bool(cfg.CUDNN.BENCHMARK) and not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    # TF32 (Ampere and newer): float32 matmuls and convolutions on tensor cores with a 10-bit mantissa.
+    # The legacy flags, on purpose: after torch 2.14's fp32_precision setters, reading a legacy flag
+    # raises, and torch.compile's dynamo still reads one; the new getters follow the legacy flags.
+    torch.backends.cuda.matmul.allow_tf32 = bool(cfg.CUDNN.TF32)
+    torch.backends.cudnn.allow_tf32 = bool(cfg.CUDNN.TF32)
+    # warn_only: ops without a deterministic kernel warn instead of stopping the run. Called only
+    # on a change: the first call imports parts of torch that cost seconds at every start.
+    if deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    elif deterministic and not torch.is_deterministic_algorithms_warn_only_enabled():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def is_addr_in_use(err: BaseException) -> bool:
+    """Whether a store or group failed because its port is taken."""
+    text = str(err).lower()
+    return "address already in use" in text or "eaddrinuse" in text
+
+
+_groups_made = 0  # process groups this process has created (all ranks create them in step)
+
+
+def gloo_side_group(timeout: datetime.timedelta) -> Any:
+    """Collective: a gloo group of all ranks for any_rank() beside an nccl main group.
+
+    With the main group's timeout (DIST.TIMEOUT_S; torch's default for a gloo group is 30 minutes),
+    so that a vote with a dead or hung rank fails as soon as an nccl collective would. Gloo finds
+    its network interface from the hostname: where that resolves to a loopback address, set
+    GLOO_SOCKET_IFNAME as NCCL_SOCKET_IFNAME (docs/launching.md).
+    """
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _group_backend(cfg: Any, backend: str) -> str:
+    """The backend string of the default group: under nccl with FSDP CPU offload the gradients,
+    their norm (clipping) and the non-finite vote are CPU tensors, which nccl cannot reduce
+    ("No backend type associated with device type cpu"): gloo takes the CPU tensors then."""
+    if backend == "nccl" and cfg.DIST.STRATEGY == "fsdp" and cfg.DIST.CPU_OFFLOAD:
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def _export_launch_env(info: LaunchInfo) -> None:
+    """init_method="env://" reads these; torchrun and launch have set them already."""
+    if info.launcher in ("slurm", "spawn"):
+        os.environ.update(
+            MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port), RANK=str(info.rank),
+            WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+            LOCAL_WORLD_SIZE=str(info.local_world_size),
+        )
+
+
+def _private_store(info: LaunchInfo, timeout: datetime.timedelta) -> Any:
+    """The env:// store, with keys private to this restart and this group.
+
+    After torchrun --max-restarts restarts the workers, the store still holds the dead workers'
+    gloo addresses, and connecting to those fails ("connectFullMesh ... Connection refused").
+    The same holds for a second group in one process when the store outlives the first
+    (torchrun's and our spawner's store live in the launcher): hence the count of groups made.
+    """
+    global _groups_made
+    store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
+    prefix = f"distribuuuu/restart{launch.restart_count()}/group{_groups_made}"
+    _groups_made += 1
+    return dist.PrefixStore(prefix, store)
+
+
+def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
+                        group_backend: str | None = None) -> None:
+    if not dist.is_available():
+        raise UserError("this PyTorch build has no torch.distributed; run a single process")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; call dist.group.teardown() before setup() again")
+    _export_launch_env(info)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group(
+            backend=group_backend or backend, store=_private_store(info, timeout),
+            rank=info.rank, world_size=info.world_size, timeout=timeout,
+            device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
+        )
+        if backend == "nccl":
+            comm.set_control_group(gloo_side_group(timeout))
+    except (dist.DistNetworkError, RuntimeError) as e:
+        if is_addr_in_use(e):
+            raise UserError(
+                f"master port {info.master_port} on {info.master_addr} is already in use; "
+                "pick another with MASTER_PORT=... or --master-port ..."
+            ) from None
+        raise
+
+
+def setup(cfg: Any) -> DistContext:
+    """Detect the launch, pick device/backend/threads/cuDNN flags, join the process group.
+
+    The process group is created only with more than one process. Prints one ``[dist]`` line
+    per process. With Slurm and spawn it exports MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    to os.environ first (init_method env:// reads them).
+    """
+    info = launch.detect()
+    device = _choose_device(cfg, info)
+    backend = _choose_backend(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = _num_threads(cfg, info)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    _set_cudnn(cfg)
+    if info.world_size > 1:
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _group_backend(cfg, backend))
+    master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
+    # One write of the whole line: print() writes the text and the newline apart, so the ranks'
+    # lines could interleave in a shared output file (seen in Slurm job logs).
+    sys.stdout.write(
+        f"[dist] rank {info.rank}/{info.world_size} | local rank {info.local_rank}/{info.local_world_size} "
+        f"| node {info.node_rank} | master {master} | device {device} "
+        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}\n")
+    sys.stdout.flush()
+    # Only now: until the group exists a signal may end the process at once (nothing to clean
+    # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
+    signals.handle_stop_signals()
+    return DistContext(info, device, backend)
+
+
+def teardown() -> None:
+    """Destroy the process group if there is one, restore the signal handlers setup() replaced.
+
+    Safe to call twice or without setup().
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    comm.set_control_group(None)
+    signals.restore_signal_handlers()
+
+
+@contextmanager
+def session(cfg: Any) -> Iterator[DistContext]:
+    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
+    ctx = setup(cfg)
+    try:
+        yield ctx
+    finally:
+        try:
+            teardown()
+        except KeyboardInterrupt:  # the stop signal landed in this cleanup: finish it, then go on
+            teardown()
+            raise

@@ -1,0 +1,183 @@
+"""Signals, in one place: how a process stops (Ctrl-C, SIGTERM) and how a run is preempted.
+
+Two policies, both here:
+
+- Stop signals (``handle_stop_signals``): SIGINT and SIGTERM unwind the process cleanly and end
+  it with 130 / 143. Installed by ``dist.group.setup`` and ``dist.spawn.spawn``.
+- Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
+  signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
+  SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
+  (``stop_signal``); the loop agrees with the other ranks (``dist.comm.any_rank``), writes a step
+  checkpoint, and raises ``Preempted``; the run ends with 128 + signal number, after
+  ``slurm_requeue`` when TRAIN.REQUEUE asks for it. The same signal a second time runs the
+  handler that was there before (usually: stop at once), as a way out of a stuck save.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from distribuuuu.dist import launch
+
+__all__ = ["STOP_SIGNALS", "Terminated", "handle_stop_signals", "restore_signal_handlers", "stop_status",
+           "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals: Ctrl-C (SIGINT) and SIGTERM end a process the same, clean way
+# ---------------------------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception. A KeyboardInterrupt, so it unwinds exactly like Ctrl-C."""
+
+    signum = signal.SIGTERM
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping: int | None = None  # the stop signal this process is ending for, if any
+_saved_handlers: dict[int, Any] = {}
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    global _stopping
+    if _stopping is not None:
+        return  # already on the way out: a second exception would cut the cleanup short
+    _stopping = signum
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def handle_stop_signals() -> None:
+    """Make SIGINT and SIGTERM stop this process cleanly. Called by group.setup() and spawn.spawn().
+
+    The policy, in one place:
+
+    - The first SIGINT or SIGTERM raises in the main thread: KeyboardInterrupt for SIGINT (what
+      Python does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM. Both unwind through
+      the same code: ``group.session()`` destroys the process group, the CLI prints one line and
+      exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM. The spawner first passes
+      the same signal to its children and waits for them (``STOP_GRACE_S``); its children run
+      in sessions of their own (as torchrun's do), so a signal to the job's process group
+      reaches them once, through the spawner, exactly like a signal to the spawner's pid.
+    - Later SIGINT/SIGTERM are ignored while the process winds down: under other launchers a
+      terminal's Ctrl-C may reach every process and the launcher then forwards its own. Launchers
+      follow up with SIGKILL when a process does not exit in time (torchrun and spawn: 30 s).
+    - A signal that was already ignored (``nohup``, ``cmd &`` in a script) stays ignored.
+
+    During training, ``preemption_signals`` (below) takes over the signals named in
+    TRAIN.PREEMPT_SIGNALS (SIGTERM by default): they first write a checkpoint at the next step,
+    then end the run with the same status; a second one comes back here.
+    """
+    global _stopping
+    if threading.current_thread() is not threading.main_thread():
+        return  # Python delivers signals to the main thread only
+    _stopping = None
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+        if previous is signal.SIG_IGN or previous is _on_stop_signal:
+            continue
+        _saved_handlers[signum] = previous
+        signal.signal(signum, _on_stop_signal)
+
+
+def restore_signal_handlers() -> None:
+    """Put back the handlers handle_stop_signals() replaced; kept while a stop is under way."""
+    if _stopping is not None or threading.current_thread() is not threading.main_thread():
+        return
+    for signum, previous in list(_saved_handlers.items()):
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        del _saved_handlers[signum]
+
+
+def stop_status(exc: KeyboardInterrupt) -> int:
+    """The exit status of a process stopped by exc: 128 + signal, 130 for Ctrl-C, 143 for SIGTERM."""
+    return 128 + int(getattr(exc, "signum", signal.SIGINT))
+
+
+
+@contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """Hold a SIGINT/SIGTERM that arrives inside the block, act on it after.
+
+    The spawner starts its children in such a block: raised in the middle of
+    mp.start_processes, the stop would lose the processes started so far (there is no context
+    to stop yet); afterwards the usual path stops them all.
+    """
+    held: list[int] = []
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is _on_stop_signal:
+                saved[signum] = signal.signal(signum, lambda n, _f: held.append(n))
+    try:
+        yield
+    finally:
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
+    if held:
+        _on_stop_signal(held[0], None)  # raises KeyboardInterrupt / Terminated, as if it came now
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption: signals become a flag that the training loop reads at step boundaries
+# ---------------------------------------------------------------------------------------------
+
+_received: int | None = None  # set by the handler, read by the training loop
+_previous: dict[int, Any] = {}
+
+
+def _record(signum: int, frame: object) -> None:
+    global _received
+    if _received == signum:  # asked twice: stop now, the old way
+        previous = _previous.get(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        signal.raise_signal(signum)
+        return
+    _received = signum
+
+
+@contextmanager
+def preemption_signals(names: Sequence[str]) -> Iterator[None]:
+    """Record the named signals (e.g. ["SIGTERM", "SIGUSR1"]) instead of acting on them."""
+    global _received
+    _received = None
+    nums = [getattr(signal, name) for name in names]
+    for num in nums:
+        _previous[num] = signal.signal(num, _record)
+    try:
+        yield
+    finally:
+        for num in nums:
+            signal.signal(num, _previous.pop(num))
+
+
+def stop_signal() -> int | None:
+    """The preemption signal this process received, if any."""
+    return _received
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; a step checkpoint was written and the run must end."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum} after a checkpoint")
+        self.signum = signum
+
+
+def slurm_requeue() -> bool:
+    """Put this Slurm job back in the queue (`scontrol requeue $SLURM_JOB_ID`); False if not Slurm.
+
+    The requeued job starts the same batch script again, and TRAIN.AUTO_RESUME picks up the
+    checkpoint. The sbatch script needs --requeue (and --signal=USR1@90 for an early warning).
+    """
+    job = launch.slurm_job_id()
+    if not job:
+        print("[preempt] TRAIN.REQUEUE is set but this is not a Slurm job: nothing requeued", flush=True)
+        return False
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    print(f"[preempt] scontrol requeue {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}",
+          flush=True)
+    return done.returncode == 0

@@ -1,0 +1,134 @@
+"""Evaluation: exact metrics over a whole split, the epoch's validation, the test of the chosen
+checkpoint, and ``run_eval`` (the ``eval`` command).
+
+``evaluate`` is exact for any world size: each rank counts its own disjoint shard, and the counts
+are summed with one all-reduce at the end. It runs the bare module: DDP's forward may broadcast
+buffers, and FSDP's forward all-gathers, collectives that would hang when ranks hold different
+numbers of batches (the strategy gives a whole replica for evaluation: Strategy.eval_model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint, data, models
+from distribuuuu.dist import comm
+from distribuuuu.dist.group import DistContext
+from distribuuuu.engine.state import seed_everything
+from distribuuuu.engine.stepper import Stepper
+from distribuuuu.errors import UserError
+from distribuuuu.logger import MetricsWriter
+from distribuuuu.metrics import Counter
+
+if TYPE_CHECKING:
+    from distribuuuu.engine.trainer import Trainer
+
+log = logging.getLogger("distribuuuu")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext,
+             stepper: Stepper | None = None) -> dict[str, float]:
+    """Exact loss/top-1/top-k over the whole validation set, whatever the world size."""
+    net = models.unwrap(model)
+    net.eval()
+    criterion = torch.nn.CrossEntropyLoss()  # plain: val loss is comparable across recipes
+    counter = Counter(ctx.device, cfg.TRAIN.TOPK)
+    iters = len(loader)
+    for it, (images, target) in enumerate(loader):
+        images = images.to(ctx.device, non_blocking=True)
+        target = target.to(ctx.device, non_blocking=True)
+        if stepper is not None:
+            with stepper.autocast():
+                logits = net(stepper.prepare(images))
+        else:
+            logits = net(images)
+        counter.update(logits, target, criterion(logits.float(), target))
+        if ctx.is_main and (it + 1) % cfg.TEST.PRINT_FREQ == 0:
+            log.info("[val] iter %d/%d", it + 1, iters)
+    result = counter.reduce().result()
+    # Unreadable images are left out, not replaced (data.batches.collate_readable): n counts the readable ones.
+    bad = int(comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
+    if bad and ctx.is_main:  # each file was named in the log when it was met
+        log.warning("evaluation: %d unreadable images left out; n counts the %d readable ones", bad, result["n"])
+    return {**result, "bad_images": bad}
+
+
+def validate(trainer: Trainer) -> None:
+    """The epoch's evaluation: the raw model (and the EMA) on the validation split; updates the
+    best (trainer.is_best, state.best_*) and sets trainer.eval_records for the after_eval hooks."""
+    cfg, ctx, state, stepper = trainer.cfg, trainer.ctx, trainer.state, trainer.stepper
+    net = trainer.strategy.eval_model(trainer.model)
+    results = {"top1": evaluate(net, trainer.val_loader, cfg, ctx, stepper)}
+    if stepper.ema is not None:
+        results["ema_top1"] = evaluate(stepper.ema.module, trainer.val_loader, cfg, ctx, stepper)
+    value = results[cfg.TRAIN.BEST_METRIC]["top1"]
+    trainer.is_best = value > state.best_metric
+    if trainer.is_best:
+        state.best_metric, state.best_epoch, state.evals_since_best = value, state.epoch, 0
+    else:
+        state.evals_since_best += 1
+    trainer.eval_split, trainer.eval_records = "val", []
+    for name, val in results.items():
+        record = {"epoch": state.epoch, "split": "val" if name == "top1" else "val_ema", **val, "topk": cfg.TRAIN.TOPK}
+        trainer.eval_records.append(record)
+        log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", record["split"],
+                 state.epoch, cfg.OPTIM.MAX_EPOCH, val["loss"], val["top1"], cfg.TRAIN.TOPK, val["top5"], val["n"])
+    log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
+
+
+def test_chosen_checkpoint(trainer: Trainer) -> dict:
+    """Evaluate best.pth (the best on the validation split; last.pth if none) on the test set once,
+    then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
+    that checkpoint are tested."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    folder = checkpoint.checkpoint_dir(cfg.OUT_DIR)
+    path = next((p for p in (os.path.join(folder, n) for n in ("best.pth", "last.pth")) if os.path.isfile(p)), None)
+    if path is None:
+        raise UserError(f"no checkpoint in {folder} to test (the weights were never finite)")
+    ckpt = checkpoint.load(path)
+    weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
+    net = trainer.strategy.test_model(trainer.model, ckpt, weights, folder)
+    result = evaluate(net, trainer.test_loader, cfg, ctx, trainer.stepper)
+    record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
+              "weights": os.path.basename(path)}
+    log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d",
+             path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"])
+    trainer.eval_split, trainer.eval_records = "test", [record]
+    trainer.call("after_eval")
+    return record
+
+
+def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
+    """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
+    weights = cfg.MODEL.WEIGHTS
+    if not weights:
+        for name in ("best.pth", "last.pth"):
+            candidate = os.path.join(checkpoint.checkpoint_dir(cfg.OUT_DIR), name)
+            if os.path.isfile(candidate):
+                weights = candidate
+                break
+        else:
+            raise UserError("eval needs weights: pass MODEL.WEIGHTS PATH, or an OUT_DIR whose "
+                            "checkpoints/ holds best.pth or last.pth")
+        cfg = cfg.clone()
+        cfg.defrost()
+        cfg.MODEL.WEIGHTS = weights
+        cfg.freeze()
+    seed_everything(cfg, ctx.rank)
+    model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
+    loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
+    start = time.perf_counter()
+    result = evaluate(model, loader, cfg, ctx)
+    log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
+             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"],
+             time.perf_counter() - start)
+    record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
+    MetricsWriter(cfg.OUT_DIR, ctx.is_main).write(record)
+    return record

@@ -1,0 +1,239 @@
+"""Hooks: what happens around the training loop, in small pieces a user can add to.
+
+A hook subclasses ``HookBase`` and overrides some of its six methods; each gets the Trainer
+(trainer.py), whose attributes it reads (and, for ``stop_reason``, writes). The call order:
+
+    before_fit                    after the model, the data and a resume are ready
+    for each epoch:
+        before_epoch
+        for each batch:
+            after_step            after every micro-batch; ``trainer.step_out.stepped`` is None
+                                  between optimizer steps under TRAIN.ACCUM_STEPS, True/False at a step
+        after_epoch               ``trainer.train_metrics`` (reduced over ranks), state.epoch counts it;
+                                  the built-in EvalHook evaluates here and calls
+            after_eval            ``trainer.eval_records`` (``trainer.eval_split`` "val"; "test" once
+                                  after the last epoch, for the checkpoint chosen by TRAIN.VAL_SPLIT)
+    after_fit                     ``trainer.summary``
+
+Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
+("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
+EarlyStopHook (target / patience), MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck,
+EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints
+and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
+
+Every rank runs every hook: a hook that does a collective (any_rank, a checkpoint) does it in the
+same order everywhere. A hook that ends the run sets ``trainer.stop_reason`` from values that are
+the same on every rank (reduced metrics, or an any_rank vote); the loop stops after that epoch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from yacs.config import CfgNode
+
+from distribuuuu import run_folder
+from distribuuuu.dist import comm, signals
+from distribuuuu.dist.signals import Preempted
+from distribuuuu.engine import evaluation
+from distribuuuu.engine.state import CheckpointTimer, save_run
+from distribuuuu.errors import UserError
+from distribuuuu.logger import MetricsWriter, format_seconds
+
+if TYPE_CHECKING:
+    from distribuuuu.engine.trainer import Trainer
+
+log = logging.getLogger("distribuuuu")
+
+EVENTS = ("before_fit", "before_epoch", "after_step", "after_epoch", "after_eval", "after_fit")
+
+
+class HookBase:
+    """Override any of the events; the defaults do nothing. See the module docstring for the order."""
+
+    def before_fit(self, trainer: Trainer) -> None:
+        pass
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        pass
+
+    def after_step(self, trainer: Trainer) -> None:
+        pass
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        pass
+
+    def after_eval(self, trainer: Trainer) -> None:
+        pass
+
+    def after_fit(self, trainer: Trainer) -> None:
+        pass
+
+
+def overrides(hook: Any, event: str) -> bool:
+    """Whether the hook does something on event (the loop calls only those: no cost per batch otherwise)."""
+    method = getattr(type(hook), event, None)
+    return method is not None and method is not getattr(HookBase, event)
+
+
+def from_config(cfg: CfgNode) -> list[HookBase]:
+    """The hooks named in TRAIN.HOOKS ("package.module:ClassName"), each made with no arguments."""
+    made = []
+    for spec in cfg.TRAIN.get("HOOKS", []):
+        module_name, _, class_name = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name) if class_name else None
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"TRAIN.HOOKS: cannot import {spec} ({type(e).__name__}: {e}); give "
+                            "'package.module:ClassName' of a module on the Python path") from None
+        if cls is None:
+            raise UserError(f"TRAIN.HOOKS: {spec} names no class; give 'package.module:ClassName'")
+        made.append(cls())
+    return made
+
+
+def default_hooks(cfg: CfgNode) -> list[HookBase]:
+    return [EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg)]
+
+
+class NonFiniteLoss(UserError, RuntimeError):
+    """The loss or the gradients stayed non-finite (TRAIN.NONFINITE).
+
+    A UserError: the cure is a setting (the LR, clipping) or the data, so every rank ends with one
+    message and exit status 2, no traceback. The ranks agree on it (the step's vote, or the
+    epoch's reduced loss), so none is left waiting; checkpoints and metrics so far stay.
+    """
+
+
+def nonfinite_advice(cfg: CfgNode) -> str:
+    """What to change after non-finite numbers, and what is kept (the end of NonFiniteLoss's message)."""
+    clip = ("lower TRAIN.CLIP_GRAD_NORM" if cfg.TRAIN.CLIP_GRAD_NORM > 0
+            else "clip the gradients (e.g. TRAIN.CLIP_GRAD_NORM 1.0)")
+    return (f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad values; "
+            f"the checkpoints and metrics so far are kept in {cfg.OUT_DIR}")
+
+
+class MetricsHook(HookBase):
+    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (logger.MetricsWriter)."""
+
+    def before_fit(self, trainer: Trainer) -> None:
+        out_dir = trainer.cfg.OUT_DIR
+        if not trainer.resumed and trainer.ctx.is_main and (moved := run_folder.set_aside_records(out_dir)):
+            log.warning(moved)  # a fresh start: records of an earlier run are kept, not appended to
+        self.writer = MetricsWriter(out_dir, trainer.ctx.is_main)
+        if trainer.resumed:  # a torn last line, and records of epochs the checkpoint does not hold: moved
+            self.writer.repair(trainer.state.epoch)
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        state = trainer.state
+        self.writer.write({"epoch": state.epoch, "split": "train", **trainer.train_metrics, "step": state.global_step})
+
+    def after_eval(self, trainer: Trainer) -> None:
+        for record in trainer.eval_records:
+            self.writer.write(record)
+
+    def after_fit(self, trainer: Trainer) -> None:
+        self.writer.close()
+
+
+class NonFiniteEpochCheck(HookBase):
+    """TRAIN.NONFINITE off checks no step; the epoch's loss (reduced: the same on every rank) is
+    checked, after its record and before a checkpoint of the broken weights could replace the last good one."""
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        cfg, state, train = trainer.cfg, trainer.state, trainer.train_metrics
+        if cfg.TRAIN.NONFINITE == "off" and train["n"] and not math.isfinite(train["loss"]):
+            raise NonFiniteLoss(f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
+                                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
+                                f"checks every step); {nonfinite_advice(cfg)}")
+
+
+class EvalHook(HookBase):
+    """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw and EMA), then after_eval."""
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        cfg, epoch = trainer.cfg, trainer.state.epoch
+        trainer.is_best = False
+        if epoch % cfg.TRAIN.EVAL_PERIOD and epoch != cfg.OPTIM.MAX_EPOCH:
+            return
+        try:
+            evaluation.validate(trainer)
+            trainer.call("after_eval")
+        finally:
+            trainer.strategy.release_eval()  # e.g. FSDP's replica: its GPU memory back to training
+
+
+class EarlyStopHook(HookBase):
+    """TRAIN.TARGET_TOP1 (stop once reached; its record gets time_to_target_s) and TRAIN.PATIENCE
+    (stop after that many evaluations without a better TRAIN.BEST_METRIC)."""
+
+    def after_eval(self, trainer: Trainer) -> None:
+        cfg, state = trainer.cfg, trainer.state
+        if trainer.eval_split != "val":
+            return
+        best_split = "val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"
+        for record in trainer.eval_records:
+            if record["split"] == best_split and cfg.TRAIN.TARGET_TOP1 and record["top1"] >= cfg.TRAIN.TARGET_TOP1:
+                record["time_to_target_s"] = time.perf_counter() - trainer.wall_start
+                trainer.stop_reason = (f"target top-1 {cfg.TRAIN.TARGET_TOP1:g}% reached after "
+                                       f"{format_seconds(record['time_to_target_s'])}")
+                return
+        if cfg.TRAIN.PATIENCE and state.evals_since_best >= cfg.TRAIN.PATIENCE:
+            trainer.stop_reason = f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations"
+
+
+def vote_period(cfg: CfgNode, world_size: int) -> int:
+    """Optimizer steps between two stop/checkpoint votes: DIST.VOTE_PERIOD_STEPS, or with 0 (auto)
+    every step up to 8 processes and every 10 beyond (a vote's latency grows with the processes)."""
+    if cfg.DIST.VOTE_PERIOD_STEPS:
+        return cfg.DIST.VOTE_PERIOD_STEPS
+    return 1 if world_size <= 8 else 10
+
+
+class CheckpointHook(HookBase):
+    """Checkpoints by step (TRAIN.CKPT_PERIOD_STEPS), by time (CKPT_PERIOD_MIN), at each epoch's end
+    (best.pth too), and the stop signals (preemption): one vote decides both, so they live together.
+
+    A signal mid-epoch: a step checkpoint, then Preempted; at an epoch's last step: the epoch ends,
+    its checkpoint is written, then Preempted.
+    """
+
+    def __init__(self, cfg: CfgNode) -> None:
+        self.timer = CheckpointTimer(cfg.TRAIN.CKPT_PERIOD_MIN)
+
+    def before_fit(self, trainer: Trainer) -> None:
+        self.timer.reset()  # CKPT_PERIOD_MIN counts from the start of training, after setup and resume
+
+    def save(self, trainer: Trainer, **kwargs: Any) -> None:
+        self.timer.reset()
+        save_run(trainer, **kwargs)
+
+    def after_step(self, trainer: Trainer) -> None:
+        if trainer.step_out.stepped is None:  # not an optimizer-step boundary
+            return
+        cfg, ctx, state = trainer.cfg, trainer.ctx, trainer.state
+        stop_signal = signals.stop_signal()
+        by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
+        # One small all-reduce: all ranks must take the same decision, or a collective would hang. Its
+        # latency grows with the ranks, so the ranks vote every vote_period() steps and at the epoch's
+        # end: a signal or a due time-based checkpoint is acted on at the next vote.
+        epoch_done = state.samples_in_epoch >= trainer.epoch_samples
+        vote = state.global_step % vote_period(cfg, ctx.world_size) == 0 or epoch_done
+        stop, by_time = comm.any_rank([stop_signal is not None, ctx.is_main and self.timer.due()]) if vote else (
+            False, False)
+        if (stop or by_steps or by_time) and not epoch_done:
+            self.save(trainer, train_sums=trainer.counter.sums_with_n())
+        if stop and epoch_done:
+            state.stop_signal = stop_signal or signal.SIGTERM  # the epoch is complete: end it, then stop
+        elif stop:
+            raise Preempted(stop_signal or signal.SIGTERM)
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        self.save(trainer, is_best=trainer.is_best)
+        if trainer.state.stop_signal:  # a preemption signal came at the epoch's last step
+            raise Preempted(trainer.state.stop_signal)

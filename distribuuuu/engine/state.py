@@ -1,0 +1,129 @@
+"""The state of a run: what the loop carries, and its save to / resume from a checkpoint.
+
+A checkpoint is a plain dict (the files themselves: checkpoint.py):
+  model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
+  scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
+  epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
+  cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank), world_size,
+  train_sums (metrics of the part-done epoch), facts (the data's sizes).
+Saving is collective (every rank calls ``save_run``); only rank 0 writes the .pth file.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint, models, resume_check
+from distribuuuu.dist import comm
+
+if TYPE_CHECKING:
+    from distribuuuu.engine.trainer import Trainer
+
+log = logging.getLogger("distribuuuu")
+
+
+@dataclass
+class TrainState:
+    """Counters of the run (the model, optimizer, scaler and EMA hold the rest)."""
+
+    epoch: int = 0  # epochs completed
+    samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
+    global_step: int = 0  # optimizer steps taken
+    best_metric: float = float("-inf")  # TRAIN.BEST_METRIC's best value so far
+    best_epoch: int = 0
+    evals_since_best: int = 0  # for TRAIN.PATIENCE
+    bad_steps: int = 0  # consecutive non-finite steps
+    resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
+    stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
+    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (resume_check.run_facts), checked on resume
+
+    COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
+
+
+class CheckpointTimer:
+    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.period_s, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+
+def seed_everything(cfg: CfgNode, rank: int) -> int:
+    """Seed python/numpy/torch with RNG_SEED + rank (augmentations differ per rank); return the seed."""
+    seed = cfg.RNG_SEED
+    if seed is None:
+        seed = comm.broadcast_object(random.SystemRandom().randrange(2**31))
+        log.info("RNG_SEED is None: using seed %d (pass RNG_SEED %d to repeat this run)", seed, seed)
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+    return seed
+
+
+def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor | None = None) -> None:
+    """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run:
+    the counters, every rank's RNG streams, the stepper's state (scaler, EMA) and the strategy's
+    model/optimizer entries. ``train_sums``: the part-done epoch's metrics (a mid-epoch checkpoint)."""
+    cfg, ctx, state = trainer.cfg, trainer.ctx, trainer.state
+    rng = comm.all_gather_object(checkpoint.rng_state())  # each rank's own streams
+    if train_sums is not None:
+        train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
+    counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
+    record = {**trainer.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rng,
+              "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts}
+    shards = checkpoint.checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
+    entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, shards)
+    record.update(entries)
+    if ctx.is_main:
+        if not finite:
+            log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
+        else:
+            path = checkpoint.save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
+            log.info("saved %s%s", path, " (best)" if is_best else "")
+    comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
+
+
+def resume_run(trainer: Trainer) -> dict[str, Any] | None:
+    """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
+    the checkpoint (the stepper's state is loaded from it too) or None. A checkpoint that does not
+    fit this run (config, data, model or optimizer: resume_check) is refused before anything is loaded."""
+    cfg, ctx, state, strategy = trainer.cfg, trainer.ctx, trainer.state, trainer.strategy
+    if not cfg.TRAIN.AUTO_RESUME:
+        return None
+    ckpt, path = checkpoint.load_latest(cfg.OUT_DIR)
+    if ckpt is None:
+        return None
+    net, opt = models.unwrap(trainer.model), trainer.optimizer if cfg.TRAIN.LOAD_OPT else None
+    plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
+    resume_check.check(ckpt, path, cfg, state.facts, net if plain else None, opt if plain else None)
+    strategy.load_checkpoint(trainer.model, opt, ckpt, path, checkpoint.checkpoint_dir(cfg.OUT_DIR))
+    for key in TrainState.COUNTERS:
+        setattr(state, key, ckpt.get(key, getattr(state, key)))
+    state.resumed_sums = ckpt.get("train_sums")
+    saved_world = ckpt.get("world_size", ctx.world_size)
+    if saved_world == ctx.world_size:
+        checkpoint.set_rng_state(ckpt["rng"][ctx.rank])
+    else:
+        # The sampler position is counted in samples, so the epoch goes on with the next unseen
+        # samples; each rank's RNG streams cannot be carried over and keep their fresh seeds.
+        log.warning("resuming %d processes from a checkpoint of %d: the global batch and the LR are "
+                    "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
+                    "are re-seeded", ctx.world_size, saved_world, state.samples_in_epoch)
+    log.info("resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
+             path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step,
+             cfg.TRAIN.BEST_METRIC, state.best_metric)
+    trainer.stepper.load_state_dict(ckpt)
+    return ckpt

@@ -1,0 +1,224 @@
+"""The training loop, readable top to bottom: ``fit(cfg, ctx, hooks=()) -> summary``.
+
+  1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged)
+  2. model: build_model -> the strategy wraps it (SyncBN, device, channels_last, activation
+     checkpointing, DDP / FSDP / DataParallel, torch.compile) -> its optimizer -> the Stepper
+     (AMP, accumulation, mixup, clipping, non-finite check, EMA)
+  3. data: training loader (resumable shuffled shards), validation (and test) loaders (exact)
+  4. resume from OUT_DIR/checkpoints (TRAIN.AUTO_RESUME), at the very next batch
+  5. per epoch: train_epoch -> the hooks' after_epoch (metrics, evaluation, checkpoint, ...)
+  6. the test of the chosen checkpoint (TRAIN.VAL_SPLIT), a one-line summary
+What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks:
+see engine/hooks.py for the events and their order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+from yacs.config import CfgNode
+
+from distribuuuu import data, models, optim, resume_check, strategies
+from distribuuuu.dist import comm
+from distribuuuu.dist.group import DistContext
+from distribuuuu.engine import evaluation, hooks as hooks_
+from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
+from distribuuuu.engine.state import TrainState, resume_run, seed_everything
+from distribuuuu.engine.stepper import MicroStep, Stepper
+from distribuuuu.errors import UserError
+from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
+from distribuuuu.metrics import Counter
+from distribuuuu.summary import write_run_record
+
+log = logging.getLogger(LOGGER_NAME)
+
+
+class Trainer:
+    """The run and its loop. Hooks read: cfg, ctx, strategy, model (wrapped), optimizer, stepper,
+    state (TrainState), train_loader / val_loader / test_loader, step_out (the last MicroStep),
+    counter (the epoch's running sums), train_metrics (the last epoch's, reduced over ranks),
+    eval_split / eval_records / is_best (the last evaluation), summary (after the loop); and they
+    may set stop_reason, which ends the run after the current epoch."""
+
+    def __init__(self, cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.strategy = strategies.build(cfg, ctx)
+        self.state = TrainState()
+        # Built-in hooks first (their order is the contract in hooks.py), then TRAIN.HOOKS, then these.
+        self.hooks: list[HookBase] = [*hooks_.default_hooks(cfg), *hooks_.from_config(cfg), *hooks]
+        self._callers = {e: [getattr(h, e) for h in self.hooks if hooks_.overrides(h, e)] for e in hooks_.EVENTS}
+        self.stop_reason = ""  # a hook sets it to end the run after this epoch
+        self.wall_start = time.perf_counter()
+        self.resumed = False
+        self.step_out: MicroStep | None = None
+        self.train_metrics: dict[str, float] = {}
+        self.counter: Counter | None = None
+        self.epoch_samples = 0
+        self.test_loader = None
+        self.is_best, self.eval_split, self.eval_records = False, "", []  # set by evaluation (EvalHook)
+
+    def call(self, event: str) -> None:
+        """Run every hook's ``event`` method, in the hooks' order."""
+        for method in self._callers[event]:
+            method(self)
+
+    # -- building -------------------------------------------------------------------------------
+    def build_model(self, bare: torch.nn.Module | None = None) -> None:
+        """The model wrapped by the strategy, its optimizer and the stepper (``bare``: a given CPU model)."""
+        cfg, ctx = self.cfg, self.ctx
+        self.model = self.strategy.wrap_model(bare if bare is not None else models.build_model(cfg))
+        self.optimizer = self.strategy.build_optimizer(self.model)
+        self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
+        self.peak_lr = optim.peak_lr(cfg, self.global_batch)
+        self.stepper = Stepper(cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy)
+
+    def build_data(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+        self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
+        if cfg.TRAIN.VAL_SPLIT:
+            self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+
+    def log_facts(self) -> None:
+        """The facts of the run, computed and logged once."""
+        cfg, ctx, train, val = self.cfg, self.ctx, self.train_loader, self.val_loader
+        log.info("world size %d | batch %d per process x %d accumulation = %d global | peak LR %g (BASE_LR %g, "
+                 "LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per epoch",
+                 ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, self.global_batch, self.peak_lr,
+                 cfg.OPTIM.BASE_LR, cfg.OPTIM.LR_SCALING, len(train.dataset), len(val.dataset),
+                 len(train) // cfg.TRAIN.ACCUM_STEPS)
+        if ctx.device.type == "cuda":
+            log.info("TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
+                     "on" if cfg.CUDNN.TF32 else "off", cfg.CUDNN.TF32)
+        sizes = {"train": len(train.dataset), "valid" if self.test_loader is not None else "val": len(val.dataset)}
+        if self.test_loader is not None:
+            sizes["test"] = len(self.test_loader.dataset)
+        log.info(" - ".join(f"{k}: {v}" for k, v in sizes.items()))  # e.g. train: 45000 - valid: 5000 - test: 10000
+        if len(train) < cfg.TRAIN.ACCUM_STEPS:
+            raise UserError("an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
+                            "TRAIN.ACCUM_STEPS, or use more data")
+
+    # -- the run --------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
+        cfg, state = self.cfg, self.state
+        self.wall_start = time.perf_counter()
+        seed_everything(cfg, self.ctx.rank)
+        bare = models.build_model(cfg)
+        write_run_record(cfg, self.ctx, bare)  # env.json, model.txt (before sharding); a collective
+        self.build_model(bare)
+        self.build_data()
+        self.log_facts()
+        state.facts = resume_check.run_facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
+        self.resumed = resume_run(self) is not None
+        self.call("before_fit")
+        while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
+            self.call("before_epoch")
+            self.train_metrics = self.train_epoch(self.train_loader)
+            comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
+            state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+            train = self.train_metrics
+            log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
+                     state.epoch, cfg.OPTIM.MAX_EPOCH, train["loss"], train["top1"], cfg.TRAIN.TOPK,
+                     train["top5"], train["img_per_s"], train["time_s"])
+            self.call("after_epoch")  # metrics, evaluation (after_eval), checkpoint, stop signals
+
+        summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,
+                   "wall_s": time.perf_counter() - self.wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
+        if self.test_loader is not None:  # once, on the checkpoint that the validation split chose
+            summary["test"] = evaluation.test_chosen_checkpoint(self)
+        self.summary = summary
+        self.call("after_fit")
+        log.info("done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
+                 f" ({self.stop_reason})" if self.stop_reason else "", "top-1" if cfg.TRAIN.BEST_METRIC == "top1"
+                 else "EMA top-1", summary["best"], summary["best_epoch"], summary["epochs"],
+                 format_seconds(summary["wall_s"]), cfg.OUT_DIR)
+        return summary
+
+    def train_epoch(self, loader: Any) -> dict[str, float]:
+        """Train on this rank's shard from state.samples_in_epoch to the end of the epoch; returns
+        the epoch's metrics summed over all ranks. Hooks see every batch (after_step)."""
+        cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
+        stepper.model.train()
+        self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK)
+        if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before a restart
+            counter.add(state.resumed_sums)
+        state.resumed_sums = None
+        micro_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size  # samples per micro-step, all ranks
+        accum = cfg.TRAIN.ACCUM_STEPS
+        # A full epoch in samples: whole optimizer steps only (a partial accumulation is dropped).
+        self.epoch_samples = len(loader.dataset) // micro_batch // accum * accum * micro_batch
+        loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # same shuffle on all ranks
+        iters = (self.epoch_samples - state.samples_in_epoch) // micro_batch
+        progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
+        lr, data_total, first_step_s = self.peak_lr, 0.0, 0.0
+        gpus = self.strategy.gpus()
+        for gpu in gpus:
+            torch.cuda.reset_peak_memory_stats(gpu)
+        epoch_start = tick = time.perf_counter()
+        try:
+            for it, (images, target) in zip(range(iters), loader):
+                images = images.to(ctx.device, non_blocking=True)
+                target = target.to(ctx.device, non_blocking=True)
+                data_s = time.perf_counter() - tick
+                data_total += data_s
+
+                lr = self.peak_lr * optim.lr_factor(cfg, state.epoch + state.samples_in_epoch / self.epoch_samples)
+                optim.set_lr(stepper.optimizer, lr)
+                self.step_out = out = stepper.micro_step(images, target)
+                state.samples_in_epoch += micro_batch
+                counter.update(out.logits, out.target, out.loss)  # on-device sums: no host sync here
+                if out.stepped is False:
+                    self.on_nonfinite()  # every rank skipped this step (or raises NonFiniteLoss)
+                elif out.stepped:
+                    state.bad_steps, state.global_step = 0, state.global_step + 1
+                    if cfg.TRAIN.COMPILE and state.global_step == 1:  # compile time is not throughput
+                        first_step_s = time.perf_counter() - tick
+                        log.info("torch.compile + first step: %.1fs (left out of img/s)", first_step_s)
+                # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
+                progress.step(it, data_s, images.size(0), lr, counter.result)
+                self.call("after_step")  # step checkpoints, stop signals (at optimizer-step boundaries)
+                tick = time.perf_counter()
+        finally:
+            progress.close()  # also when a hook ends the run (Preempted): the bar is left finished
+        for gpu in gpus:  # the GPU runs behind the host: the epoch ends when its last kernel does
+            torch.cuda.synchronize(gpu)
+        seconds = time.perf_counter() - epoch_start - first_step_s
+        result = counter.reduce().result()
+        bad = int(comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
+        if bad:  # each file was named in the log when it was met
+            log.warning("epoch %d: %d unreadable training images skipped (TRAIN.BAD_IMAGES skip)", state.epoch + 1, bad)
+        result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
+                      data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
+        return result
+
+    def on_nonfinite(self) -> None:
+        """A step skipped on every rank for non-finite numbers: within TRAIN.NONFINITE's limits, or the end."""
+        cfg, state = self.cfg, self.state
+        state.bad_steps += 1
+        if cfg.TRAIN.NONFINITE == "stop" or state.bad_steps > cfg.TRAIN.NONFINITE_MAX_SKIPS:
+            setting = ("TRAIN.NONFINITE stop ends the run at the first one" if cfg.TRAIN.NONFINITE == "stop" else
+                       f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS} in a row")
+            raise NonFiniteLoss(f"non-finite loss or gradients at step {state.global_step + 1} "
+                                f"({state.bad_steps} in a row; {setting}); {nonfinite_advice(cfg)}")
+        log.warning("non-finite loss or gradients: step skipped on every rank (%d in a row, at most %d)",
+                    state.bad_steps, cfg.TRAIN.NONFINITE_MAX_SKIPS)
+
+
+def _peak_memory_mb(device: torch.device, gpus: list[torch.device] | None = None) -> float:
+    """Peak GPU memory of this epoch (the fullest GPU's, under dp), or this process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return max(torch.cuda.max_memory_allocated(g) for g in (gpus or [device])) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def fit(cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> dict[str, Any]:
+    """Train for OPTIM.MAX_EPOCH epochs (resuming if asked) with the built-in hooks, TRAIN.HOOKS and
+    ``hooks``; return the run's summary (best, best_epoch, epochs, wall_s, out_dir[, test])."""
+    return Trainer(cfg, ctx, hooks).fit()

@@ -1,0 +1,55 @@
+"""Writing files so that a crash never leaves half of one: a temporary file in the same folder,
+flushed and fsync'ed, then renamed over the target (rename is atomic within a filesystem).
+
+The temporary is ``<path>.tmp.<pid>``: the run folder's debris pattern (run_folder.py), removed by
+the next run that holds the folder's lock if a kill left one behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import BinaryIO, Callable, Iterator
+
+
+def temporary_name(path: str) -> str:
+    """The temporary that an atomic write of path goes through."""
+    return f"{path}.tmp.{os.getpid()}"
+
+
+@contextlib.contextmanager
+def _removed_unless_renamed(tmp: str) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Call write(f) on a temporary file, fsync it, then rename it over path: path holds either its
+    old content or all of the new one. Whatever write raises propagates, and the temporary is gone."""
+    tmp = temporary_name(path)
+    with _removed_unless_renamed(tmp):
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace path's content by data atomically (see atomic_write)."""
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_link(src: str, dst: str) -> None:
+    """Make dst the same content as src atomically: a hard link when the filesystem allows, else a copy."""
+    tmp = temporary_name(dst)
+    with _removed_unless_renamed(tmp):
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)

@@ -1,0 +1,32 @@
+"""DistributedDataParallel: a whole replica per process, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distribuuuu.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        d, device = self.cfg.DIST, self.ctx.device
+        device_ids = [device.index] if device.type == "cuda" else None
+        # None (BUCKET_CAP_MB 0) keeps torch's small first bucket, which starts communicating sooner.
+        self.ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=d.BUCKET_CAP_MB or None,
+                       static_graph=d.STATIC_GRAPH, gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
+                       find_unused_parameters=d.FIND_UNUSED_PARAMETERS)
+        return self.ddp
+
+    def no_sync(self, sync: bool) -> ContextManager:
+        # Gradients are all-reduced only on the last micro-batch; before that they just add up.
+        # The DDP module itself, also when torch.compile wraps it.
+        return contextlib.nullcontext() if sync else self.ddp.no_sync()
+
+
+STRATEGY = DDPStrategy
