@@ -9,6 +9,10 @@ TRAIN.DATASET / TEST.DATASET pick the source:
              SPLIT train | val | test (val and test are the test batch)
   a folder   <DATASET>/<SPLIT>/<class>/<image>, read with torchvision's ImageFolder (listed by
              integrity.list_split: symlink loops and duplicate files refused, see check.py)
+  a name     registered with ``register_source`` by a module that IMPORTS names (registry.py): the
+             user's function builds the split, as a TensorSource (uint8 images, read as mnist5k is)
+             or a Dataset of ready tensors (read as synthetic is); mnist5k and synthetic are
+             registered the same way
 MODEL.DUMMY_INPUT replaces all of them by random tensors (times the model alone).
 
 Three loaders per rank:
@@ -34,7 +38,9 @@ from distribuuuu.data.check import check_datasets
 from distribuuuu.data.mnist5k import export_mnist5k
 from distribuuuu.data.loaders import (build_dataset, build_test_loader, build_train_loader, build_val_loader,
                                       take_bad_image_count)
+from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
 from distribuuuu.data.samplers import ShardedEvalSampler
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
-           "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count"]
+           "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
+           "source_names", "TensorSource"]

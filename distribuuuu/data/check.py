@@ -16,8 +16,8 @@ import os
 import numpy as np
 from yacs.config import CfgNode
 
-from distribuuuu.data import integrity, sources, split
-from distribuuuu.data.loaders import require_image_chans, val_folder_classes
+from distribuuuu.data import integrity, registry, sources, split
+from distribuuuu.data.loaders import require_image_chans, tensor_source, val_folder_classes
 from distribuuuu.errors import UserError
 
 _NAMED = 5  # how many offending class folders a message names
@@ -71,12 +71,11 @@ def _scan(cfg: CfgNode, key: str) -> tuple[int, int, dict[str, int] | None]:
     cfg[key].DATASET, with the source's own checks."""
     group = cfg[key]
     kind = sources.source_kind(group.DATASET)
-    if kind == "synthetic":
-        return cfg.MODEL.NUM_CLASSES, group.SYNTHETIC_SAMPLES, None
+    if kind not in ("cifar", "folder"):  # a registered source: mnist5k, synthetic or a user's
+        data = registry.build_source(cfg, key)
+        tensor_source(cfg, key, data)  # the channel checks of a TensorSource
+        return len(data.classes), len(data.targets), None
     require_image_chans(cfg, key)
-    if kind == "mnist5k":
-        sources.check_split_name(group.SPLIT, sources.MNIST_SPLITS, key, "mnist5k")
-        return len(sources.MNIST_CLASSES), len(sources.mnist5k_split_indices()[group.SPLIT]), None
     if kind == "cifar":
         root, variant = sources.find_cifar(group.DATASET)
         _, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
@@ -89,16 +88,13 @@ def _train_class_counts(cfg: CfgNode, folder_counts: dict[str, int] | None) -> d
     """{class: number of samples} of TRAIN.DATASET (folder_counts: _scan's, for a folder)."""
     group = cfg.TRAIN
     kind = sources.source_kind(group.DATASET)
-    if kind == "synthetic":  # label i mod NUM_CLASSES
-        n, c = group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES
-        return {str(k): n // c + (k < n % c) for k in range(c) if n // c + (k < n % c)}
-    if kind in ("mnist5k", "cifar"):
-        if kind == "mnist5k":
-            labels = sources.mnist5k_arrays()[1][sources.mnist5k_split_indices()[group.SPLIT]]
-            names = sources.MNIST_CLASSES
-        else:
+    if kind != "folder":
+        if kind == "cifar":
             _, targets, names = sources.load_cifar(*sources.find_cifar(group.DATASET), group.SPLIT, "TRAIN")
-            labels = targets.numpy()
+        else:  # a registered source (synthetic's targets are i mod NUM_CLASSES, made without images)
+            data = registry.build_source(cfg, "TRAIN")
+            targets, names = data.targets, data.classes
+        labels = np.asarray(targets)
         classes, counts = np.unique(labels, return_counts=True)
         return {(names[k] if k < len(names) else str(k)): int(n) for k, n in zip(classes, counts)}
     return dict(folder_counts or {})

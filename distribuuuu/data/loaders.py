@@ -1,9 +1,10 @@
 """Datasets with their transforms, and the train / val / test loaders of one rank.
 
-Which loader (TRAIN.DATA_PIPELINE): mnist5k and CIFAR go through the in-memory MemoryLoader
-(memory.py: the split on the device, batched augmentation) under 'auto', unless the split would take
-more than MEMORY_PIPELINE_BUDGET_BYTES there (CIFAR training above ~80 px: the log says so); image folders, synthetic
-data and MODEL.DUMMY_INPUT through a DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
+Which loader (TRAIN.DATA_PIPELINE): mnist5k, CIFAR and any registered TensorSource go through the
+in-memory MemoryLoader (memory.py: the split on the device, batched augmentation) under 'auto', unless
+the split would take more than MEMORY_PIPELINE_BUDGET_BYTES there (CIFAR training above ~80 px: the log
+says so); image folders, synthetic data (and a registered Dataset) and MODEL.DUMMY_INPUT through a
+DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
 uint8 crops (transforms.FastTrainDecode / FastEvalDecode) normalized per batch on the device.
 Every train loader has len(), .dataset, .sampler.set_epoch(epoch, start) and yields (images, target).
 An unreadable folder image (TRAIN.BAD_IMAGES skip) is replaced by the next readable one in training
@@ -17,10 +18,10 @@ transforms, each a SplitPart of the full dataset; the test loader always reads T
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Sized
 
 import numpy as np
@@ -29,9 +30,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import sources, split, transforms
+from distribuuuu.data import registry, sources, split, transforms
 from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker
 from distribuuuu.data.memory import MemoryLoader
+from distribuuuu.data.registry import TensorSource
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
 
@@ -74,37 +76,40 @@ def val_folder_classes(cfg: CfgNode, val_classes: list[str]) -> list[str]:
     return train_classes
 
 
-@dataclass
-class TensorSource:
-    """A small source held as one tensor: uint8 images [N, C, S, S] (channels already matched to
-    MODEL.IN_CHANS) and the recipe of its augmentation."""
-
-    images: torch.Tensor
-    targets: torch.Tensor
-    classes: list[str]
-    pad: int  # pad-and-crop padding (train)
-    flip: bool  # horizontal flips (train)
-    stats: transforms.Stats
+def registered_data(cfg: CfgNode, key: str) -> TensorSource | Dataset | None:
+    """What the registered source cfg[key].DATASET (mnist5k, synthetic or a user's) builds for
+    cfg[key].SPLIT; None for CIFAR, folders and MODEL.DUMMY_INPUT."""
+    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) in ("cifar", "folder"):
+        return None
+    return registry.build_source(cfg, key)
 
 
-def tensor_source(cfg: CfgNode, key: str) -> TensorSource | None:
-    """The mnist5k or CIFAR split of cfg[key] as a TensorSource; None for other sources."""
+def tensor_source(cfg: CfgNode, key: str, data: TensorSource | Dataset | None = None) -> TensorSource | None:
+    """The split of cfg[key] as a TensorSource whose channels and stats match MODEL.IN_CHANS:
+    CIFAR, or a registered source that builds one (data: registered_data's, if already built);
+    None for other sources."""
     group, chans = cfg[key], cfg.MODEL.IN_CHANS
     kind = sources.source_kind(group.DATASET)
-    if cfg.MODEL.DUMMY_INPUT or kind not in ("mnist5k", "cifar"):
+    if cfg.MODEL.DUMMY_INPUT or kind == "folder":
         return None
-    require_image_chans(cfg, key)
-    if kind == "mnist5k":
-        images, labels = sources.load_mnist5k(group.SPLIT, key)
-        stats = transforms.stats_for_channels(transforms.MNIST_STATS, chans)
-        # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).
-        return TensorSource(transforms.match_channels(images, chans), labels, list(sources.MNIST_CLASSES),
-                            pad=2, flip=False, stats=stats)
-    root, variant = sources.find_cifar(group.DATASET)
-    images, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
-    stats = transforms.CIFAR10_STATS if variant == "cifar10" else transforms.CIFAR100_STATS
-    return TensorSource(transforms.match_channels(images, chans), labels, classes, pad=4, flip=True,
-                        stats=transforms.stats_for_channels(stats, chans))
+    if kind == "cifar":
+        require_image_chans(cfg, key)
+        root, variant = sources.find_cifar(group.DATASET)
+        images, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
+        stats = transforms.CIFAR10_STATS if variant == "cifar10" else transforms.CIFAR100_STATS
+        return TensorSource(transforms.match_channels(images, chans), labels, classes,
+                            transforms.stats_for_channels(stats, chans), pad=4, flip=True)
+    src = registry.build_source(cfg, key) if data is None else data
+    if not isinstance(src, TensorSource):
+        return None
+    have = src.images.shape[1]
+    if have != chans:
+        require_image_chans(cfg, key)
+        if have not in (1, 3):
+            raise UserError(f"MODEL.IN_CHANS is {chans}, but {key}.DATASET {group.DATASET!r} has {have}-channel "
+                            f"images; set MODEL.IN_CHANS {have}")
+    return dataclasses.replace(src, images=transforms.match_channels(src.images, chans),
+                               stats=transforms.stats_for_channels(src.stats, chans))
 
 
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
@@ -126,12 +131,11 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
     if cfg.MODEL.DUMMY_INPUT:
         return sources.RandomTensorDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES,
                                            (chans, size, size), seed=0 if key == "TRAIN" else 1)
-    kind = sources.source_kind(group.DATASET)
-    if kind == "synthetic":
-        return sources.SyntheticDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, chans, size,
-                                        group.SPLIT)
+    data = registered_data(cfg, key)
+    if data is not None and not isinstance(data, TensorSource):
+        return data  # synthetic or a user's Dataset: items are ready, not transformed
     policy, erase = (_policy(cfg), cfg.TRAIN.RANDOM_ERASE) if train else (None, 0.0)
-    src = tensor_source(cfg, key)
+    src = tensor_source(cfg, key, data)
     if src is not None:
         native = src.images.shape[-1]
         tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=src.stats,
@@ -213,7 +217,7 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
         return "loader"
     kind = sources.source_kind(cfg[key].DATASET)
     if choice == "auto":
-        if kind not in ("mnist5k", "cifar"):
+        if kind == "folder" or (kind != "cifar" and not isinstance(registered_data(cfg, key), TensorSource)):
             return "loader"
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
@@ -229,12 +233,14 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
 
 
 def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
-    """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (mnist5k or CIFAR): the
-    uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader). Nothing is unpickled: a CIFAR
+    """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (CIFAR or a registered
+    TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy
+    (MemoryLoader). Nothing is unpickled: a CIFAR
     split's images are counted from its files' sizes (3,072 bytes of pixels per image, and a little
     more per image for its label and name, so the count errs high)."""
-    if sources.source_kind(cfg[key].DATASET) == "mnist5k":
-        samples, pad = 5000, 2
+    if sources.source_kind(cfg[key].DATASET) != "cifar":  # a registered TensorSource: built, so counted
+        src = registry.build_source(cfg, key)
+        samples, pad = len(src.images), src.pad
     else:
         root, variant = sources.find_cifar(cfg[key].DATASET)
         train = cfg[key].SPLIT == "train"
@@ -255,7 +261,7 @@ def _memory_loader(cfg: CfgNode, key: str, train: bool, part: str | None,
     dataset = _part(cfg, _build_dataset(cfg, key, train, batched=False), part)
     src = tensor_source(cfg, key)
     policy = erase = None
-    if src is None:  # synthetic: generated once, already normalized, no augmentation
+    if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
         pad, flip, normalize = 0, False, None
@@ -332,11 +338,19 @@ def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size
 
 
 def _note_unaugmented(cfg: CfgNode, rank: int) -> None:
-    """Synthetic data and dummy input are never augmented (no crops either): say so once."""
+    """Synthetic data, a registered Dataset and dummy input are never augmented (no crops either): say so once."""
     asked = cfg.TRAIN.AUTO_AUGMENT != "none" or cfg.TRAIN.RANDOM_ERASE > 0
-    if asked and rank == 0 and (cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg.TRAIN.DATASET) == "synthetic"):
-        log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
-                    "not augmented", "MODEL.DUMMY_INPUT" if cfg.MODEL.DUMMY_INPUT else "synthetic data")
+    if not asked or rank != 0:
+        return
+    if cfg.MODEL.DUMMY_INPUT:
+        what = "MODEL.DUMMY_INPUT"
+    else:
+        data, name = registered_data(cfg, "TRAIN"), cfg.TRAIN.DATASET
+        if data is None or isinstance(data, TensorSource):
+            return
+        what = "synthetic data" if name == "synthetic" else f"the {name} source's items"
+    log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
+                "not augmented", what)
 
 
 def _fast_folder(cfg: CfgNode, key: str) -> bool:

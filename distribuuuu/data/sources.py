@@ -1,6 +1,8 @@
 """Where the images come from: mnist5k, synthetic, CIFAR pickles, ImageFolder trees, dummy tensors.
 
-``source_kind`` maps a TRAIN.DATASET / TEST.DATASET value to a source. Every dataset here has
+``source_kind`` maps a TRAIN.DATASET / TEST.DATASET value to a source. mnist5k and synthetic are
+registered at the end of this module in the registry (registry.py) where a user's sources go too,
+so that the loaders read every named source one way. Every dataset here has
 ``.classes`` (names in label order) and yields ``(float32 tensor [C, H, W], int label)`` once its
 transform is set (loaders.build_dataset picks the transforms). Errors a user can fix are UserError.
 """
@@ -21,10 +23,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets
+from yacs.config import CfgNode
 
-from distribuuuu.data import integrity
+from distribuuuu.data import integrity, registry
+from distribuuuu.data.registry import TensorSource, check_split_name
 from distribuuuu.data.split import stratified_split
-from distribuuuu.data.transforms import to_8bit
+from distribuuuu.data.transforms import MNIST_STATS, to_8bit
 from distribuuuu.errors import UserError
 
 BUILTIN_SOURCES = ("mnist5k", "synthetic")
@@ -32,8 +36,9 @@ LAYOUT = "<DATASET>/<SPLIT>/<class>/<image>"
 
 
 def source_kind(dataset: str) -> str:
-    """'mnist5k', 'synthetic', 'cifar' or 'folder' (built-in names win over a folder of that name)."""
-    if dataset in BUILTIN_SOURCES:
+    """The name of a registered source ('mnist5k', 'synthetic' or a user's), else 'cifar' or
+    'folder' (a registered name wins over a folder of that name)."""
+    if registry.get_source(dataset) is not None:
         return dataset
     if find_cifar(dataset) is not None:
         return "cifar"
@@ -85,12 +90,6 @@ def mnist5k_split_indices() -> dict[str, np.ndarray]:
     _, labels = mnist5k_arrays()
     train_idx, val_idx = stratified_split(labels, MNIST_VAL_FRACTION, _MNIST_SPLIT_SEED)
     return {"train": train_idx, "val": val_idx}
-
-
-def check_split_name(split: str, valid: tuple[str, ...], key: str, source: str) -> None:
-    if split not in valid:
-        raise UserError(f"{key}.SPLIT is {split!r}, but the {source} source has the splits "
-                        f"{', '.join(valid)}; set {key}.SPLIT to one of them")
 
 
 def load_mnist5k(split: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +258,8 @@ def folder_split_dir(dataset: str, split: str, key: str) -> str:
             f"{key}.DATASET is {dataset!r} but there is no folder {split_dir!r} "
             f"({key}.DATASET/{key}.SPLIT{missing}). Expected an image tree {LAYOUT} "
             f"(e.g. {os.path.join(split_dir, 'cat', '0001.jpg')}), a CIFAR folder holding "
-            f"cifar-10-batches-py/ or cifar-100-python/, or a built-in source: {', '.join(BUILTIN_SOURCES)}")
+            f"cifar-10-batches-py/ or cifar-100-python/, or a built-in source: {', '.join(BUILTIN_SOURCES)}"
+            f"{_user_sources_note()}")
     return split_dir
 
 
@@ -340,3 +340,29 @@ class ImageFolderWithClasses(datasets.ImageFolder):
 
 class BadImageError(RuntimeError):
     """An image that cannot be decoded, with TRAIN.BAD_IMAGES fail."""
+
+
+def _user_sources_note() -> str:
+    """The folder message's tail: the user's registered sources, or how to register one."""
+    names = [n for n in registry.source_names() if n not in BUILTIN_SOURCES]
+    if names:
+        return f"; registered sources: {', '.join(names)}"
+    return " (or register one: distribuuuu.data.register_source, in a module named by IMPORTS)"
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in named sources, registered as a user's would be
+# ---------------------------------------------------------------------------------------------
+def _mnist5k_source(split: str, cfg: CfgNode, key: str) -> TensorSource:
+    images, labels = load_mnist5k(split, key)
+    # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).
+    return TensorSource(images, labels, list(MNIST_CLASSES), MNIST_STATS, pad=2, flip=False)
+
+
+def _synthetic_source(split: str, cfg: CfgNode, key: str) -> SyntheticDataset:
+    return SyntheticDataset(cfg[key].SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS,
+                            cfg.TRAIN.IM_SIZE, split)  # val crops TRAIN.IM_SIZE too
+
+
+registry.register_source("mnist5k", _mnist5k_source, splits=MNIST_SPLITS, _builtin=True)
+registry.register_source("synthetic", _synthetic_source, _builtin=True)
