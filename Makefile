@@ -1,5 +1,6 @@
-# The two commands of the quickstart. Both create .venv (once) and install the pinned
-# dependencies (again only when pyproject.toml changes), so a fresh clone needs nothing else.
+# The two commands of the quickstart. Both create .venv (once) and install the dependencies at
+# the tested versions of constraints.txt (again only when pyproject.toml or constraints.txt
+# changes), so a fresh clone needs nothing else.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,9 +12,9 @@ NPROC  ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)"
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

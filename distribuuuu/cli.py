@@ -3,12 +3,16 @@
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] [MODEL.WEIGHTS PATH] [KEY VALUE ...]
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
+    distribuuuu config --list                            the shipped configs, each with its first comment line
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
     distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE ...   top-5 classes
     distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
+
+--cfg takes a YAML file or the name of a shipped config (`--cfg mnist5k_fast`, from any folder);
+a file that exists wins. `distribuuuu --version` prints the version.
 
 The same train/eval run under plain python, torchrun, torch.distributed.launch, srun, or the
 built-in spawner (--nproc-per-node). A user error exits with status 2 and one message.
@@ -17,6 +21,7 @@ built-in spawner (--nproc-per-node). A user error exits with status 2 and one me
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import signal
 import sys
@@ -34,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
-    parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file (see config/)")
+    parser.add_argument("--cfg", dest="cfg_file", default=None,
+                        help="YAML config file, or a shipped config's name (`distribuuuu config --list`)")
     if with_nproc:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
@@ -54,10 +60,14 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distribuuuu", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"distribuuuu {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_cfg_args(sub.add_parser("train", help="train a model"), with_nproc=True)
     _add_cfg_args(sub.add_parser("eval", help="evaluate MODEL.WEIGHTS on the val split"), with_nproc=True)
-    _add_cfg_args(sub.add_parser("config", help="print the merged, validated config as YAML"), with_nproc=False)
+    config_parser = sub.add_parser("config", help="print the merged, validated config as YAML")
+    config_parser.add_argument("--list", dest="list_shipped", action="store_true",
+                               help="list the shipped configs (usable as --cfg NAME) instead")
+    _add_cfg_args(config_parser, with_nproc=False)
     data_parser = sub.add_parser("data", help="dataset utilities")
     data_sub = data_parser.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
@@ -105,6 +115,33 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 TOOLS = ("plot", "bench", "predict", "export")
+
+
+def package_version() -> str:
+    """The installed distribution's version; the package's own __version__ when run from a
+    checkout that is not installed."""
+    try:
+        return importlib.metadata.version("distribuuuu")
+    except importlib.metadata.PackageNotFoundError:
+        from distribuuuu import __version__
+
+        return __version__
+
+
+def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
+    """`distribuuuu config`: the merged config as YAML, or with --list the shipped configs."""
+    from distribuuuu import config
+
+    if args.list_shipped:
+        if args.cfg_file or opts:
+            raise UserError("config --list lists the shipped configs; it takes no --cfg or KEY VALUE "
+                            "(drop them, or drop --list to print a merged config)")
+        from distribuuuu.config import shipped
+
+        print(shipped.listing(), end="")
+        return 0
+    print(config.to_yaml(config.load_config(args.cfg_file, opts)), end="")
+    return 0
 
 
 def _options_first(tokens: list[str]) -> list[str]:
@@ -223,6 +260,9 @@ def _guarded(fn: Callable[[], int]) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:  # here rather than argparse's action, which exits the process
+        print(f"distribuuuu {package_version()}")
+        return 0
     if argv and argv[0] in TOOLS:
         argv = [argv[0], *_options_first(argv[1:])]
     args = build_parser().parse_args(argv)
@@ -240,10 +280,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     opts = list(args.opts or [])
     if args.command == "config":
-        from distribuuuu import config
-
-        print(config.to_yaml(config.load_config(args.cfg_file, opts)), end="")
-        return 0
+        return _print_config(args, opts)
     nproc = _resolve_nproc(args.nproc)
     if nproc is None:
         if args.master_port is not None:

@@ -134,24 +134,25 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> subpr
                 f"--nproc-per-node={nproc}", script, *args], timeout=timeout)
 
 
-def cli_main(*args: str) -> subprocess.CompletedProcess:
+def cli_main(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     """`distribuuuu ARGS` run in this process by distribuuuu.cli.main, from the repo root as
-    distribuuuu() runs it: the same status and output, without a new interpreter. Only for a
-    command that ends before it starts a process group or a child (a user error, `config`)."""
+    distribuuuu() runs it (or from cwd: a user's folder outside the repository): the same status
+    and output, without a new interpreter. Only for a command that ends before it starts a
+    process group or a child (a user error, `config`)."""
     from distribuuuu import cli
 
-    out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
+    out, err, argv, before = io.StringIO(), io.StringIO(), sys.argv, os.getcwd()
     root, captured = logging.getLogger(), logging.getLogger().handlers[:]
     # argv: what launch detection reads for --local-rank. Without pytest's handlers on the root logger,
     # a warning logged before setup_logging reaches stderr (logging.lastResort), as in a new process.
     sys.argv, root.handlers = ["distribuuuu", *args], []
-    os.chdir(ROOT)
+    os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = cli.main(list(args))
     finally:
         sys.argv, root.handlers = argv, captured
-        os.chdir(cwd)
+        os.chdir(before)
     return subprocess.CompletedProcess(["distribuuuu", *args], status, out.getvalue(), err.getvalue())
 
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import yaml
 from yacs.config import CfgNode as CN
 
+from distribuuuu.config import shipped
 from distribuuuu.config.defaults import NULLABLE_TYPES, get_defaults
 from distribuuuu.errors import UserError
 
@@ -139,11 +140,13 @@ def _read_text(path: str) -> str:
 
 
 def merge_file(cfg: CN, path: str) -> None:
-    """Merge a YAML file into cfg, checking every key and type."""
+    """Merge a YAML file into cfg, checking every key and type. path is a file, or the name of a
+    shipped config (see shipped.resolve: a file that exists wins)."""
+    path = shipped.resolve(path)
     if os.path.isdir(path):
         raise UserError(f"config file {path!r} is a folder; pass --cfg with a YAML file such as config/resnet18.yaml")
     if not os.path.isfile(path):
-        raise UserError(f"config file {path!r} does not exist; pass --cfg with a YAML file such as config/resnet18.yaml")
+        raise UserError(shipped.missing_message(path))
     text = _read_text(path)
     try:
         data = yaml.safe_load(text) or {}
