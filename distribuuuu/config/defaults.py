@@ -131,6 +131,19 @@ _C.TRAIN.DATA_PIPELINE = "auto"
 # Image folders: 'fast' (libjpeg-turbo decode, reduced-size JPEG decoding when the crop allows,
 # uint8 batches normalized on the device) or 'pil' (torchvision's per-sample PIL recipe)
 _C.TRAIN.IMAGE_DECODE = "fast"
+# Data recipe (docs/recipes.md): RandomResizedCrop area range of training crops; [] = the source's own
+# (0.08-1 for folders; pad-and-crop for mnist5k, CIFAR and a TensorSource, replaced when set)
+_C.TRAIN.CROP_SCALE = []
+# Aspect ratio range (w/h) of training crops whenever RandomResizedCrop is used
+_C.TRAIN.CROP_RATIO = [0.75, 1.3333333333333333]
+# Horizontal flip probability in training; -1 = the source's own (0.5 for folders and CIFAR, 0 for mnist5k)
+_C.TRAIN.FLIP_PROB = -1.0
+# Interpolation of train crops and eval resizes: nearest, bilinear, bicubic; '' = bilinear (a pretrained timm model's)
+_C.TRAIN.INTERPOLATION = ""
+# Normalization mean per channel (one per MODEL.IN_CHANS); [] = the source's (ImageNet for folders)
+_C.TRAIN.MEAN = []
+# Normalization std per channel (one per MODEL.IN_CHANS); [] = the source's (ImageNet for folders)
+_C.TRAIN.STD = []
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation
@@ -142,8 +155,10 @@ _C.TEST.DATASET = "./data/ILSVRC/"
 _C.TEST.SPLIT = "val"
 # Mini-batch size per process for evaluation
 _C.TEST.BATCH_SIZE = 200
-# Resize the shorter side to IM_SIZE, then center-crop TRAIN.IM_SIZE (folders only)
+# Resize the shorter side to IM_SIZE, then center-crop TRAIN.IM_SIZE (folders only; TEST.CROP_PCT overrides)
 _C.TEST.IM_SIZE = 256
+# Eval center-crop fraction: resize the shorter side to TRAIN.IM_SIZE / CROP_PCT (folders); 0 = use TEST.IM_SIZE
+_C.TEST.CROP_PCT = 0.0
 # Print an evaluation progress line every PRINT_FREQ iterations (rank 0 only)
 _C.TEST.PRINT_FREQ = 10
 # Number of samples of the synthetic validation set (TEST.DATASET synthetic)

@@ -29,6 +29,7 @@ NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
 DUPLICATE_IMAGE_MODES = ("fail", "keep")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
 # What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
 RUN_FOLDER_NAMES = ("checkpoints", "log.txt", "metrics.jsonl", "metrics.csv", "tb", "config_diff.yaml",
                     "env.json", "model.txt", "run.lock", "plots", "bench", "export")
@@ -70,6 +71,7 @@ def validate(cfg: CN) -> None:
     _check_steps(cfg)
     _check_choices(cfg)
     _check_train(cfg)
+    _check_recipe(cfg)
     _check_dist(cfg)
     _check_data_modes(cfg)
     _check_run(cfg)
@@ -141,6 +143,37 @@ def _check_train(cfg: CN) -> None:
     split = t.VAL_SPLIT
     _need(split < 1 or split == int(split),
           f"TRAIN.VAL_SPLIT is a fraction below 1 (e.g. 0.1) or a whole number of images (e.g. 500), got {split}")
+
+
+def _is_range(values: Any) -> bool:
+    """A [low, high] pair of numbers with low <= high."""
+    return (isinstance(values, (list, tuple)) and len(values) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) and values[0] <= values[1])
+
+
+def _check_recipe(cfg: CN) -> None:
+    """The data recipe keys (docs/recipes.md, Data recipe): ranges, names, one mean/std per channel."""
+    t, chans = cfg.TRAIN, cfg.MODEL.IN_CHANS
+    scale, ratio = list(t.CROP_SCALE), list(t.CROP_RATIO)
+    _need(not scale or (_is_range(scale) and 0 < scale[0] and scale[1] <= 1),
+          f"TRAIN.CROP_SCALE is [min, max] crop area fractions with 0 < min <= max <= 1 (e.g. \"[0.8, 1.0]\"), "
+          f"or [] for the source's own, got {scale}")
+    _need(_is_range(ratio) and ratio[0] > 0,
+          f"TRAIN.CROP_RATIO is [min, max] aspect ratios with 0 < min <= max (e.g. \"[0.75, 1.333]\"), got {ratio}")
+    _need(t.FLIP_PROB == -1 or 0.0 <= t.FLIP_PROB <= 1.0,
+          f"TRAIN.FLIP_PROB is a probability in [0, 1], or -1 for the source's own, got {t.FLIP_PROB}")
+    _need(t.INTERPOLATION in ("",) + INTERPOLATIONS, f"TRAIN.INTERPOLATION must be one of "
+          f"{', '.join(INTERPOLATIONS)} (or '' for the default), got {t.INTERPOLATION!r}")
+    for name, values in (("MEAN", t.MEAN), ("STD", t.STD)):
+        _need(not values or (len(values) == chans and all(isinstance(v, (int, float)) for v in values)),
+              f"TRAIN.{name} needs one number per channel (MODEL.IN_CHANS {chans}), e.g. "
+              f"\"{[0.5] * chans}\", or [] for the source's own; got {list(values)}")
+    _need(bool(t.MEAN) == bool(t.STD), "TRAIN.MEAN and TRAIN.STD go together: set both (one number per channel) "
+          "or neither")
+    _need(all(v > 0 for v in t.STD), f"TRAIN.STD values must be positive, got {list(t.STD)}")
+    _need(0.0 <= cfg.TEST.CROP_PCT <= 1.0 and (cfg.TEST.CROP_PCT == 0 or cfg.TEST.CROP_PCT >= 0.1),
+          f"TEST.CROP_PCT is the center-crop fraction in [0.1, 1] (e.g. 0.875), or 0 to use TEST.IM_SIZE, "
+          f"got {cfg.TEST.CROP_PCT}")
 
 
 def _check_dist(cfg: CN) -> None:

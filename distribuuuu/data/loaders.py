@@ -3,9 +3,11 @@
 Which loader (TRAIN.DATA_PIPELINE): mnist5k, CIFAR and any registered TensorSource go through the
 in-memory MemoryLoader (memory.py: the split on the device, batched augmentation) under 'auto', unless
 the split would take more than MEMORY_PIPELINE_BUDGET_BYTES there (CIFAR training above ~80 px: the log
-says so); image folders, synthetic data (and a registered Dataset) and MODEL.DUMMY_INPUT through a
-DataLoader. With TRAIN.IMAGE_DECODE fast, folder items are
-uint8 crops (transforms.FastTrainDecode / FastEvalDecode) normalized per batch on the device.
+says so) or TRAIN.CROP_SCALE asks for resized crops (the in-memory path only pads and crops); image
+folders, synthetic data (and a registered Dataset) and MODEL.DUMMY_INPUT through a DataLoader. With
+TRAIN.IMAGE_DECODE fast, folder items are uint8 crops (transforms.FastTrainDecode / FastEvalDecode)
+normalized per batch on the device. The crop, flip, interpolation and mean/std follow the data recipe
+(recipe.py) on every path.
 Every train loader has len(), .dataset, .sampler.set_epoch(epoch, start) and yields (images, target).
 An unreadable folder image (TRAIN.BAD_IMAGES skip) is replaced by the next readable one in training
 (every rank keeps its batch size); in evaluation it is left out of its batch (collate_readable), so
@@ -33,6 +35,7 @@ from yacs.config import CfgNode
 from distribuuuu.data import registry, sources, split, transforms
 from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker
 from distribuuuu.data.memory import MemoryLoader
+from distribuuuu.data.recipe import log_recipe, recipe_of
 from distribuuuu.data.registry import TensorSource
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
@@ -135,11 +138,11 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
     if data is not None and not isinstance(data, TensorSource):
         return data  # synthetic or a user's Dataset: items are ready, not transformed
     policy, erase = (_policy(cfg), cfg.TRAIN.RANDOM_ERASE) if train else (None, 0.0)
-    src = tensor_source(cfg, key, data)
+    src, recipe = tensor_source(cfg, key, data), recipe_of(cfg)
     if src is not None:
-        native = src.images.shape[-1]
-        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=src.stats,
-                                              policy=policy, erase=erase)
+        native, stats = src.images.shape[-1], transforms.stats_for_channels(recipe.stats or src.stats, chans)
+        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=stats,
+                                              policy=policy, erase=erase, recipe=recipe)
         return sources.TensorImageDataset(src.images, src.targets, src.classes, tf)
     require_image_chans(cfg, key)
     split_dir = sources.folder_split_dir(group.DATASET, group.SPLIT, key)
@@ -148,12 +151,12 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
         classes = val_folder_classes(cfg, classes)
     mode = "L" if chans == 1 else "RGB"
     if batched:  # decode + geometry in the loader callable, so its errors meet the bad-image handling
-        load: Callable = (transforms.FastTrainDecode(size, mode) if train
-                          else transforms.FastEvalDecode(cfg.TEST.IM_SIZE, size, mode))
+        load: Callable = (transforms.FastTrainDecode(size, mode, recipe) if train else
+                          transforms.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
         # The policy runs per item here, in the worker processes; erasing follows the batch normalization.
         return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load,
                                               transform=policy, **_folder_options(cfg, key, train))
-    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase)
+    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase, recipe=recipe)
     load = functools.partial(sources.open_image, mode=mode)
     return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load,
                                           **_folder_options(cfg, key, train))
@@ -216,6 +219,11 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
     if cfg.MODEL.DUMMY_INPUT:
         return "loader"
     kind = sources.source_kind(cfg[key].DATASET)
+    if key == "TRAIN" and kind != "folder" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
+        if choice == "memory":
+            raise UserError("TRAIN.DATA_PIPELINE memory pads and crops only; TRAIN.CROP_SCALE needs "
+                            "TRAIN.DATA_PIPELINE auto or loader (auto then uses the DataLoader)")
+        return "loader"
     if choice == "auto":
         if kind == "folder" or (kind != "cifar" and not isinstance(registered_data(cfg, key), TensorSource)):
             return "loader"
@@ -264,15 +272,18 @@ def _memory_loader(cfg: CfgNode, key: str, train: bool, part: str | None,
     if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
-        pad, flip, normalize = 0, False, None
+        pad, flip, normalize = 0, 0.0, None
     else:
         images, targets, pad, flip = src.images, src.targets, src.pad, src.flip
         if part is not None:  # the rows of the part, in its order: row i is dataset[i]
             rows = torch.as_tensor(dataset.indices, dtype=torch.long)
             images, targets = images[rows], targets[rows]
-        normalize = transforms.BatchNormalize(src.stats, device)
+        recipe = recipe_of(cfg)  # the user's mean/std and flip probability, else the source's
+        stats = transforms.stats_for_channels(recipe.stats or src.stats, cfg.MODEL.IN_CHANS)
+        flip = recipe.flip_prob(flip)
+        normalize = transforms.BatchNormalize(stats, device)
         if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
-            images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, antialias=True)
+            images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode, antialias=True)
         if train:
             policy = _policy(cfg)
             erase = transforms.BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
@@ -292,6 +303,8 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     seed = cfg.RNG_SEED or 0
     part = "train" if cfg.TRAIN.VAL_SPLIT else None
     _note_unaugmented(cfg, rank)
+    if rank == 0:
+        log_recipe(cfg)
 
     def sampler_of(dataset: Sized) -> Sampler:
         return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
@@ -360,7 +373,7 @@ def _fast_folder(cfg: CfgNode, key: str) -> bool:
 
 
 def _normalized(cfg: CfgNode, loader: DataLoader, device: torch.device, erase: float = 0.0) -> NormalizedBatches:
-    stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
+    stats = transforms.stats_for_channels(recipe_of(cfg).stats or transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
     return NormalizedBatches(loader, stats, device, erase)
 
 

@@ -33,9 +33,14 @@ from torch.utils.data import Sampler
 from distribuuuu.data.transforms import per_image
 
 
-def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int, flip: bool) -> torch.Tensor:
+def flip_probability(flip: bool | float) -> float:
+    """True means the classic 1/2, False 0; a float is the probability itself (TRAIN.FLIP_PROB)."""
+    return 0.5 if flip is True else float(flip)
+
+
+def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int, flip: bool | float) -> torch.Tensor:
     """Random size x size crops of the images padded[index] (already padded by pad on every side),
-    each mirrored left-right with probability 1/2 when flip.
+    each mirrored left-right with probability 1/2 when flip is True (flip itself when a float).
 
     The offsets are uniform in [0, 2 * pad], as torchvision's RandomCrop(size, padding=pad) draws
     them. The batch is copied out once (index_select), then every crop and flip is one gather over
@@ -48,7 +53,7 @@ def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int
     rows = torch.randint(0, 2 * pad + 1, (b, 1), device=device) + span  # [B, size]
     cols = torch.randint(0, 2 * pad + 1, (b, 1), device=device) + span
     if flip:
-        mirror = torch.rand(b, 1, device=device) < 0.5
+        mirror = torch.rand(b, 1, device=device) < flip_probability(flip)
         cols = torch.where(mirror, cols.flip(1), cols)
     flat = (rows[:, :, None] * side + cols[:, None, :]).view(b, 1, size * size).expand(b, chans, size * size)
     batch = padded.index_select(0, index).view(b, chans, side * side)
@@ -59,17 +64,17 @@ class MemoryLoader:
     """Batches of one rank, cut from a tensor that holds the whole split on the device."""
 
     def __init__(self, dataset: Sized, images: torch.Tensor, targets: torch.Tensor, sampler: Sampler,
-                 batch_size: int, drop_last: bool, pad: int = 0, flip: bool = False, train: bool = True,
+                 batch_size: int, drop_last: bool, pad: int = 0, flip: bool | float = False, train: bool = True,
                  normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  erase: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """images [N, C, S, S] and targets [N] on the training device; pad/flip only when train, as
         the policy (of one uint8 image, applied per image after the crop) and erase (of a normalized
-        batch)."""
+        batch). flip: True (probability 1/2), False, or a probability."""
         self.dataset, self.sampler = dataset, sampler
         self.batch_size, self.drop_last = batch_size, drop_last
-        self.size, self.pad, self.flip = images.shape[-1], pad if train else 0, flip and train
-        self.augment = train and (pad > 0 or flip)
+        self.size, self.pad, self.flip = images.shape[-1], pad if train else 0, flip_probability(flip) if train else 0.0
+        self.augment = train and (pad > 0 or self.flip > 0)
         self.policy, self.erase = (policy, erase) if train else (None, None)
         # Padded once here, so that a crop is a plain gather (no per-batch padding, no masks).
         self.images = F.pad(images, (self.pad,) * 4) if self.pad else images

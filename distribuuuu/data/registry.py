@@ -8,7 +8,8 @@ synthetic source reads cfg[key].SYNTHETIC_SAMPLES). It returns either
 - a ``TensorSource``: uint8 images [N, C, H, W] with labels, class names, normalization stats and an
   augmentation recipe. The run then treats it as it treats mnist5k: resized to TRAIN.IM_SIZE,
   pad-and-crop / flip / TRAIN.AUTO_AUGMENT / TRAIN.RANDOM_ERASE in training, normalized with its
-  stats, and held on the device by TRAIN.DATA_PIPELINE auto while it fits; or
+  stats (the data recipe keys, TRAIN.CROP_SCALE, FLIP_PROB, MEAN/STD..., override them), and held
+  on the device by TRAIN.DATA_PIPELINE auto while it fits; or
 - a ``torch.utils.data.Dataset`` whose items are ready ``(float32 tensor [C, H, W], int label)``
   and that has ``.classes`` (names in label order) and ``.targets`` (every item's label, for
   TRAIN.VAL_SPLIT and the preflight's class counts), as the synthetic source does. It is read as

@@ -1,12 +1,13 @@
 """Per-sample transforms (torchvision transforms v2), the fast folder pipeline, and the
 normalization statistics.
 
-Folders get the ImageNet recipe: with TRAIN.IMAGE_DECODE pil, torchvision's transforms on PIL
-images (folder_transform); with 'fast' (the default), FastTrainDecode / FastEvalDecode, which
-draw the same crops but decode and resize more cheaply and leave normalization to the batch
-(BatchNormalize). The small built-in images (MNIST 28 px, CIFAR 32 px) are uint8 tensors and
-get the classic pad-and-crop recipe: per sample here (small_image_transform), or per batch in
-memory.py.
+Folders get the ImageNet recipe, or what the data recipe keys make of it (a recipe.Recipe, which
+the functions here take): with TRAIN.IMAGE_DECODE pil, torchvision's transforms on PIL images
+(folder_transform); with 'fast' (the default), FastTrainDecode / FastEvalDecode, which draw the
+same crops but decode and resize more cheaply and leave normalization to the batch
+(BatchNormalize). The small built-in images (MNIST 28 px, CIFAR 32 px) are uint8 tensors and get
+the classic pad-and-crop recipe: per sample here (small_image_transform), or per batch in
+memory.py; TRAIN.CROP_SCALE replaces it by RandomResizedCrop (per sample only).
 
 Training augmentation beyond crops and flips (TRAIN.AUTO_AUGMENT, TRAIN.RANDOM_ERASE) is drawn per
 image in every pipeline: the policy (augment_policy) on the uint8 image after the crop and flip,
@@ -26,6 +27,8 @@ import torch
 import torchvision.io as tio
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop, v2
+
+from distribuuuu.data.recipe import Recipe, interpolate_mode
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 
@@ -136,30 +139,41 @@ def per_image(policy: Callable[[torch.Tensor], torch.Tensor], images: torch.Tens
 # ---------------------------------------------------------------------------------------------
 # Per-sample recipes (TRAIN.IMAGE_DECODE pil, and the DataLoader path of small images)
 # ---------------------------------------------------------------------------------------------
-def folder_transform(train: bool, im_size: int, test_im_size: int, chans: int,
-                     policy: v2.Transform | None = None, erase: float = 0.0) -> v2.Compose:
-    """ImageNet recipe on PIL images: RandomResizedCrop + flip, or Resize + CenterCrop; when train,
-    the policy on the uint8 tensor (as the fast path) and erasing with probability erase at the end."""
+def folder_transform(train: bool, im_size: int, test_im_size: int, chans: int, policy: v2.Transform | None = None,
+                     erase: float = 0.0, recipe: Recipe = Recipe()) -> v2.Compose:
+    """The recipe (default: ImageNet's) on PIL images: RandomResizedCrop + flip, or Resize + CenterCrop;
+    when train, the policy on the uint8 tensor (as the fast path) and erasing with probability erase at the end."""
+    mode, flip = recipe.mode, recipe.flip_prob(True)
     if train:
-        geometry = [v2.RandomResizedCrop(im_size, antialias=True), v2.RandomHorizontalFlip()]
+        geometry = [v2.RandomResizedCrop(im_size, scale=recipe.folder_scale(), ratio=recipe.ratio,
+                                         interpolation=mode, antialias=True)]
+        geometry += [v2.RandomHorizontalFlip(flip)] if flip > 0 else []
     else:
-        geometry = [v2.Resize(test_im_size, antialias=True), v2.CenterCrop(im_size)]
+        resize = recipe.eval_resize(im_size, test_im_size)
+        geometry = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(im_size)]
     # PILToTensor, not ToImage: batches should hold plain tensors, not tv_tensors.Image.
-    stats = stats_for_channels(IMAGENET_STATS, chans)
+    stats = stats_for_channels(recipe.stats or IMAGENET_STATS, chans)
     return v2.Compose(geometry + [v2.PILToTensor()] + _augmented_float(train, stats, policy, erase))
 
 
 def small_image_transform(train: bool, im_size: int, native_size: int, pad: int, flip: bool,
-                          stats: Stats, policy: v2.Transform | None = None, erase: float = 0.0) -> v2.Compose:
-    """Pad-and-crop recipe on uint8 tensors [C, H, W]; resizes only when IM_SIZE is not native.
+                          stats: Stats, policy: v2.Transform | None = None, erase: float = 0.0,
+                          recipe: Recipe = Recipe()) -> v2.Compose:
+    """Pad-and-crop recipe on uint8 tensors [C, H, W] (RandomResizedCrop when recipe.scale is set);
+    resizes only when IM_SIZE is not native. flip: the source's (True: p 0.5) unless recipe.flip.
     When train, the policy follows the crop and flip, and erasing the normalization."""
     steps: list[v2.Transform] = []
-    if im_size != native_size:
-        steps.append(v2.Resize((im_size, im_size), antialias=True))
+    if train and recipe.scale is not None:  # the user's crop replaces the resize and the pad-and-crop
+        steps.append(v2.RandomResizedCrop(im_size, scale=recipe.scale, ratio=recipe.ratio,
+                                          interpolation=recipe.mode, antialias=True))
+    elif im_size != native_size:
+        steps.append(v2.Resize((im_size, im_size), interpolation=recipe.mode, antialias=True))
     if train:
-        steps.append(v2.RandomCrop(im_size, padding=pad, fill=0))
-        if flip:
-            steps.append(v2.RandomHorizontalFlip())
+        if recipe.scale is None:
+            steps.append(v2.RandomCrop(im_size, padding=pad, fill=0))
+        p = recipe.flip_prob(flip)
+        if p > 0:
+            steps.append(v2.RandomHorizontalFlip(p))
     return v2.Compose(steps + _augmented_float(train, stats, policy, erase))
 
 
@@ -218,8 +232,6 @@ def match_channels(images: torch.Tensor, chans: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
-_RRC_SCALE, _RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # torchvision's RandomResizedCrop defaults
-
 
 # Decoding at 1/2 goes through PIL, whose decoder is slower than decode_jpeg's: on ~500x375 JPEGs
 # a half-size PIL decode took as long as a full-size decode_jpeg (benchmarks/overhead.py, jpeg),
@@ -275,15 +287,14 @@ def decode(data: bytes, mode: str, reduce: int = 1) -> torch.Tensor:
 
 
 def resized_crop(image: torch.Tensor, top: int, left: int, height: int, width: int, size: int,
-                 flip: bool = False) -> torch.Tensor:
-    """Crop a uint8 [C, H, W] image, resize it to size x size (bilinear, antialiased, as PIL's)
-    and maybe mirror it. The result is uint8 [C, size, size] in channels-last strides: collate
-    and BatchNormalize copy it anyway, and turn it into the usual layout on the way."""
+                 flip: bool = False, recipe: Recipe = Recipe()) -> torch.Tensor:
+    """Crop a uint8 [C, H, W] image, resize it to size x size (the recipe's interpolation, antialiased
+    as PIL's; bilinear by default) and maybe mirror it. The result is uint8 [C, size, size] in
+    channels-last strides: collate and BatchNormalize copy it anyway, into the usual layout."""
     crop = image[None, :, top:top + height, left:left + width]
     # torch's uint8 antialiased kernel is fastest on channels_last; the crop is copied once here.
     crop = crop.contiguous(memory_format=torch.channels_last)
-    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
-                                          align_corners=False)[0]
+    out = torch.nn.functional.interpolate(crop, size=(size, size), **interpolate_mode(recipe))[0]
     return out.flip(-1) if flip else out
 
 
@@ -329,21 +340,22 @@ class FastTrainDecode:
     full output resolution there (decode_scale).
     """
 
-    def __init__(self, size: int, mode: str) -> None:
-        self.size, self.mode = size, mode
+    def __init__(self, size: int, mode: str, recipe: Recipe = Recipe()) -> None:
+        self.size, self.mode, self.recipe = size, mode, recipe
+        self.scale, self.flip = list(recipe.folder_scale()), recipe.flip_prob(True)
 
     def __call__(self, path: str) -> torch.Tensor:
         data = _read(path)
         width, height = image_size(data)
         # get_params only reads the size: a stride-0 view of one element stands for the image.
         shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)
-        top, left, h, w = RandomResizedCrop.get_params(shape_only, list(_RRC_SCALE), list(_RRC_RATIO))
+        top, left, h, w = RandomResizedCrop.get_params(shape_only, self.scale, list(self.recipe.ratio))
         image = decode(data, self.mode, decode_scale(data, width, height, w, h, self.size))
         if image.shape[1:] != (height, width):  # decoded at reduced scale: scale the crop box too
             sy, sx = image.shape[1] / height, image.shape[2] / width
             top, left = round(top * sy), round(left * sx)
             h, w = min(max(1, round(h * sy)), image.shape[1] - top), min(max(1, round(w * sx)), image.shape[2] - left)
-        return resized_crop(image, top, left, h, w, self.size, flip=bool(torch.rand(1) < 0.5))
+        return resized_crop(image, top, left, h, w, self.size, bool(torch.rand(1) < self.flip), self.recipe)
 
 
 class FastEvalDecode:
@@ -351,15 +363,16 @@ class FastEvalDecode:
     folder_transform(train=False); JPEGs at least twice resize_to on the shorter side may be decoded
     at reduced scale (decode_scale)."""
 
-    def __init__(self, resize_to: int, crop: int, mode: str) -> None:
-        self.resize_to, self.crop, self.mode = resize_to, crop, mode
+    def __init__(self, resize_to: int, crop: int, mode: str, recipe: Recipe = Recipe()) -> None:
+        self.resize_to, self.crop, self.mode, self.recipe = resize_to, crop, mode, recipe
 
     def __call__(self, path: str) -> torch.Tensor:
         data = _read(path)
         width, height = image_size(data)
         short = min(width, height)
         image = decode(data, self.mode, decode_scale(data, width, height, short, short, self.resize_to))
-        image = v2.functional.resize(image, self.resize_to, antialias=True)
+        image = v2.functional.resize(image, self.resize_to, interpolation=self.recipe.mode,
+                                     antialias=self.recipe.antialias)
         return v2.functional.center_crop(image, [self.crop, self.crop]).contiguous()
 
 

@@ -89,6 +89,7 @@ def classes_and_transform(cfg: Any) -> tuple[list[str], Callable[[str], Any]]:
     from torchvision.transforms import v2
 
     from distribuuuu.data import build_dataset, sources, transforms
+    from distribuuuu.data.recipe import recipe_of
 
     chans = cfg.MODEL.IN_CHANS
     if chans not in (1, 3):
@@ -100,7 +101,8 @@ def classes_and_transform(cfg: Any) -> tuple[list[str], Callable[[str], Any]]:
             classes = sources.folder_classes(train_dir)
         else:  # a machine without the training images: numbers instead of names
             classes = [str(c) for c in range(cfg.MODEL.NUM_CLASSES)]
-        tf = transforms.folder_transform(False, cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE, chans)
+        # The run's eval recipe (TEST.CROP_PCT, interpolation, mean/std), as evaluation uses it.
+        tf = transforms.folder_transform(False, cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE, chans, recipe=recipe_of(cfg))
         return classes, lambda path: tf(sources.open_image(path, mode))
     dataset = build_dataset(cfg, train=False)
     tf = getattr(dataset, "transform", None)
