@@ -31,8 +31,24 @@ from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for 
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says what the default is
+    (an option whose default is None must say it in words: "None" tells the user nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action) or text
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad arguments as UserError (exit 2, one message) instead of printing usage."""
+    """argparse that reports bad arguments as UserError (exit 2, one message) instead of printing usage,
+    and whose --help shows every option's default."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
@@ -40,11 +56,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
     parser.add_argument("--cfg", dest="cfg_file", default=None,
-                        help="YAML config file, or a shipped config's name (`distribuuuu config --list`)")
+                        help="YAML config file, or a shipped config's name (`distribuuuu config --list`); "
+                             "default: none, the built-in defaults")
     if with_nproc:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
-                                 "('auto': one per GPU, else one per CPU core)")
+                                 "('auto': one per GPU, else one per CPU core); default: none, one process "
+                                 "(or what torchrun / srun started)")
         parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
                             help="with --nproc-per-node: the rendezvous port (default: MASTER_PORT if "
                                  "set, else a free one); a port in use is replaced by a free one")
@@ -54,7 +72,8 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
                         help=argparse.SUPPRESS)
     parser.add_argument("--import", dest="imports", action="append", default=None, metavar="MODULE",
                         help="import MODULE (a dotted name or a .py file) in every process before the model "
-                             "and data are built, e.g. to register a timm model; repeatable, adds to IMPORTS")
+                             "and data are built, e.g. to register a timm model; repeatable, adds to IMPORTS "
+                             "(default: none beyond the config's IMPORTS)")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config")
 
 
@@ -71,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_parser = sub.add_parser("data", help="dataset utilities")
     data_sub = data_parser.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
-    export.add_argument("source", choices=["mnist5k"])
+    export.add_argument("source", choices=["mnist5k"], metavar="SOURCE", help="the built-in dataset to write: mnist5k")
     export.add_argument("dest", help="output folder (gets train/<class>/*.png and val/<class>/*.png)")
     _add_tool_parsers(sub)
     return parser
@@ -89,9 +108,11 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
                             "in blocks chosen by torch.utils.benchmark.Timer)")
     bench.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     bench.add_argument("--scaling", default=None, metavar="LIST",
-                       help="process counts such as 1,2,4: train the same short run with each")
+                       help="process counts such as 1,2,4: train the same short run with each (default: none, "
+                            "no scaling sweep)")
     bench.add_argument("--compare", default=None, metavar="LIST",
-                       help="methods such as single,dp,ddp,ddp+amp: train the same short job each way")
+                       help="methods such as single,dp,ddp,ddp+amp: train the same short job each way "
+                            "(default: none, no comparison)")
     bench.add_argument("--epochs", type=int, default=None,
                        help="epochs of each run: --scaling times the last (default 1), --compare all but "
                             "the first (default 2)")
@@ -265,7 +286,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     if argv and argv[0] in TOOLS:
         argv = [argv[0], *_options_first(argv[1:])]
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (bad arguments raise UserError): printed; main returns the status
+        return int(e.code or 0)
     if getattr(args, "imports", None):  # --import M: an IMPORTS override, so spawned ranks get it too
         from distribuuuu import config
 

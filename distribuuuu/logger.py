@@ -31,8 +31,12 @@ PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
 # metrics.csv columns, in this order; keys a record brings beyond these are appended.
 CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "top5", "topk", "n", "lr", "img_per_s",
                "time_s", "data_frac", "peak_mem_mb"]
-# The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch.
+# The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch. The "top5" field
+# holds top-TRAIN.TOPK (its name is kept in metrics.jsonl/csv for the tools and scripts that read
+# it; the "topk" field says k); its TensorBoard tag names the real k: <split>/top<k>.
 TB_KEYS = ("loss", "top1", "top5", "lr", "img_per_s", "data_frac", "peak_mem_mb")
+# Every TRAIN.PRINT_FREQ iterations, against the global step: train_step/<key> (Progress's numbers).
+STEP_KEYS = ("loss", "top1", "topk", "lr", "img_per_s")
 
 
 def _to_console(record: logging.LogRecord) -> bool:
@@ -90,7 +94,8 @@ class MetricsWriter:
     """Rank 0 appends each record to OUT_DIR/metrics.jsonl and metrics.csv, and writes its numbers
     as TensorBoard scalars to OUT_DIR/tb (records with an epoch only). Other ranks: no-op."""
 
-    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True) -> None:
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, topk: int = 5) -> None:
+        self.topk = topk  # TRAIN.TOPK: names the tag of the "top5" field
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.csv_path = os.path.join(out_dir, "metrics.csv")
         self.tb_dir = os.path.join(out_dir, "tb")
@@ -127,21 +132,43 @@ class MetricsWriter:
         with open(self.csv_path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=header).writerow(record)
 
-    def _write_tb(self, record: dict[str, Any]) -> None:
-        if self._tb is None:
+    def _events(self) -> Any:
+        """The SummaryWriter, made on first use; None without TensorBoard."""
+        if self._tb is None and self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # tensorboard is a dependency; a broken install only costs the events
                 logging.getLogger(LOGGER_NAME).warning("no TensorBoard events: %s", e)
                 self.tensorboard = False
-                return
+                return None
             self._tb = SummaryWriter(self.tb_dir)
+        return self._tb
+
+    def tag(self, split: str, key: str) -> str:
+        """The TensorBoard tag of a record's number: the top-k field is named by its real k."""
+        return f"{split}/top{self.topk}" if key in ("top5", "topk") else f"{split}/{key}"
+
+    def write_step(self, step: int, scalars: dict[str, float]) -> None:
+        """Per-step TensorBoard scalars (train_step/loss, lr, img_per_s, top1, top<k>) against the
+        global step; not flushed here (the epoch's record flushes), so a print step costs little."""
+        tb = self._events() if self.enabled else None
+        if tb is None:
+            return
+        for key in STEP_KEYS:
+            value = scalars.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                tb.add_scalar(self.tag("train_step", key), value, step)
+
+    def _write_tb(self, record: dict[str, Any]) -> None:
+        tb = self._events()
+        if tb is None:
+            return
         split = record.get("split", "train")
         for key in TB_KEYS:
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(f"{split}/{key}", value, record["epoch"])
-        self._tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
+                tb.add_scalar(self.tag(split, key), value, record["epoch"])
+        tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
 
     def close(self) -> None:
         if self._tb is not None:
@@ -200,6 +227,23 @@ class MetricsWriter:
         w.writeheader()
         w.writerows(records)
         atomic_write_bytes(self.csv_path, text.getvalue().encode())
+
+
+EVAL_RECORDS = "eval.jsonl"  # `eval` records: apart from metrics.jsonl, whose lines are the run's epochs
+
+
+def write_eval_record(out_dir: str, record: dict[str, Any], enabled: bool) -> str:
+    """Rank 0 appends an ``eval`` record to OUT_DIR/eval.jsonl; returns that path.
+
+    Kept out of metrics.jsonl so that a training run's records stay one per epoch and split: plot,
+    bench --compare and resume's repair read metrics.jsonl only, and an eval into a run folder
+    must not change what they see."""
+    path = os.path.join(out_dir, EVAL_RECORDS)
+    if enabled:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+    return path
 
 
 def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
@@ -291,13 +335,15 @@ class Progress:
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
 
     def step(self, it: int, data_s: float, batch: int, lr: float,
-             running: Callable[[], dict[str, float]]) -> None:
+             running: Callable[[], dict[str, float]]) -> dict[str, float] | None:
+        """Count an iteration; on print steps (rank 0) log a line and return its numbers
+        (loss, top1, topk, lr, img_per_s: the per-step TensorBoard scalars), else None."""
         self.window_iters += 1
         self.window_data += data_s
         if self.bar is not None:
             self.bar.update(1)
         if not self.enabled or ((it + 1) % self.freq and it + 1 != self.iters):
-            return
+            return None
         stats = running()
         step_s = (time.perf_counter() - self.window_start) / self.window_iters
         left = (self.iters - it - 1) + (self.max_epoch - self.epoch - 1) * self.iters
@@ -314,6 +360,7 @@ class Progress:
             lr, img_s, extra={"console": self.bar is None},
         )
         self._reset_window()
+        return {"loss": stats["loss"], "top1": stats["top1"], "topk": stats["top5"], "lr": lr, "img_per_s": img_s}
 
     def close(self) -> None:
         """End of the epoch: the bar stays on screen, finished."""

@@ -1,7 +1,9 @@
-"""The run folder's record of what ran where: OUT_DIR/env.json and OUT_DIR/model.txt.
+"""The run folder's record of what ran where: OUT_DIR/env.json, env_history.jsonl and model.txt.
 
 env.json: library versions, the git commit of the code, every rank's host and device, world size,
-backend, launcher, start time and command line. model.txt: a per-parameter table (name, shape,
+backend, launcher, start time, command line and the run's seed, of the latest start (one JSON
+object, as before: tools read it). env_history.jsonl gets the same object as one line at every
+start, so a resumed run keeps the record of each of its starts. model.txt: a per-parameter table (name, shape,
 count), the totals, the size in MB and the FLOPs of one image at TRAIN.IM_SIZE.
 
 ``write_run_record`` gathers every rank's host name, so ALL ranks must call it; rank 0 writes.
@@ -83,11 +85,16 @@ def _command_line() -> str:
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
 
 
-def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]]) -> dict[str, Any]:
+ENV_HISTORY = "env_history.jsonl"
+
+
+def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]],
+               seed: int | None = None) -> dict[str, Any]:
     """The facts of this start of the run (a resumed run records its new start)."""
     cuda = torch.version.cuda if torch.cuda.is_available() else None
     return {
         "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "seed": seed, "rng_seed_given": cfg.RNG_SEED is not None,
         "command": _command_line(),
         "argv": list(sys.argv), "cwd": os.getcwd(), "executable": sys.executable,
         "out_dir": os.path.abspath(cfg.OUT_DIR),
@@ -159,16 +166,52 @@ def model_table(model: torch.nn.Module, cfg: CfgNode) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> None:
-    """Write OUT_DIR/env.json and OUT_DIR/model.txt. Call on ALL ranks (host names are gathered);
-    model is the bare module (models.unwrap)."""
+def previous_seed(cfg: CfgNode) -> int | None:
+    """With RNG_SEED None, the seed of the run that TRAIN.AUTO_RESUME will continue (from its
+    env.json), so the resumed run shuffles as it began; None for a fresh run or a given RNG_SEED."""
+    ckpt_dir = os.path.join(cfg.OUT_DIR, "checkpoints")
+    if cfg.RNG_SEED is not None or not cfg.TRAIN.AUTO_RESUME or not os.path.isdir(ckpt_dir):
+        return None
+    if not any(name.endswith(".pth") for name in os.listdir(ckpt_dir)):
+        return None
+    try:
+        with open(os.path.join(cfg.OUT_DIR, "env.json")) as f:
+            seed = json.load(f).get("seed")
+    except (OSError, ValueError, AttributeError):
+        return None  # the checkpoint's own seed is applied on resume (engine.state)
+    return seed if isinstance(seed, int) else None
+
+
+def correct_seed(out_dir: str, seed: int) -> None:
+    """Rank 0, on resume: this start's env.json and last env_history.jsonl line name the seed the
+    run goes on with (the checkpoint's, when env.json did not hand it over before the data was built)."""
+    path, history = os.path.join(out_dir, "env.json"), os.path.join(out_dir, ENV_HISTORY)
+    with open(path) as f:
+        record = json.load(f)
+    record["seed"] = seed
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    with open(history) as f:
+        lines = f.read().splitlines()
+    lines[-1] = json.dumps(record)  # this start's line: written by write_run_record moments ago
+    with open(history, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module, seed: int | None = None) -> None:
+    """Write OUT_DIR/env.json, append to env_history.jsonl, write model.txt. Call on ALL ranks
+    (host names are gathered); model is the bare module (models.unwrap)."""
     placements = gather_placements(ctx)
     if not ctx.is_main:
         return
     os.makedirs(cfg.OUT_DIR, exist_ok=True)
+    record = env_record(cfg, ctx, placements, seed)
     with open(os.path.join(cfg.OUT_DIR, "env.json"), "w") as f:
-        json.dump(env_record(cfg, ctx, placements), f, indent=2)
+        json.dump(record, f, indent=2)
         f.write("\n")
+    with open(os.path.join(cfg.OUT_DIR, ENV_HISTORY), "a") as f:  # one line per start, never rewritten
+        f.write(json.dumps(record) + "\n")
     table = model_table(model, cfg)
     with open(os.path.join(cfg.OUT_DIR, "model.txt"), "w") as f:
         f.write(table)

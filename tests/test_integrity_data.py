@@ -20,7 +20,8 @@ from distribuuuu import data, models
 from distribuuuu.config import load_config
 from distribuuuu.data import integrity, sources, transforms
 from distribuuuu.errors import UserError
-from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, write_image_tree
+from distribuuuu.logger import read_jsonl
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, write_image_tree
 
 
 def _tree(root, train=None, val=None) -> str:
@@ -187,7 +188,7 @@ def test_unreadable_eval_images_are_left_out_and_counted_with_1_and_2_processes(
     for spawn in ([], ["--nproc-per-node", "2"]):  # one plain process, then two
         out = str(tmp_path / f"eval{len(spawn)}")
         proc = check(distribuuuu("eval", *spawn, *args, "MODEL.WEIGHTS", weights, "OUT_DIR", out))
-        records.append(read_metrics(out)[-1])
+        records.append(read_jsonl(os.path.join(out, "eval.jsonl"))[-1])  # eval records: eval.jsonl
         logs += open(os.path.join(out, "log.txt")).read() + proc.stderr
     # n: the 10 distinct readable images (12 if another sample had stood in for each bad one)
     assert [(r["split"], r["n"], r["bad_images"]) for r in records] == [("val", 10, 2), ("val", 10, 2)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from distribuuuu.logger import read_jsonl
 from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
@@ -56,7 +57,7 @@ def _eval(out_dir, weights, nproc):
     if nproc > 1:
         args[1:1] = ["--nproc-per-node", str(nproc)]
     check(distribuuuu(*args))
-    return read_metrics(out_dir)[-1]
+    return read_jsonl(os.path.join(out_dir, "eval.jsonl"))[-1]  # eval writes eval.jsonl, not metrics.jsonl
 
 
 def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from distribuuuu import data
 from distribuuuu.data import sources, split, transforms
 from distribuuuu.data.loaders import SplitPart
 from distribuuuu.errors import UserError
+from distribuuuu.logger import read_jsonl
 from tests.conftest import (TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, write_fake_cifar10,
                             write_image_tree)
 
@@ -190,6 +193,7 @@ def test_best_on_valid_then_one_test_of_best_pth_at_the_end(tmp_path):
     best_epoch = max(vals, key=lambda m: (m["top1"], -m["epoch"]))["epoch"]  # the first of the best
     assert tests[0]["epoch"] == best_epoch and tests[0]["n"] == 50 and tests[0]["weights"] == "best.pth"
     ev = check(distribuuuu("eval", "--cfg", TINY, "OUT_DIR", out))  # best.pth, on TEST (not the held-out part)
-    record = read_metrics(out)[-1]
+    assert read_metrics(out)[-1] == tests[0]  # eval leaves the run's metrics.jsonl alone
+    record = read_jsonl(os.path.join(out, "eval.jsonl"))[-1]
     assert record["n"] == 50 and record["top1"] == tests[0]["top1"] and record["loss"] == pytest.approx(tests[0]["loss"], rel=1e-5)
     assert "best.pth" in ev.stdout

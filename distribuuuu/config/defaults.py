@@ -250,7 +250,7 @@ _C.DIST.FIND_UNUSED_PARAMETERS = False
 _C.OUT_DIR = "./exp"
 # File name of the full config written into OUT_DIR
 _C.CFG_DEST = "config.yaml"
-# Seed of every RNG (None: a fresh random seed, logged so the run can be repeated)
+# Seed of every RNG and of the shuffle (None: a fresh seed, logged and kept in env.json and checkpoints; resume keeps it)
 _C.RNG_SEED = None
 # Device: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'
 _C.DEVICE = "auto"

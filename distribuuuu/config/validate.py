@@ -32,7 +32,8 @@ PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
 # What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
 RUN_FOLDER_NAMES = ("checkpoints", "log.txt", "metrics.jsonl", "metrics.csv", "tb", "config_diff.yaml",
-                    "env.json", "model.txt", "run.lock", "plots", "bench", "export")
+                    "env.json", "env_history.jsonl", "eval.jsonl", "metrics_dropped.jsonl", "model.txt", "run.lock",
+                    "plots", "bench", "export")
 
 _POSITIVE = ("MODEL.NUM_CLASSES", "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE",
              "TEST.IM_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",

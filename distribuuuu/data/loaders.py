@@ -300,7 +300,9 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
 
     A DataLoader, or (TRAIN.DATA_PIPELINE) a MemoryLoader with the same order and interface.
     """
-    seed = cfg.RNG_SEED or 0
+    # The engine passes a cfg whose RNG_SEED is the run's seed (drawn when the user gave None:
+    # engine.state.seeded_cfg), so the logged seed repeats the shuffle; a tool without one gets 0.
+    seed = cfg.RNG_SEED if cfg.RNG_SEED is not None else 0
     part = "train" if cfg.TRAIN.VAL_SPLIT else None
     _note_unaugmented(cfg, rank)
     if rank == 0:

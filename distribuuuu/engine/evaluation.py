@@ -23,7 +23,7 @@ from distribuuuu.dist.group import DistContext
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
-from distribuuuu.logger import MetricsWriter
+from distribuuuu.logger import write_eval_record
 from distribuuuu.metrics import Counter
 
 if TYPE_CHECKING:
@@ -130,5 +130,5 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
              result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"],
              time.perf_counter() - start)
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
-    MetricsWriter(cfg.OUT_DIR, ctx.is_main).write(record)
+    write_eval_record(cfg.OUT_DIR, record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
     return record

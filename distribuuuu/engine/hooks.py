@@ -119,15 +119,20 @@ def nonfinite_advice(cfg: CfgNode) -> str:
 
 
 class MetricsHook(HookBase):
-    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (logger.MetricsWriter)."""
+    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (logger.MetricsWriter),
+    and every TRAIN.PRINT_FREQ iterations the printed numbers as TensorBoard scalars by global step."""
 
     def before_fit(self, trainer: Trainer) -> None:
         out_dir = trainer.cfg.OUT_DIR
         if not trainer.resumed and trainer.ctx.is_main and (moved := run_folder.set_aside_records(out_dir)):
             log.warning(moved)  # a fresh start: records of an earlier run are kept, not appended to
-        self.writer = MetricsWriter(out_dir, trainer.ctx.is_main)
+        self.writer = MetricsWriter(out_dir, trainer.ctx.is_main, topk=trainer.cfg.TRAIN.TOPK)
         if trainer.resumed:  # a torn last line, and records of epochs the checkpoint does not hold: moved
             self.writer.repair(trainer.state.epoch)
+
+    def after_step(self, trainer: Trainer) -> None:
+        if trainer.step_scalars is not None:  # a print step of rank 0
+            self.writer.write_step(trainer.state.global_step, trainer.step_scalars)
 
     def after_epoch(self, trainer: Trainer) -> None:
         state = trainer.state

@@ -5,7 +5,8 @@ A checkpoint is a plain dict (the files themselves: checkpoint.py):
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
   cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank), world_size,
-  train_sums (metrics of the part-done epoch), facts (the data's sizes).
+  train_sums (metrics of the part-done epoch), facts (the data's sizes), seed (the run's seed:
+  RNG_SEED, or the one drawn when it is None).
 Saving is collective (every rank calls ``save_run``); only rank 0 writes the .pth file.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, models, resume_check
+from distribuuuu import checkpoint, models, resume_check, summary
 from distribuuuu.dist import comm
 
 if TYPE_CHECKING:
@@ -61,16 +62,33 @@ class CheckpointTimer:
         self.last = time.monotonic()
 
 
-def seed_everything(cfg: CfgNode, rank: int) -> int:
-    """Seed python/numpy/torch with RNG_SEED + rank (augmentations differ per rank); return the seed."""
+def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int:
+    """Seed python/numpy/torch with the run's seed + rank (augmentations differ per rank); return the seed.
+
+    The seed is RNG_SEED, else ``previous`` (the seed a resumed run started with), else a fresh
+    one drawn by rank 0 and broadcast. Everything seeded from it (the sampler's shuffle, the loader
+    workers) uses this one value, so the seed that is logged repeats the run as RNG_SEED."""
     seed = cfg.RNG_SEED
     if seed is None:
-        seed = comm.broadcast_object(random.SystemRandom().randrange(2**31))
-        log.info("RNG_SEED is None: using seed %d (pass RNG_SEED %d to repeat this run)", seed, seed)
+        seed = comm.broadcast_object(previous if previous is not None else random.SystemRandom().randrange(2**31))
+        how = "the seed of the run being resumed" if previous is not None else "using seed"
+        log.info("RNG_SEED is None: %s %d (pass RNG_SEED %d to repeat this run)", how, seed, seed)
     random.seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)
     return seed
+
+
+def seeded_cfg(cfg: CfgNode, seed: int) -> CfgNode:
+    """cfg with RNG_SEED set to the run's seed, for what draws from it (the data's shuffle and
+    workers); the run's own cfg keeps None, so config.yaml and resume checks see what the user gave."""
+    if cfg.RNG_SEED == seed:
+        return cfg
+    seeded = cfg.clone()
+    seeded.defrost()
+    seeded.RNG_SEED = seed
+    seeded.freeze()
+    return seeded
 
 
 def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor | None = None) -> None:
@@ -83,7 +101,7 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
         train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
     counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
     record = {**trainer.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rng,
-              "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts}
+              "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": trainer.seed}
     shards = checkpoint.checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
     entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, shards)
     record.update(entries)
@@ -94,6 +112,18 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
             path = checkpoint.save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
             log.info("saved %s%s", path, " (best)" if is_best else "")
     comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
+
+
+def _keep_seed(trainer: Trainer, seed: int | None) -> None:
+    """A resumed run shuffles with the seed it started with (RNG_SEED None: env.json normally hands
+    it over before the data is built; this covers a run folder whose env.json is gone)."""
+    if seed is None or seed == trainer.seed:
+        return
+    log.warning("resume: the checkpoint's run used seed %d, not %d: its shuffle continues", seed, trainer.seed)
+    trainer.seed = seed
+    trainer.train_loader.sampler.seed = seed
+    if trainer.ctx.is_main:
+        summary.correct_seed(trainer.cfg.OUT_DIR, seed)
 
 
 def resume_run(trainer: Trainer) -> dict[str, Any] | None:
@@ -113,6 +143,8 @@ def resume_run(trainer: Trainer) -> dict[str, Any] | None:
     for key in TrainState.COUNTERS:
         setattr(state, key, ckpt.get(key, getattr(state, key)))
     state.resumed_sums = ckpt.get("train_sums")
+    # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
+    _keep_seed(trainer, ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
     saved_world = ckpt.get("world_size", ctx.world_size)
     if saved_world == ctx.world_size:
         checkpoint.set_rng_state(ckpt["rng"][ctx.rank])

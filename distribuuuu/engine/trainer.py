@@ -1,6 +1,6 @@
 """The training loop, readable top to bottom: ``fit(cfg, ctx, hooks=()) -> summary``.
 
-  1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged)
+  1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged; a resumed run keeps its seed)
   2. model: build_model -> the strategy wraps it (SyncBN, device, channels_last, activation
      checkpointing, DDP / FSDP / DataParallel, torch.compile) -> its optimizer -> the Stepper
      (AMP, accumulation, mixup, clipping, non-finite check, EMA)
@@ -27,12 +27,12 @@ from distribuuuu.dist import comm
 from distribuuuu.dist.group import DistContext
 from distribuuuu.engine import evaluation, hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
-from distribuuuu.engine.state import TrainState, resume_run, seed_everything
+from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper
 from distribuuuu.errors import UserError
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
-from distribuuuu.summary import write_run_record
+from distribuuuu.summary import previous_seed, write_run_record
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -40,6 +40,7 @@ log = logging.getLogger(LOGGER_NAME)
 class Trainer:
     """The run and its loop. Hooks read: cfg, ctx, strategy, model (wrapped), optimizer, stepper,
     state (TrainState), train_loader / val_loader / test_loader, step_out (the last MicroStep),
+    step_scalars (rank 0's printed numbers on TRAIN.PRINT_FREQ iterations, else None), seed,
     counter (the epoch's running sums), train_metrics (the last epoch's, reduced over ranks),
     eval_split / eval_records / is_best (the last evaluation), summary (after the loop); and they
     may set stop_reason, which ends the run after the current epoch."""
@@ -54,7 +55,9 @@ class Trainer:
         self.stop_reason = ""  # a hook sets it to end the run after this epoch
         self.wall_start = time.perf_counter()
         self.resumed = False
+        self.seed = 0  # the run's seed (RNG_SEED, or the one drawn for None): fit() sets it
         self.step_out: MicroStep | None = None
+        self.step_scalars: dict[str, float] | None = None  # rank 0, on print steps: Progress's numbers
         self.train_metrics: dict[str, float] = {}
         self.counter: Counter | None = None
         self.epoch_samples = 0
@@ -77,7 +80,7 @@ class Trainer:
         self.stepper = Stepper(cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy)
 
     def build_data(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx = seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT:
@@ -107,9 +110,9 @@ class Trainer:
         """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
         cfg, state = self.cfg, self.state
         self.wall_start = time.perf_counter()
-        seed_everything(cfg, self.ctx.rank)
+        self.seed = seed_everything(cfg, self.ctx.rank, previous_seed(cfg) if self.ctx.is_main else None)
         bare = models.build_model(cfg)
-        write_run_record(cfg, self.ctx, bare)  # env.json, model.txt (before sharding); a collective
+        write_run_record(cfg, self.ctx, bare, self.seed)  # env.json, model.txt (before sharding); a collective
         self.build_model(bare)
         self.build_data()
         self.log_facts()
@@ -180,7 +183,7 @@ class Trainer:
                         first_step_s = time.perf_counter() - tick
                         log.info("torch.compile + first step: %.1fs (left out of img/s)", first_step_s)
                 # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
-                progress.step(it, data_s, images.size(0), lr, counter.result)
+                self.step_scalars = progress.step(it, data_s, images.size(0), lr, counter.result)
                 self.call("after_step")  # step checkpoints, stop signals (at optimizer-step boundaries)
                 tick = time.perf_counter()
         finally:
