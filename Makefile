@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Two processes on CPU; one per GPU when there are GPUs.
 NPROC  ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
 
-.PHONY: demo test test-fast venv clean images
+.PHONY: demo test test-fast venv clean images readme
 
 venv: $(STAMP)
 
@@ -34,6 +34,11 @@ test-fast: $(STAMP)
 
 images: $(STAMP)
 	scripts/make_readme_images.sh
+
+# Run the README's commands in a new folder and rewrite its output blocks from what they print
+# (about 2 minutes on 2 cores); tests/test_readme.py runs the same and fails on drift.
+readme: $(STAMP)
+	$(PY) scripts/readme_outputs.py --write
 
 clean:
 	rm -rf runs .pytest_cache
