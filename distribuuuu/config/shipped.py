@@ -20,12 +20,19 @@ def shipped_names() -> list[str]:
 
 
 def first_comment(name: str) -> str:
-    """The first comment line of a shipped config (what the file is for), without its `#`."""
+    """The first sentence of a shipped config's leading comment (what the file is for), without `#`."""
+    words: list[str] = []
     with open(os.path.join(SHIPPED_DIR, name + ".yaml"), encoding="utf-8") as f:
         for line in f:
-            if line.lstrip().startswith("#"):
-                return line.strip().lstrip("#").strip()
-    return ""
+            if not line.lstrip().startswith("#"):
+                break
+            words.append(line.strip().lstrip("#").strip())
+    text = " ".join(w for w in words if w)
+    # A sentence ends at ". " or at a colon that introduces a command (the text before it is whole).
+    for end in (". ", ":  ", ": distribuuuu"):
+        if end in text:
+            text = text[:text.index(end) + 1]
+    return text.rstrip(":")
 
 
 def resolve(cfg_file: str) -> str:
