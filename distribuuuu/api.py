@@ -5,7 +5,7 @@
     cfg = config.load_config("config/synthetic_tiny.yaml", ["OUT_DIR", "runs/api"])
     summary = api.train(cfg)            # what `distribuuuu train` runs, in this process
     record = api.evaluate(cfg)          # what `distribuuuu eval` runs (OUT_DIR's best.pth)
-    model = api.load_model("runs/api/checkpoints/best.pth")   # an nn.Module in eval mode
+    loaded = api.load_model("runs/api/checkpoints/best.pth")   # .model (eval mode), .transform, .classes
 
 ``cfg`` is a yacs CfgNode from ``config.load_config(cfg_file, opts)`` (validated, frozen, the
 IMPORTS modules imported); a path to a YAML file is accepted as a shorthand for
@@ -26,13 +26,14 @@ from typing import Any, Sequence, Union
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, config, engine, models, preflight, run_folder
+from distribuuuu import config, engine, inference, preflight, run_folder
 from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
+from distribuuuu.inference import LoadedModel
 from distribuuuu.logger import LOGGER_NAME, setup_logging
 
-__all__ = ["train", "evaluate", "load_model", "run_command"]
+__all__ = ["train", "evaluate", "load_model", "run_command", "LoadedModel"]
 
 ConfigLike = Union[CfgNode, str, "os.PathLike[str]"]
 
@@ -103,42 +104,19 @@ def evaluate(cfg: ConfigLike) -> dict[str, Any]:
     return run_command("eval", _as_cfg(cfg))
 
 
-def _stored_cfg(ckpt: dict[str, Any], path: str) -> CfgNode:
-    """The run's config from a checkpoint, over today's defaults (keys added since keep their default)."""
-    if not isinstance(ckpt.get("cfg"), str):
-        raise UserError(f"{path} holds no run config: it is a plain state dict, not a distribuuuu checkpoint; "
-                        "build the model with config.load_config(...) and models.build_model(cfg) instead")
-    cfg = config.get_defaults()
-    try:
-        cfg.merge_from_other_cfg(CfgNode.load_cfg(ckpt["cfg"]))
-    except (KeyError, ValueError) as e:
-        raise UserError(f"the config stored in {path} does not fit this version of distribuuuu: {e}") from None
-    # The weights come from the checkpoint itself, never from a file the stored config names.
-    cfg.MODEL.WEIGHTS = ""
-    cfg.MODEL.PRETRAINED = False
-    cfg.freeze()
-    config.import_user_modules(cfg.IMPORTS)  # a model registered by the user's module is found by name
-    return cfg
+def load_model(checkpoint_path: str | os.PathLike[str], device: str | torch.device = "cpu",
+               ema: bool = False) -> LoadedModel:
+    """The model of a distribuuuu checkpoint, ready for inference, with its preprocessing.
 
+    Returns a LoadedModel: ``.model`` (eval mode, on device), ``.transform`` (PIL image -> the
+    model's input tensor, as evaluation prepares images), ``.classes`` (the name of each output),
+    ``.config`` (the run's config) and ``.card`` (the checkpoint's model card, model_card.py).
+    The architecture and the preprocessing come from the checkpoint's card (an older checkpoint:
+    from its stored config); the file is read with ``checkpoint.load`` (tensors only, integrity
+    digest verified). ema=True loads the EMA weights (TRAIN.EMA runs). A sharded FSDP checkpoint
+    (DIST.FSDP_STATE_DICT sharded) is refused: its weights are spread over a .dcp folder.
 
-def load_model(checkpoint_path: str, device: str | torch.device = "cpu", ema: bool = False) -> torch.nn.Module:
-    """The model of a distribuuuu checkpoint, with its weights, in eval mode on device.
-
-    The architecture comes from the config stored in the checkpoint; the file is read with
-    ``checkpoint.load`` (tensors only, integrity digest verified). ema=True loads the EMA weights
-    (TRAIN.EMA runs). A sharded FSDP checkpoint (DIST.FSDP_STATE_DICT sharded) is refused: its
-    weights are spread over a .dcp folder; evaluate it with ``evaluate`` or the CLI.
+        loaded = load_model("runs/api/checkpoints/best.pth")
+        probs = loaded.model(loaded.transform(image)[None]).softmax(1)
     """
-    path = os.fspath(checkpoint_path)
-    ckpt = checkpoint.load(path)
-    cfg = _stored_cfg(ckpt, path)
-    if ckpt.get("sharded"):
-        raise UserError(f"{path} is a sharded FSDP checkpoint (weights in {ckpt['sharded']}); load_model needs "
-                        "a whole one: train with DIST.FSDP_STATE_DICT full, or use evaluate()")
-    key = "ema" if ema else "model"
-    if ckpt.get(key) is None:
-        raise UserError(f"{path} holds no EMA weights (the run had TRAIN.EMA_DECAY 0)" if ema
-                        else f"{path} holds no model weights")
-    model = models.build_model(cfg)
-    model.load_state_dict(models.strip_wrapper_prefixes(ckpt[key]))  # strict: every tensor must fit
-    return model.to(device).eval()
+    return inference.load(os.fspath(checkpoint_path), device, ema)

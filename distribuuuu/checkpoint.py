@@ -8,7 +8,8 @@ and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
   model (state dict without any ``module.`` prefix), optimizer, epoch (epochs completed),
   samples_in_epoch (position in the epoch in progress, all ranks together), global_step,
   best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank),
-  world_size, train_sums (metrics of the part-done epoch).
+  world_size, train_sums (metrics of the part-done epoch), card (the model card: config, class names,
+  preprocessing; model_card.py), and the rest engine/state.py lists.
 Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``.
 Under DIST.STRATEGY fsdp the whole state is gathered on rank 0 into the same file (FSDP_STATE_DICT
 full; its optimizer state is keyed by parameter name), or (sharded) each rank writes its shards into

@@ -8,8 +8,11 @@
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
-    distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE ...   top-5 classes
+    distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ... [--output F.csv|F.json]
     distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
+
+eval, predict and export need no --cfg for a checkpoint of `distribuuuu train`: its stored config,
+class names and preprocessing are used (distribuuuu/inference.py); --cfg and KEY VALUE still win.
 
 --cfg takes a YAML file or the name of a shipped config (`--cfg mnist5k_fast`, from any folder);
 a file that exists wins. `distribuuuu --version` prints the version.
@@ -25,7 +28,7 @@ import importlib.metadata
 import os
 import signal
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
@@ -54,10 +57,14 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
-def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
+def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool, stored: bool = False,
+                  opts_help: str = "KEY VALUE pairs overriding the config") -> None:
+    """stored: the command reads a checkpoint, whose stored config is the default (inference.load_config)."""
+    default = ("the config stored in the checkpoint that MODEL.WEIGHTS names (else the built-in defaults)"
+               if stored else "the built-in defaults")
     parser.add_argument("--cfg", dest="cfg_file", default=None,
                         help="YAML config file, or a shipped config's name (`distribuuuu config --list`); "
-                             "default: none, the built-in defaults")
+                             f"default: none, {default}")
     if with_nproc:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
@@ -74,7 +81,7 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool) -> None:
                         help="import MODULE (a dotted name or a .py file) in every process before the model "
                              "and data are built, e.g. to register a timm model; repeatable, adds to IMPORTS "
                              "(default: none beyond the config's IMPORTS)")
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help=opts_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distribuuuu {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_cfg_args(sub.add_parser("train", help="train a model"), with_nproc=True)
-    _add_cfg_args(sub.add_parser("eval", help="evaluate MODEL.WEIGHTS on the val split"), with_nproc=True)
+    _add_cfg_args(sub.add_parser("eval", help="evaluate MODEL.WEIGHTS on the val split (without --cfg: with "
+                                 "the config stored in the checkpoint)"), with_nproc=True, stored=True)
     config_parser = sub.add_parser("config", help="print the merged, validated config as YAML")
     config_parser.add_argument("--list", dest="list_shipped", action="store_true",
                                help="list the shipped configs (usable as --cfg NAME) instead")
@@ -125,11 +133,20 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
                        help="--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native "
                             "bf16, else fp16)")
     bench.add_argument("--out", default=None, help="results folder (default OUT_DIR/bench)")
-    predict = sub.add_parser("predict", help="top-k classes of image files")
-    _add_cfg_args(predict, with_nproc=False)
+    predict = sub.add_parser("predict", help="top-k classes of image files, folders and globs (without --cfg: "
+                             "the checkpoint's config, class names and preprocessing)")
+    _add_cfg_args(predict, with_nproc=False, stored=True,
+                  opts_help="KEY VALUE pairs overriding the config, and the images: files, folders, 'globs'")
     predict.add_argument("--topk", type=int, default=5, help="how many classes to print per image")
-    export = sub.add_parser("export", help="TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked")
-    _add_cfg_args(export, with_nproc=False)
+    predict.add_argument("--output", default=None, metavar="FILE",
+                         help="write the predictions to FILE, CSV or JSON by its suffix (preds.csv, preds.json); "
+                              "default: none, a table on stdout")
+    predict.add_argument("--format", dest="fmt", default=None, choices=["csv", "json"],
+                         help="csv or json, whatever --output's suffix; without --output: to stdout "
+                              "(default: from --output's suffix)")
+    export = sub.add_parser("export", help="TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, "
+                            "each with the model card (without --cfg: the checkpoint's config)")
+    _add_cfg_args(export, with_nproc=False, stored=True)
     export.add_argument("--out", default=None, help="output folder (default OUT_DIR/export)")
     export.add_argument("--tol", type=float, default=1e-4, help="largest allowed |exported - eager| on the logits")
     export.add_argument("--batch", type=int, default=4, help="batch size of the check")
@@ -194,7 +211,7 @@ def _run_tool(args: argparse.Namespace) -> int:
     if args.command == "predict":
         from distribuuuu.tools import predict
 
-        return predict.main(args.cfg_file, opts, args.topk)
+        return predict.main(args.cfg_file, opts, args.topk, args.output, args.fmt)
     from distribuuuu.tools import export
 
     return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
@@ -243,15 +260,27 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     The work is api.run_command's (the Python API runs the same); here only the statuses: 0, or
     128 + signal after a preemption checkpoint. UserError and stop signals: see _guarded.
     """
-    from distribuuuu import api, config
+    from distribuuuu import api
     from distribuuuu.dist.signals import Preempted
 
-    cfg = config.load_config(cfg_file, opts)
+    cfg = command_config(command, cfg_file, opts)
     try:
         api.run_command(command, cfg)
     except Preempted as stop:
         return 128 + stop.signum  # "ended by this signal", after the checkpoint
     return 0
+
+
+def command_config(command: str, cfg_file: str | None, opts: list[str]) -> Any:
+    """train: --cfg and the overrides; eval: the same, or without --cfg the config stored with the
+    checkpoint that MODEL.WEIGHTS (or OUT_DIR's best.pth) names (inference.load_config)."""
+    if command == "eval":
+        from distribuuuu import inference
+
+        return inference.load_config(cfg_file, opts)
+    from distribuuuu import config
+
+    return config.load_config(cfg_file, opts)
 
 
 def _spawned(command: str, cfg_file: str | None, opts: list[str]) -> None:
@@ -312,13 +341,13 @@ def _main(argv: Sequence[str] | None) -> int:
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
-    from distribuuuu import config, preflight
+    from distribuuuu import preflight
     from distribuuuu.dist import launch, spawn
 
     if launch.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
-    cfg = config.load_config(args.cfg_file, opts)  # fail here, once, before any child starts
+    cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
     preflight.check(args.command, cfg, nproc)
     return spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
 

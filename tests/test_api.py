@@ -58,7 +58,7 @@ def test_train_evaluate_and_load_model_agree(tmp_path):
     record = api.evaluate(cfg)  # no MODEL.WEIGHTS: OUT_DIR's best.pth
     assert record["weights"] == str(best) and record["n"] == 50
 
-    model = api.load_model(str(best))
+    model = api.load_model(str(best)).model  # a LoadedModel: .model, .transform, .classes, .config, .card
     assert not model.training and next(model.parameters()).device.type == "cpu"
     loader = data.build_test_loader(cfg, 0, 1, torch.device("cpu"))
     correct = n = 0

@@ -6,7 +6,8 @@ A checkpoint is a plain dict (the files themselves: checkpoint.py):
   epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
   cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank), world_size,
   train_sums (metrics of the part-done epoch), facts (the data's sizes), seed (the run's seed:
-  RNG_SEED, or the one drawn when it is None).
+  RNG_SEED, or the one drawn when it is None), card (model_card.ModelCard.to_dict(): the config,
+  class names and preprocessing, for using the model from the file alone).
 Saving is collective (every rank calls ``save_run``); only rank 0 writes the .pth file.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, models, resume_check, summary
+from distribuuuu import checkpoint, model_card, models, resume_check, summary
 from distribuuuu.dist import comm
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
         train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
     counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
     record = {**trainer.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rng,
-              "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": trainer.seed}
+              "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": trainer.seed,
+              model_card.CARD_KEY: trainer.card.to_dict()}
     shards = checkpoint.checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
     entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, shards)
     record.update(entries)

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, models, optim, resume_check, strategies
+from distribuuuu import data, model_card, models, optim, resume_check, strategies
 from distribuuuu.dist import comm
 from distribuuuu.dist.group import DistContext
 from distribuuuu.engine import evaluation, hooks as hooks_
@@ -39,8 +39,9 @@ log = logging.getLogger(LOGGER_NAME)
 
 class Trainer:
     """The run and its loop. Hooks read: cfg, ctx, strategy, model (wrapped), optimizer, stepper,
-    state (TrainState), train_loader / val_loader / test_loader, step_out (the last MicroStep),
-    step_scalars (rank 0's printed numbers on TRAIN.PRINT_FREQ iterations, else None), seed,
+    state (TrainState), train_loader / val_loader / test_loader, card (the checkpoints' model card,
+    set with the data), step_out (the last MicroStep), step_scalars (rank 0's printed numbers on
+    TRAIN.PRINT_FREQ iterations, else None), seed,
     counter (the epoch's running sums), train_metrics (the last epoch's, reduced over ranks),
     eval_split / eval_records / is_best (the last evaluation), summary (after the loop); and they
     may set stop_reason, which ends the run after the current epoch."""
@@ -85,6 +86,8 @@ class Trainer:
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT:
             self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+        # What every checkpoint says about the model: class names of the data trained on, preprocessing
+        self.card = model_card.describe(self.cfg, self.train_loader.dataset)
 
     def log_facts(self) -> None:
         """The facts of the run, computed and logged once."""

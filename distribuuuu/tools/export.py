@@ -1,12 +1,17 @@
 """`distribuuuu export`: the trained model as TorchScript, ONNX and safetensors, each checked.
 
-    distribuuuu export --cfg FILE [--out DIR] [--tol 1e-4] [--batch 4] MODEL.WEIGHTS PATH [KEY VALUE ...]
+    distribuuuu export [--cfg FILE] [--out DIR] [--tol 1e-4] [--batch 4] MODEL.WEIGHTS PATH [KEY VALUE ...]
 
-Writes into --out (default OUT_DIR/export):
-  model.torchscript.pt  torch.jit.trace of the eval-mode model (load: torch.jit.load)
+Without --cfg the config stored in the checkpoint is used (inference.py). Writes into --out
+(default OUT_DIR/export; without --cfg, the checkpoint's run folder/export), each file carrying the
+model card (model_card.py: config, class names, preprocessing) as JSON:
+  model.torchscript.pt  torch.jit.trace of the eval-mode model (load: torch.jit.load; the card:
+                        torch.jit.load(path, _extra_files={"model_card.json": ""}))
   model.onnx            ONNX with a dynamic batch dimension, when the onnx package is installed
-  model.safetensors     the weights alone (load: MODEL.WEIGHTS model.safetensors, or safetensors.torch)
-  export.json           input shape, files and the differences measured below
+                        (the card: metadata_props "model_card")
+  model.safetensors     the weights alone (load: MODEL.WEIGHTS model.safetensors, or safetensors.torch;
+                        the card: safe_open(path, "pt").metadata()["model_card"])
+  export.json           input shape, files, the differences measured below and the card ("card")
 Each file is loaded back and run on a random batch (and on a batch of another size, which catches
 shapes baked into a trace); the largest absolute difference from the eager model's logits is
 printed, and the command exits with status 1 if one exceeds --tol. Exports run on the CPU.
@@ -21,7 +26,6 @@ import sys
 import warnings
 from typing import Any, Callable
 
-from distribuuuu import config
 from distribuuuu.errors import UserError
 from distribuuuu.tools.predict import resolve_weights
 
@@ -29,6 +33,8 @@ from distribuuuu.tools.predict import resolve_weights
 # predict.py); onnx, onnxruntime and safetensors too, being optional.
 
 DEFAULT_TOL = 1e-4  # absolute, on logits: float32 reorderings stay around 1e-6
+CARD_FILE = "model_card.json"  # the TorchScript archive's extra file holding the model card
+CARD_METADATA = "model_card"  # the safetensors metadata / ONNX metadata_props key holding it
 
 
 def _max_diff(run: Callable[[Any], Any], batches: list[Any], expected: list[Any]) -> float:
@@ -51,12 +57,24 @@ def _torchscript(model: Any, batches: list[Any], expected: list[Any], path: str)
     return _max_diff(loaded, batches, expected)
 
 
-def _safetensors(cfg: Any, model: Any, batches: list[Any], expected: list[Any], path: str) -> float:
+def _card_into_torchscript(path: str, card_json: str) -> None:
+    """Save the TorchScript file again with the card as its extra file model_card.json."""
+    import torch
+
+    if os.path.isfile(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.jit.load(path, map_location="cpu").save(path, _extra_files={CARD_FILE: card_json})
+
+
+def _safetensors(cfg: Any, model: Any, batches: list[Any], expected: list[Any], path: str,
+                 card_json: str = "") -> float:
     import safetensors.torch
 
     from distribuuuu import models
 
-    safetensors.torch.save_model(model, path)  # handles tensors shared between parameters
+    # save_model handles tensors shared between parameters; metadata is str -> str
+    safetensors.torch.save_model(model, path, metadata={CARD_METADATA: card_json})
     fresh_cfg = cfg.clone()
     fresh_cfg.defrost()
     fresh_cfg.MODEL.WEIGHTS = None
@@ -66,7 +84,8 @@ def _safetensors(cfg: Any, model: Any, batches: list[Any], expected: list[Any], 
     return _max_diff(fresh.eval(), batches, expected)
 
 
-def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tuple[float | None, str]:
+def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str,
+          card_json: str = "") -> tuple[float | None, str]:
     """(max diff or None, note). Skipped, with the reason, when a package it needs is missing."""
     import torch
 
@@ -82,6 +101,9 @@ def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tup
         return None, f"ONNX skipped: {e}"
     import onnx
 
+    proto = onnx.load(path, load_external_data=False)  # the card as a metadata property of the model
+    onnx.helper.set_model_props(proto, {CARD_METADATA: card_json})
+    onnx.save(proto, path)
     onnx.checker.check_model(path)
     if importlib.util.find_spec("onnxruntime") is None:
         return None, "ONNX written and checked by onnx.checker; outputs not compared: onnxruntime is not installed"
@@ -91,13 +113,16 @@ def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str) -> tup
     return _max_diff(lambda x: session.run(None, {"images": x.numpy()})[0], batches, expected), "onnxruntime"
 
 
-def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> dict[str, Any]:
-    """Write and check every format; returns what export.json holds."""
+def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4, card: Any = None) -> dict[str, Any]:
+    """Write and check every format; returns what export.json holds. card: the model card each file
+    carries (default: described from cfg, inference.card_from_config)."""
     cfg = resolve_weights(cfg, "export")
     import torch  # after the checks, which need no torch
 
-    from distribuuuu import models
+    from distribuuuu import inference, models
 
+    card = card or inference.card_from_config(cfg)
+    card_json = card.to_json()
     model = models.build_model(cfg).eval()  # CPU: a trace made on a GPU would only run there
     shape = (cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
     g = torch.Generator().manual_seed(0)
@@ -108,14 +133,16 @@ def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> 
     files = {"torchscript": os.path.join(out_dir, "model.torchscript.pt"),
              "safetensors": os.path.join(out_dir, "model.safetensors"),
              "onnx": os.path.join(out_dir, "model.onnx")}
-    diffs: dict[str, float | None] = {"torchscript": _torchscript(model, batches, expected, files["torchscript"]),
-                                      "safetensors": _safetensors(cfg, model, batches, expected, files["safetensors"])}
-    diffs["onnx"], onnx_note = _onnx(model, batches, expected, files["onnx"])
+    diffs: dict[str, float | None] = {
+        "torchscript": _torchscript(model, batches, expected, files["torchscript"]),
+        "safetensors": _safetensors(cfg, model, batches, expected, files["safetensors"], card_json)}
+    _card_into_torchscript(files["torchscript"], card_json)
+    diffs["onnx"], onnx_note = _onnx(model, batches, expected, files["onnx"], card_json)
     if not os.path.isfile(files["onnx"]):
         del files["onnx"]
     record = {"arch": cfg.MODEL.ARCH, "num_classes": cfg.MODEL.NUM_CLASSES, "input_shape": ["batch", *shape],
               "weights": cfg.MODEL.WEIGHTS, "files": files, "max_abs_diff": diffs, "tol": tol,
-              "onnx": onnx_note, "torch": torch.__version__}
+              "onnx": onnx_note, "torch": torch.__version__, "card": card.to_dict()}
     with open(os.path.join(out_dir, "export.json"), "w") as f:
         json.dump(record, f, indent=2)
     return record
@@ -125,8 +152,11 @@ def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, bat
     """`distribuuuu export`: print each file and its difference from the eager model."""
     if batch < 1 or not tol > 0:
         raise UserError(f"--batch must be at least 1 and --tol above 0, got {batch} and {tol}")
-    cfg = config.load_config(cfg_file, opts)
-    record = export(cfg, out or os.path.join(cfg.OUT_DIR, "export"), tol, batch)
+    from distribuuuu import inference  # imports torch: after the checks of the arguments
+
+    cfg = resolve_weights(inference.load_config(cfg_file, opts), "export")
+    card = inference.card_for(cfg, cfg_file, opts)
+    record = export(cfg, out or os.path.join(cfg.OUT_DIR, "export"), tol, batch, card)
     print(f"exported {record['arch']} ({record['weights']}), input {'x'.join(map(str, record['input_shape']))}; "
           f"max |exported - eager| on batches of {batch} and {batch + 1} (tolerance {tol:g}):")
     failed = []

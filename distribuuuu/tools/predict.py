@@ -1,22 +1,30 @@
 """`distribuuuu predict`: the top-k classes of image files, with probabilities.
 
-    distribuuuu predict --cfg FILE [--topk 5] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE [IMAGE ...]
+    distribuuuu predict MODEL.WEIGHTS CKPT [KEY VALUE ...] INPUT [INPUT ...] [--topk 5] [--output preds.csv|.json]
+    distribuuuu predict --cfg FILE MODEL.WEIGHTS PATH [KEY VALUE ...] INPUT ...
 
-Images go through the validation transform of the config's data source (distribuuuu.data), so a
-file is seen as evaluation sees it. Class names come from the ImageFolder tree
-TRAIN.DATASET/TRAIN.SPLIT when TRAIN.DATASET is a folder, else from the built-in source
-(TEST.DATASET: mnist5k digits, CIFAR names, synthetic class numbers).
+An INPUT is an image file, a folder (its images, recursively: image extensions only) or a glob
+in quotes ('photos/*.jpg', 'data/**/*.png'), expanded here (predict_io.py). Without --cfg the
+checkpoint's model card (model_card.py) prepares the images and names the classes, and its stored
+config builds the model (inference.py). With --cfg, or for a checkpoint of an older version
+without a card, both are described from the config: images go through the validation transform
+of its data source, class names come from the ImageFolder tree TRAIN.DATASET/TRAIN.SPLIT when
+TRAIN.DATASET is a folder, else from the built-in source (TEST.DATASET: mnist5k digits, CIFAR
+names, synthetic class numbers). The top-k classes are printed per image, or written with
+--output FILE (CSV or JSON from the suffix, or --format; --format without --output writes to stdout).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 from PIL import Image
 
 from distribuuuu import config
 from distribuuuu.errors import UserError
+from distribuuuu.tools import predict_io as outputs
 
 # torch, and the modules that import it (checkpoint, data, models), are imported inside the
 # functions, after the checks of the arguments and files: a mistyped path is reported at once,
@@ -84,61 +92,48 @@ def device_for(cfg: Any) -> Any:
 
 
 def classes_and_transform(cfg: Any) -> tuple[list[str], Callable[[str], Any]]:
-    """(class names in label order, path -> input tensor [C, H, W]) for the config's data source."""
-    import torch
-    from torchvision.transforms import v2
+    """(class names in label order, path -> input tensor [C, H, W]) described from the config's data
+    source (inference.card_from_config): what predict uses with --cfg."""
+    from distribuuuu import inference
 
-    from distribuuuu.data import build_dataset, sources, transforms
-    from distribuuuu.data.recipe import recipe_of
-
-    chans = cfg.MODEL.IN_CHANS
-    if chans not in (1, 3):
-        raise UserError(f"MODEL.IN_CHANS is {chans}; image files become 1 (gray) or 3 (RGB) channels")
-    mode = "L" if chans == 1 else "RGB"
-    if sources.source_kind(cfg.TRAIN.DATASET) == "folder":
-        train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
-        if os.path.isdir(train_dir):
-            classes = sources.folder_classes(train_dir)
-        else:  # a machine without the training images: numbers instead of names
-            classes = [str(c) for c in range(cfg.MODEL.NUM_CLASSES)]
-        # The run's eval recipe (TEST.CROP_PCT, interpolation, mean/std), as evaluation uses it.
-        tf = transforms.folder_transform(False, cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE, chans, recipe=recipe_of(cfg))
-        return classes, lambda path: tf(sources.open_image(path, mode))
-    dataset = build_dataset(cfg, train=False)
-    tf = getattr(dataset, "transform", None)
-    images = getattr(dataset, "images", None)
-    if tf is None or images is None:
-        # synthetic: its images are generated already normalized, so files get [0, 1] scaling only.
-        size = cfg.TRAIN.IM_SIZE
-        tf, native = v2.ToDtype(torch.float32, scale=True), size
-    else:
-        native = images.shape[-1]  # the source's own size (28 for digits, 32 for CIFAR)
-
-    def prepare(path: str) -> Any:
-        image = sources.open_image(path, mode)
-        if image.size != (native, native):
-            image = image.resize((native, native))
-        return tf(v2.functional.pil_to_tensor(image))  # as the stored uint8 images go through it
-
-    return list(dataset.classes), prepare
+    return _prepared(card_checked(inference.card_from_config(cfg)))
 
 
-def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tuple[str, float]]]:
-    """The top-k (class name, probability) of each image."""
-    for path in image_paths:  # every file is checked before the model is built
+def card_checked(card: Any) -> Any:
+    if card.in_chans not in (1, 3):
+        raise UserError(f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels")
+    return card
+
+
+def _prepared(card: Any) -> tuple[list[str], Callable[[str], Any]]:
+    tf = card.transform()
+    return list(card.classes), lambda path: tf(Image.open(path))
+
+
+def _check_images(image_paths: Sequence[str]) -> None:
+    """Every file is checked before the model is built."""
+    for path in image_paths:
         if not os.path.isfile(path):
             raise UserError(f"image file {path!r} does not exist")
         try:
             Image.open(path).close()  # reads the header only
         except OSError:  # PIL's UnidentifiedImageError is an OSError
+            hint = (f"; to predict with a checkpoint, pass it as MODEL.WEIGHTS {path}"
+                    if path.endswith((".pth", ".pt")) else "")
             raise UserError(f"cannot read {path!r} as an image: its format is not one PIL can read; "
-                            "give PNG, JPEG or another image file") from None
+                            f"give PNG, JPEG or another image file{hint}") from None
+
+
+def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5, card: Any = None) -> list[list[tuple[str, float]]]:
+    """The top-k (class name, probability) of each image; card: the model card that prepares
+    them and names the classes (default: described from cfg)."""
+    _check_images(image_paths)
     cfg = resolve_weights(cfg, "predict")
     import torch  # here, after the checks: a mistyped path is reported without torch's start-up time
 
-    from distribuuuu import models
+    from distribuuuu import inference, models
 
-    classes, prepare = classes_and_transform(cfg)
+    classes, prepare = _prepared(card_checked(card or inference.card_from_config(cfg)))
     if len(classes) > cfg.MODEL.NUM_CLASSES:
         raise UserError(f"the data source has {len(classes)} classes but MODEL.NUM_CLASSES is "
                         f"{cfg.MODEL.NUM_CLASSES}; use the config the weights were trained with")
@@ -162,19 +157,29 @@ def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tu
     return results
 
 
-def main(cfg_file: str | None, tokens: Sequence[str], topk: int) -> int:
-    """`distribuuuu predict`: print each image's top-k classes."""
-    opts, images = split_opts_and_images(tokens)
-    if not images:
-        raise UserError("give one or more image files after the KEY VALUE pairs, e.g. "
-                        "`distribuuuu predict --cfg FILE MODEL.WEIGHTS best.pth cat.jpg`")
+def main(cfg_file: str | None, tokens: Sequence[str], topk: int, output: str | None = None,
+         fmt: str | None = None) -> int:
+    """`distribuuuu predict`: each image's top-k classes, printed, or written as CSV / JSON."""
+    opts, inputs = split_opts_and_images(tokens)
+    if not inputs:
+        raise UserError("give one or more image files, folders or quoted globs after the KEY VALUE pairs, e.g. "
+                        "`distribuuuu predict MODEL.WEIGHTS best.pth photos/`")
     if topk < 1:
         raise UserError(f"--topk must be at least 1, got {topk}")
-    cfg = config.load_config(cfg_file, opts)
-    results = predict(cfg, images, topk)
-    width = max(len(name) for top in results for name, _ in top)
-    for path, top in zip(images, results):
-        print(path)
-        for rank, (name, p) in enumerate(top, 1):
-            print(f"  {rank}. {name:<{width}}  {p:.4f}")
+    fmt = outputs.output_format(output, fmt)
+    images = outputs.expand_inputs(inputs)
+    _check_images(images)  # before torch starts: a wrong path is reported at once
+    from distribuuuu import inference
+
+    cfg = inference.load_config(cfg_file, opts)
+    card = inference.card_for(cfg, cfg_file, opts) if cfg.MODEL.WEIGHTS else None
+    results = predict(cfg, images, topk, card)
+    if fmt is None:
+        outputs.print_table(images, results)
+    elif output is None or output == "-":
+        outputs.write(sys.stdout, fmt, images, results)
+    else:
+        with open(output, "w", newline="", encoding="utf-8") as f:
+            outputs.write(f, fmt, images, results)
+        print(f"wrote the top-{len(results[0])} classes of {len(images)} image(s) to {output} ({fmt})")
     return 0

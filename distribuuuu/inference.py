@@ -1,0 +1,225 @@
+"""Using a trained model from its checkpoint alone: the config it was trained with, its model card
+(class names and preprocessing, model_card.py) and the model itself, ready for inference.
+
+``eval``, ``predict`` and ``export`` without ``--cfg`` take the config stored in the checkpoint
+that MODEL.WEIGHTS names (or OUT_DIR's best.pth / last.pth): the card's copy, else the
+checkpoint's ``cfg`` entry (every distribuuuu checkpoint has one), else the config.yaml of the
+run folder the file lies in; KEY VALUE overrides apply on top, and ``--cfg FILE`` replaces it all.
+OUT_DIR defaults to the checkpoint's run folder (the folder above checkpoints/).
+``api.load_model`` returns ``load``'s LoadedModel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint, config, models
+from distribuuuu.config.reading import parse_literal
+from distribuuuu.model_card import ModelCard, describe, from_checkpoint
+from distribuuuu.errors import UserError
+
+log = logging.getLogger("distribuuuu")
+
+EXPECTED = ("a checkpoint written by `distribuuuu train` (OUT_DIR/checkpoints/best.pth, last.pth or "
+            "epoch_NNNN.pth)")
+# Overrides of these keys change what the card says: it is then described from the config again.
+DATA_KEYS = frozenset({"TRAIN.DATASET", "TRAIN.SPLIT"})  # the class names too
+PREPROCESS_KEYS = frozenset({"TRAIN.IM_SIZE", "TEST.IM_SIZE", "TEST.CROP_PCT", "TRAIN.MEAN", "TRAIN.STD",
+                             "TRAIN.INTERPOLATION", "MODEL.IN_CHANS"})
+
+_last_read: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # one file: read once per command
+
+
+def read(path: str, label: str = "checkpoint", remember: bool = False) -> dict[str, Any]:
+    """The checkpoint's dict (checkpoint.load: tensors only, digest verified); a file that is not a
+    checkpoint is a UserError naming it and what was expected. remember: keep it for the next call
+    on the same unchanged file (a command reads its config, then its card: one read)."""
+    global _last_read
+    if os.path.isdir(path):
+        raise UserError(f"{label} {path} is a folder, not a file; expected {EXPECTED}")
+    stat = os.stat(path) if os.path.isfile(path) else None
+    key = (os.path.abspath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns) if stat else None
+    if key is not None and _last_read is not None and _last_read[0] == key:
+        return _last_read[1]
+    try:
+        obj = checkpoint.load(path, label)
+    except checkpoint.DamagedCheckpoint:
+        raise
+    except checkpoint.UnreadableCheckpoint as e:
+        raise checkpoint.UnreadableCheckpoint(f"{e}; expected {EXPECTED}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{label} {path} holds a {type(obj).__name__}, not a checkpoint; expected {EXPECTED}")
+    if remember:
+        _last_read = (key, obj)
+    return obj
+
+
+def run_folder_of(path: str) -> str:
+    """OUT_DIR of a file OUT_DIR/checkpoints/NAME.pth; else the file's own folder."""
+    folder = os.path.normpath(os.path.dirname(path) or ".")
+    if os.path.basename(folder) == checkpoint.checkpoint_dir(""):
+        return os.path.dirname(folder) or "."
+    return folder
+
+
+def stored_config(ckpt: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(YAML text, where it was found) of the run's config, or None when there is none."""
+    card = from_checkpoint(ckpt)
+    if card is not None and card.config:
+        return card.config, f"the model card of {path}"
+    if isinstance(ckpt.get("cfg"), str):
+        return ckpt["cfg"], path
+    beside = os.path.join(run_folder_of(path), "config.yaml")
+    if os.path.isfile(beside):
+        log.info("%s holds no config: using %s, the config of the run folder it lies in", path, beside)
+        with open(beside, encoding="utf-8") as f:
+            return f.read(), beside
+    return None
+
+
+def config_from_text(text: str, source: str, opts: list[str]) -> CfgNode:
+    """Defaults, then the stored YAML (keys added since keep their default), then opts; validated, frozen."""
+    cfg = config.get_defaults()
+    try:
+        cfg.merge_from_other_cfg(CfgNode.load_cfg(text))
+    except Exception as e:  # noqa: BLE001 - yacs raises KeyError, ValueError or YAML errors
+        raise UserError(f"the config stored in {source} does not fit this version of distribuuuu ({e}); "
+                        "give the run's config with --cfg FILE") from None
+    config.merge_opts(cfg, opts)
+    config.validate(cfg)
+    cfg.freeze()
+    config.import_user_modules(cfg.IMPORTS)  # a model registered by the user's module is found by name
+    return cfg
+
+
+def weights_in(opts: list[str]) -> str | None:
+    """The checkpoint the overrides name: MODEL.WEIGHTS, else OUT_DIR's best.pth / last.pth."""
+    pairs = dict(zip(opts[0::2], opts[1::2]))
+    if pairs.get("MODEL.WEIGHTS"):
+        return str(parse_literal(pairs["MODEL.WEIGHTS"]))
+    if pairs.get("OUT_DIR"):
+        folder = checkpoint.checkpoint_dir(str(parse_literal(pairs["OUT_DIR"])))
+        found = [os.path.join(folder, n) for n in ("best.pth", "last.pth") if os.path.isfile(os.path.join(folder, n))]
+        return found[0] if found else None
+    return None
+
+
+def safetensors_card(path: str) -> ModelCard | None:
+    """The card in the metadata of a safetensors file that `export` wrote (None for other files)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            text = (f.metadata() or {}).get("model_card")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise UserError(f"MODEL.WEIGHTS {path} is not a readable safetensors file ({e})") from None
+    return ModelCard.from_dict(json.loads(text)) if text else None
+
+
+def file_card(path: str) -> ModelCard | None:
+    """The model card of a checkpoint, or of a safetensors file from `export`; None when it has none."""
+    if path.endswith(".safetensors"):
+        return safetensors_card(path)
+    return from_checkpoint(read(path, "MODEL.WEIGHTS", remember=True))
+
+
+def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
+    """The config of eval, predict and export: --cfg FILE with opts as always; without --cfg, the
+    config stored with the checkpoint that opts name (see the module docstring), else the defaults."""
+    path = None if cfg_file else weights_in(opts)
+    if path is None:
+        return config.load_config(cfg_file, opts)
+    if not os.path.isfile(path):
+        raise UserError(f"MODEL.WEIGHTS {path!r} does not exist; give the path of a checkpoint "
+                        "(e.g. OUT_DIR/checkpoints/best.pth)")
+    if path.endswith(".safetensors"):
+        card = safetensors_card(path)
+        found = (card.config, f"the model card of {path}") if card is not None and card.config else None
+    else:
+        found = stored_config(read(path, "MODEL.WEIGHTS", remember=True), path)
+    if found is None:
+        raise UserError(f"MODEL.WEIGHTS {path} holds no config (a bare state dict, and no config.yaml in "
+                        f"{run_folder_of(path)}): give the config it was trained with, --cfg FILE")
+    return config_from_text(found[0], found[1], ["OUT_DIR", run_folder_of(path), "MODEL.WEIGHTS", path, *opts])
+
+
+def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCard:
+    """The card described from the config's data: the TRAIN folder's class names when it is here
+    (else numbers), or the TEST data of a built-in / registered source (as predict always did)."""
+    from distribuuuu.data import build_dataset, sources
+
+    if sources.source_kind(cfg.TRAIN.DATASET) == "folder" and not cfg.MODEL.DUMMY_INPUT:
+        train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
+        if classes is None and os.path.isdir(train_dir):
+            classes = sources.folder_classes(train_dir)
+        return describe(cfg, None, classes)
+    return describe(cfg, build_dataset(cfg, train=False), classes)
+
+
+def card_for(cfg: CfgNode, cfg_file: str | None, opts: list[str]) -> ModelCard:
+    """What predict and export use: the checkpoint's card when the config came from it (described
+    again when the overrides change the data or the preprocessing: the stored class names are kept
+    unless the data changed); else, for --cfg or an older checkpoint, described from the config."""
+    weights = cfg.MODEL.WEIGHTS
+    stored = file_card(weights) if not cfg_file and weights and os.path.isfile(weights) else None
+    given = set(opts[0::2])
+    if stored is None or given & DATA_KEYS:
+        return card_from_config(cfg)
+    if given & PREPROCESS_KEYS:
+        return card_from_config(cfg, stored.classes)
+    return stored  # its config stays the one the model was trained with
+
+
+def _older_card(cfg: CfgNode, path: str) -> ModelCard:
+    """The card of a checkpoint written before cards: described from its config (MODEL.PRETRAINED
+    kept, for timm's recipe); when its data is not here, the folder defaults, with a warning."""
+    try:
+        return card_from_config(cfg)
+    except (UserError, OSError) as e:
+        log.warning("%s has no model card and its data cannot be read here (%s): its transform uses the "
+                    "config's recipe with ImageNet's defaults, and its classes are numbers", path, e)
+        return describe(cfg, None)
+
+
+@dataclass
+class LoadedModel:
+    """load_model's result: the model (eval mode) and what it needs to be used."""
+
+    model: torch.nn.Module
+    transform: Callable[[Any], torch.Tensor]  # PIL image -> input tensor [C, H, W] (card.transform())
+    classes: list[str]  # the name of each output
+    config: CfgNode  # the run's config (MODEL.WEIGHTS and MODEL.PRETRAINED cleared)
+    card: ModelCard
+
+
+def load(path: str, device: str | torch.device = "cpu", ema: bool = False) -> LoadedModel:
+    """The model of a checkpoint with its weights, in eval mode on device, and its preprocessing."""
+    ckpt = read(path)
+    found = stored_config(ckpt, path)
+    if found is None:
+        raise UserError(f"{path} holds no run config: it is a plain state dict, not a distribuuuu checkpoint, "
+                        f"and its folder has no config.yaml; build the model with config.load_config(...) and "
+                        "models.build_model(cfg) instead")
+    # The weights come from the checkpoint itself, never from files the stored config names.
+    cfg = config_from_text(found[0], found[1], ["MODEL.WEIGHTS", "None", "MODEL.PRETRAINED", "False"])
+    if ckpt.get("sharded"):
+        raise UserError(f"{path} is a sharded FSDP checkpoint (weights in {ckpt['sharded']}); load_model needs "
+                        "a whole one: train with DIST.FSDP_STATE_DICT full, or use evaluate()")
+    key = "ema" if ema else "model"
+    state = ckpt.get(key)
+    if state is None and not ema and "cfg" not in ckpt and any(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        state = ckpt  # a bare state dict beside its run's config.yaml
+    if state is None:
+        raise UserError(f"{path} holds no EMA weights (the run had TRAIN.EMA_DECAY 0)" if ema
+                        else f"{path} holds no model weights")
+    card = from_checkpoint(ckpt) or _older_card(config_from_text(found[0], found[1], []), path)
+    model = models.build_model(cfg)
+    model.load_state_dict(models.strip_wrapper_prefixes(state))  # strict: every tensor must fit
+    return LoadedModel(model.to(device).eval(), card.transform(), list(card.classes), cfg, card)
