@@ -90,23 +90,32 @@ def _restore_logging(package: tuple, root_before: list) -> None:
     log.setLevel(level)  # through setLevel: it clears the loggers' cached levels
 
 
-@pytest.fixture(autouse=True)
-def _restore_process_state():
+@contextlib.contextmanager
+def process_state_restored():
     """cwd, environment, signal and logging handlers, torch's global switches back as they were: a CLI
-    run in process sets them all, and a handler left on a closed capture stream fails the next test."""
+    run in process sets them all, and a handler left on a closed capture stream fails the next test.
+    Every test runs inside it (below); a module-scoped fixture that trains in process uses it too."""
     cwd, environ = os.getcwd(), dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     log = logging.getLogger("distribuuuu")
     package_log, root_handlers = (list(log.handlers), log.level, log.propagate), list(logging.getLogger().handlers)
     torch_state, had_group = _torch_state(), _group_exists()
-    yield
-    os.chdir(cwd)
-    _restore_environ(environ)
-    for signum, handler in handlers.items():
-        if handler is not None and signal.getsignal(signum) is not handler:
-            signal.signal(signum, handler)
-    _restore_logging(package_log, root_handlers)
-    _restore_torch(torch_state, had_group)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        _restore_environ(environ)
+        for signum, handler in handlers.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
+        _restore_logging(package_log, root_handlers)
+        _restore_torch(torch_state, had_group)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    with process_state_restored():
+        yield
 
 
 # ---- Running the real command line in subprocesses ------------------------------------------------

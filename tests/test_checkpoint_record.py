@@ -21,7 +21,7 @@ from distribuuuu import api, checkpoint, config, data
 from distribuuuu.data import transforms
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import CARD_KEY, ModelCard
-from tests.conftest import ROOT, check, cli_main, env
+from tests.conftest import ROOT, check, cli_main, env, process_state_restored
 
 FAST = ["NUM_THREADS", "1", "DEVICE", "cpu", "TRAIN.PRINT_FREQ", "1000"]
 
@@ -40,8 +40,9 @@ def digits_run(tmp_path_factory):
     off) in process, and the digits as PNG files."""
     root = tmp_path_factory.mktemp("digits_run")
     cfg = config.load_config("mnist5k_fast", ["OUT_DIR", str(root / "run"), "OPTIM.MAX_EPOCH", "1", *FAST])
-    torch.set_num_threads(1)
-    api.train(cfg)
+    with process_state_restored():  # the run's log handlers must not outlive the fixture
+        torch.set_num_threads(1)
+        api.train(cfg)
     data.export_mnist5k(str(root / "digits"))
     return root / "run", cfg, root / "digits"
 
@@ -63,7 +64,8 @@ def folder_run(tmp_path_factory, digits_run):
             "TRAIN.MEAN", "[0.2]", "TRAIN.STD", "[0.25]", "TRAIN.BATCH_SIZE", "12", "TEST.BATCH_SIZE", "12",
             "TRAIN.WORKERS", "0", "TRAIN.TOPK", "2", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "0", *FAST]
     cfg = config.load_config(None, opts)
-    api.train(cfg)
+    with process_state_restored():
+        api.train(cfg)
     return root / "run", cfg, root / "data"
 
 
