@@ -35,7 +35,7 @@ test-fast: $(STAMP)
 images: $(STAMP)
 	scripts/make_readme_images.sh
 
-# Run the README's commands in a new folder and rewrite its output blocks from what they print
+# Run the README's commands in a new folder and rewrite the output blocks whose shape changed
 # (about 2 minutes on 2 cores); tests/test_readme.py runs the same and fails on drift.
 readme: $(STAMP)
 	$(PY) scripts/readme_outputs.py --write

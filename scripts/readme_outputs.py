@@ -338,7 +338,10 @@ def rewrite(text: str, blocks: list[Block], generated: dict[int, list[tuple[str 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's output blocks from this run")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the output blocks whose structure changed (numbers aside) from this run")
+    parser.add_argument("--all", action="store_true",
+                        help="with --write: rewrite every output block, also where only numbers changed")
     parser.add_argument("--lint", action="store_true", help="only check the markers; run nothing")
     parser.add_argument("--keep", action="store_true", help="keep the folder the commands ran in")
     parser.add_argument("--readme", default=README, help="the markdown file (default: %(default)s)")
@@ -359,9 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(folder, ignore_errors=True)
     if args.write and not report.failures:
+        # Only what drifted, by default: figures from a quiet machine are not replaced by a busy one's.
+        by_line = {b.line: b for b in blocks}
+        fresh = {line: g for line, g in report.generated.items() if args.all or _drift(by_line[line], g)}
         with open(args.readme, "w", encoding="utf-8") as f:
-            f.write(rewrite(text, blocks, report.generated))
-        print(f"[readme] rewrote {len(report.generated)} output blocks of {args.readme}")
+            f.write(rewrite(text, blocks, fresh))
+        print(f"[readme] rewrote {len(fresh)} of {len(report.generated)} output blocks of {args.readme}")
     for problem in report.failures + ([] if args.write else report.drift):
         print(problem, file=sys.stderr)
     return 1 if report.failures or (report.drift and not args.write) else 0
