@@ -109,9 +109,9 @@ def _stored_cfg(ckpt: dict[str, Any], path: str) -> CfgNode:
         raise UserError(f"{path} holds no run config: it is a plain state dict, not a distribuuuu checkpoint; "
                         "build the model with config.load_config(...) and models.build_model(cfg) instead")
     cfg = config.get_defaults()
-    try:
-        cfg.merge_from_other_cfg(CfgNode.load_cfg(ckpt["cfg"]))
-    except (KeyError, ValueError) as e:
+    try:  # checked as a --cfg file is: yacs's own merge would refuse a MODEL.PRETRAINED path over False
+        config.merge_text(cfg, ckpt["cfg"], f"the config stored in {path}")
+    except UserError as e:
         raise UserError(f"the config stored in {path} does not fit this version of distribuuuu: {e}") from None
     # The weights come from the checkpoint itself, never from a file the stored config names.
     cfg.MODEL.WEIGHTS = ""
