@@ -87,9 +87,9 @@ def stored_config(ckpt: dict[str, Any], path: str) -> tuple[str, str] | None:
 def config_from_text(text: str, source: str, opts: list[str]) -> CfgNode:
     """Defaults, then the stored YAML (keys added since keep their default), then opts; validated, frozen."""
     cfg = config.get_defaults()
-    try:
-        cfg.merge_from_other_cfg(CfgNode.load_cfg(text))
-    except Exception as e:  # noqa: BLE001 - yacs raises KeyError, ValueError or YAML errors
+    try:  # checked as a --cfg file is: yacs's own merge would refuse a MODEL.PRETRAINED path over False
+        config.merge_text(cfg, text, f"the config stored in {source}")
+    except UserError as e:
         raise UserError(f"the config stored in {source} does not fit this version of distribuuuu ({e}); "
                         "give the run's config with --cfg FILE") from None
     config.merge_opts(cfg, opts)

@@ -1,34 +1,31 @@
-"""Models by name, and the safe loading and saving of their weights.
+"""Models by name, and where their first weights come from (the files themselves: weights.py).
 
 ``build_model(cfg)`` resolves MODEL.ARCH (an alias below, else any torchvision classification
 model, else any timm model), applies NUM_CLASSES, IN_CHANS and SMALL_STEM, then loads weights
-from LOCAL files only (PRETRAINED or WEIGHTS). It returns a plain CPU module: the engine moves it
+from LOCAL files only (WEIGHTS, else PRETRAINED: True or a path). It returns a plain CPU module: the engine moves it
 to the device, converts BatchNorm (``convert_syncbn``) and wraps it in DDP, in that order.
 """
 
 from __future__ import annotations
 
-import collections
 import difflib
 import functools
 import logging
 import os
 from typing import Any
 
-import safetensors.torch
 import timm
 import timm.layers
 import torch
 import torch.nn as nn
 import torchvision
-from timm.models import adapt_input_conv
 from timm.models.resnet import BasicBlock
 from timm.models.resnet import ResNet as TimmResNet
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from distribuuuu import checkpoint
+from distribuuuu import weights
 from distribuuuu.config import import_user_modules
 from distribuuuu.errors import UserError
+from distribuuuu.weights import first_conv as _first_conv, strip_wrapper_prefixes  # noqa: F401 - re-exported
 
 log = logging.getLogger("distribuuuu")
 
@@ -50,8 +47,6 @@ TINY_WIDTHS: dict[str, tuple[int, int, int, int]] = {
     "resnet_tiny": (16, 32, 64, 128),
     "resnet_mini": (32, 64, 128, 256),
 }
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,13 +145,6 @@ def _create_torchvision(name: str, num_classes: int, in_chans: int, im_size: int
     return model
 
 
-def _first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Conv2d):
-            return name, module
-    raise UserError(f"{type(model).__name__} has no convolution to take MODEL.IN_CHANS; use MODEL.IN_CHANS 3")
-
-
 def _use_small_stem(model: nn.Module, arch: str) -> None:
     """3x3 stride-1 first conv and no max-pool, so 28-32 px images keep their size into layer1."""
     if not isinstance(model, (torchvision.models.ResNet, TimmResNet)):
@@ -172,8 +160,13 @@ def _use_small_stem(model: nn.Module, arch: str) -> None:
     model.maxpool = nn.Identity()
 
 
-def build_model(cfg) -> nn.Module:
-    """The model named by cfg.MODEL.ARCH, on the CPU, not wrapped and not SyncBN-converted."""
+def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Module:
+    """The model named by cfg.MODEL.ARCH, on the CPU, not wrapped and not SyncBN-converted.
+
+    new_head: training, so a MODEL.WEIGHTS file whose classifier has another class count is loaded
+    with the classifier re-initialised (eval / predict / export refuse it). with_weights False: the
+    architecture only, for callers that load a checkpoint's weights themselves.
+    """
     # load_config imported them already; a cfg built by hand (the Python API) may not have been.
     import_user_modules(cfg.get("IMPORTS", ()))
     arch = cfg.MODEL.ARCH
@@ -187,21 +180,33 @@ def build_model(cfg) -> nn.Module:
         model = _create_torchvision(name, *args)
     if cfg.MODEL.SMALL_STEM:
         _use_small_stem(model, arch)
-    if cfg.MODEL.WEIGHTS:
-        # WEIGHTS is loaded strictly and replaces every tensor, so PRETRAINED would change nothing.
-        if cfg.MODEL.PRETRAINED:
-            log.info("MODEL.WEIGHTS is set, so MODEL.PRETRAINED weights are not looked up")
-        load_weights(model, cfg.MODEL.WEIGHTS)
-    elif cfg.MODEL.PRETRAINED:
-        _load_pretrained(model, arch)
+    if with_weights:
+        _load_initial_weights(model, cfg, new_head)
     return model
+
+
+def _load_initial_weights(model: nn.Module, cfg, new_head: bool) -> None:
+    """MODEL.WEIGHTS (this model's weights; the head may be new when new_head), else MODEL.PRETRAINED
+    (True: torch hub's cached file for MODEL.ARCH, its head loaded when it fits; a path: a start for a
+    new task, its head never loaded), else nothing. See docs/recipes.md, Fine-tuning."""
+    pretrained = cfg.MODEL.PRETRAINED
+    if cfg.MODEL.WEIGHTS:
+        # WEIGHTS replaces every tensor (the head too, unless re-initialised), so PRETRAINED would change nothing.
+        if pretrained:
+            log.info("MODEL.WEIGHTS is set, so MODEL.PRETRAINED weights are not looked up")
+        load_weights(model, cfg.MODEL.WEIGHTS, allow_head_mismatch=new_head)
+    elif pretrained:
+        # A file of another task: a new head size and a changed stem (IN_CHANS, SMALL_STEM) are expected.
+        path = pretrained if isinstance(pretrained, str) else pretrained_file(cfg.MODEL.ARCH)
+        weights.load_file(model, path, "MODEL.PRETRAINED", new_head=True, adapt_stem=True,
+                          fresh_head=isinstance(pretrained, str))
 
 
 # ---------------------------------------------------------------------------------------------
 # Pretrained weights: local files only
 # ---------------------------------------------------------------------------------------------
 def pretrained_candidates(arch: str) -> tuple[list[str], str]:
-    """Where PRETRAINED looks for the weights of arch, and where they can be obtained."""
+    """Where PRETRAINED True looks for the weights of arch, and where they can be obtained."""
     lib, name = resolve_arch(arch)
     folder = os.path.join(torch.hub.get_dir(), "checkpoints")
     if lib == "torchvision":
@@ -216,7 +221,8 @@ def pretrained_candidates(arch: str) -> tuple[list[str], str]:
     return paths, where
 
 
-def _load_pretrained(model: nn.Module, arch: str) -> None:
+def pretrained_file(arch: str) -> str:
+    """The local file MODEL.PRETRAINED True loads for arch (torch hub's cache); UserError if absent."""
     paths, where = pretrained_candidates(arch)
     found = [p for p in paths if os.path.isfile(p)]
     if not found:
@@ -224,148 +230,22 @@ def _load_pretrained(model: nn.Module, arch: str) -> None:
         hint = f" ({'; '.join(hints)})" if hints else ""
         raise UserError(
             f"MODEL.PRETRAINED True needs the weights of {arch} as a local file (nothing is downloaded): "
-            f"put them at {paths[0]}{hint}, or set MODEL.WEIGHTS to a weights file instead"
+            f"put them at {paths[0]}{hint}, or give a file's path: MODEL.PRETRAINED PATH (or MODEL.WEIGHTS PATH "
+            "for weights of this very model)"
         )
-    # A new head size (fine-tuning on fewer classes) and a changed stem (IN_CHANS, SMALL_STEM) are expected.
-    _load_file(model, found[0], "MODEL.PRETRAINED", allow_head_mismatch=True, adapt_stem=True)
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading and saving weights
+# Loading and saving weights (the files themselves: weights.py)
 # ---------------------------------------------------------------------------------------------
-def _read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
-    """The state dict in a file: a distribuuuu checkpoint, {"state_dict": ...}, a bare one, or safetensors."""
-    if not os.path.isfile(path):
-        raise UserError(f"{label} {path} does not exist; give the path of a weights file "
-                        "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, or .safetensors)")
-    if path.endswith(".safetensors"):
-        try:
-            return safetensors.torch.load_file(path, device="cpu")
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
-    obj = checkpoint.load(path, label)  # weights_only=True: loading runs no code
-    if isinstance(obj, dict) and obj.get("sharded") and "model" not in obj:
-        folder = os.path.join(os.path.dirname(path), obj["sharded"])
-        raise UserError(f"{label} {path} keeps its weights sharded in {folder} (DIST.FSDP_STATE_DICT sharded); "
-                        "make one file with `python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
-                        f"{folder} full.pth` and pass full.pth, or train with DIST.FSDP_STATE_DICT full")
-    for key in ("model", "state_dict"):  # distribuuuu checkpoints, then most other trainers
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-            break
-    if not (isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values())):
-        raise UserError(f"{label} {path} holds no state dict: expected a distribuuuu checkpoint (key 'model'), "
-                        "a dict with 'state_dict', or a dict of parameter name -> tensor")
-    return obj
-
-
-def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
-    """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model.
-    Only then: torch's helper alone would also strip a model's own layer named 'module'."""
-    state = collections.OrderedDict(state)  # a copy: torch's helper renames in place
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if state and all(k.startswith(prefix) for k in state):
-                consume_prefix_in_state_dict_if_present(state, prefix)
-                stripped = True
-    return dict(state)
-
-
-def _head_keys(model: nn.Module) -> set[str]:
-    """Names of the classifier's tensors: the last Linear (last conv if none, e.g. SqueezeNet), plus
-    the other class-score layers beside it (GoogLeNet/Inception aux heads, DeiT's distillation head)."""
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    layers = layers or [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    if not layers:
-        return set()
-    def width(m: nn.Module) -> int:
-        return m.out_features if isinstance(m, nn.Linear) else m.out_channels
-
-    last_name, last = layers[-1]
-    heads = {last_name} | {n for n, m in layers if width(m) == width(last)
-                           and ("aux" in n.lower() or "head" in n)}
-    return {f"{h}.{p}" for h in heads for p in ("weight", "bias")}
-
-
-def _fmt_shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
-
-
-def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else f" ({len(keys)})")
-
-
-def _load_file(model: nn.Module, path: str, label: str, allow_head_mismatch: bool = False,
-               adapt_stem: bool = False) -> None:
-    """Check every name and shape against the model, then load; each problem is a UserError."""
-    model = unwrap(model)
-    where = f"{label} {path}"
-    state = strip_wrapper_prefixes(_read_state_dict(path, label))
-    own = model.state_dict()
-    head = _head_keys(model)
-    notes: list[str] = []
-    fresh: set[str] = set()  # tensors deliberately left as initialised
-
-    mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
-    if adapt_stem and mismatched:
-        stem = _first_conv(model)[0] + ".weight"
-        if stem in mismatched:
-            w, want = state[stem], own[stem]
-            if w.shape[0] == want.shape[0] and w.shape[2:] == want.shape[2:]:
-                state[stem] = adapt_input_conv(want.shape[1], w)  # timm's rule: sum or repeat RGB
-                notes.append(f"{stem} adapted from {w.shape[1]} to {want.shape[1]} input channels")
-            else:
-                del state[stem]
-                fresh.add(stem)
-                notes.append(f"{stem} kept freshly initialised (the file's {_fmt_shape(w)} does not fit "
-                             f"{_fmt_shape(want)}, e.g. after MODEL.SMALL_STEM)")
-            mismatched.remove(stem)
-
-    bad_head = [k for k in mismatched if k in head]
-    others = [k for k in mismatched if k not in head]
-    if others:
-        k = others[0]
-        more = f" (and {len(others) - 1} more tensors)" if len(others) > 1 else ""
-        raise UserError(
-            f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
-            f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
-            "MODEL.SMALL_STEM or TRAIN.IM_SIZE settings"
-        )
-    if bad_head:
-        k = sorted(bad_head, key=lambda n: not n.endswith(".weight"))[0]
-        if not allow_head_mismatch:
-            raise UserError(
-                f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the "
-                f"model; set MODEL.NUM_CLASSES {state[k].shape[0]} to match"
-            )
-        notes.append(f"classifier {', '.join(sorted(bad_head))} left freshly initialised "
-                     f"({state[k].shape[0]} classes in the file, {own[k].shape[0]} in the model)")
-        for key in bad_head:
-            del state[key]
-        fresh |= set(bad_head)
-
-    # Counters such as BatchNorm's num_batches_tracked are not weights; old files lack them.
-    missing = [k for k in own if k not in state and k not in fresh and not k.endswith("num_batches_tracked")
-               and not (allow_head_mismatch and k in head)]
-    unexpected = [k for k in state if k not in own]
-    if missing or unexpected:
-        parts = ([f"missing from the file: {_few(missing)}"] if missing else []) + \
-                ([f"not in the model: {_few(unexpected)}"] if unexpected else [])
-        raise UserError(f"{where} does not fit the {type(model).__name__} built from MODEL.ARCH; tensors "
-                        + "; tensors ".join(parts))
-    model.load_state_dict(state, strict=False)  # every difference was checked above
-    log.info("loaded %d tensors from %s%s", len(state), where, "".join(f"; {n}" for n in notes))
-
-
 def load_weights(model: nn.Module, path: str, allow_head_mismatch: bool = False) -> None:
     """Load MODEL.WEIGHTS strictly: every tensor name and shape must match.
 
-    allow_head_mismatch: a classifier of another size is left freshly initialised (and reported)
+    allow_head_mismatch: a classifier of another class count is re-initialised (one log line)
     instead of being an error, for fine-tuning on another number of classes.
     """
-    _load_file(model, path, "MODEL.WEIGHTS", allow_head_mismatch=allow_head_mismatch)
+    weights.load_file(unwrap(model), path, "MODEL.WEIGHTS", new_head=allow_head_mismatch)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

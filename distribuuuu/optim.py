@@ -13,13 +13,39 @@ import torch
 from timm.optim import get_optimizer_info, param_groups_weight_decay
 from yacs.config import CfgNode
 
+from distribuuuu import heads, models
+
 
 def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
     """One group with weight decay on everything (Distribuuuu), or, with OPTIM.NO_WD_NORM_BIAS,
-    a second group without it for 1-d parameters (norm weights, biases), as timm does."""
+    a second group without it for 1-d parameters (norm weights, biases), as timm does.
+
+    OPTIM.BACKBONE_LR_SCALE != 1 splits each group into the backbone's and the head's (heads.py);
+    every group then carries ``lr_scale`` (timm's name), which ``set_lr`` multiplies the LR by.
+    Groups are the same as before that key existed when it is 1, so older checkpoints resume.
+    """
     if not cfg.OPTIM.NO_WD_NORM_BIAS:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    return param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        groups = param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
+    scale = cfg.OPTIM.BACKBONE_LR_SCALE
+    if scale == 1.0:
+        return groups
+    split = []
+    for group in groups:
+        backbone, head = heads.split_parameters(models.unwrap(model), group["params"])
+        split += [{**group, "params": params, "lr_scale": s}
+                  for params, s in ((backbone, scale), (head, 1.0)) if params]  # ZeRO wants no empty group
+    return split
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """'0.309M parameters at 0.1 x the LR, 0.000645M parameters at 1 x the LR' (for the log)."""
+    by_scale: dict[float, int] = {}
+    for group in optimizer.param_groups:
+        scale = group.get("lr_scale", 1.0)
+        by_scale[scale] = by_scale.get(scale, 0) + sum(p.numel() for p in group["params"])
+    return ", ".join(f"{n / 1e6:.3g}M parameters at {s:g} x the LR" for s, n in by_scale.items())
 
 
 def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -69,5 +95,7 @@ def lr_factor(cfg: CfgNode, epoch: float) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The scheduled LR into every group, times the group's ``lr_scale`` (OPTIM.BACKBONE_LR_SCALE):
+    warmup and decay move all groups together and keep their ratio."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

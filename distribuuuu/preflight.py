@@ -61,6 +61,10 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
                         "checkpoint or state dict, or leave MODEL.WEIGHTS None")
+    pretrained = cfg.MODEL.PRETRAINED
+    if isinstance(pretrained, str) and not cfg.MODEL.WEIGHTS and not os.path.isfile(pretrained):
+        raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
+                        "True for MODEL.ARCH's file in torch hub's cache")
     data.check_datasets(cfg, world_size, train=(command == "train"))
     run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable and not another run's
     if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)

@@ -15,11 +15,11 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from distribuuuu.config.defaults import get_defaults
-from distribuuuu.config.reading import flatten, merge_file, merge_opts, parse_literal
+from distribuuuu.config.reading import flatten, merge_file, merge_opts, merge_text, parse_literal
 from distribuuuu.config.user_modules import import_user_modules
 from distribuuuu.config.validate import validate
 
-__all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "dump_to_run_folder",
+__all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "merge_text", "dump_to_run_folder",
            "diff_from_defaults", "to_yaml", "flatten", "import_user_modules", "with_imports"]
 
 

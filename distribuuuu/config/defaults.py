@@ -18,11 +18,13 @@ _C.MODEL = CN()
 _C.MODEL.ARCH = "resnet18"
 # Number of output classes (the size of the classifier head)
 _C.MODEL.NUM_CLASSES = 1000
-# Start from pretrained weights found as a LOCAL file in torch.hub.get_dir()/checkpoints (never downloaded)
+# Start from pretrained weights (never downloaded): True = MODEL.ARCH's file in torch.hub.get_dir()/checkpoints,
+# or the path of a weights file; a head of another class count is re-initialised, the stem adapted (docs/recipes.md)
 _C.MODEL.PRETRAINED = False
 # Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch; helps small per-GPU batches)
 _C.MODEL.SYNCBN = False
-# Path to a weights file (a checkpoint or a bare state dict) to load before training or evaluating
+# Path to a weights file (a checkpoint, a state dict .pt/.pth, or .safetensors) to load before training or
+# evaluating; in training a classifier of another class count is re-initialised (fine-tuning), elsewhere refused
 _C.MODEL.WEIGHTS = None
 # Feed random tensors instead of real data (times the model alone; Distribuuuu's key)
 _C.MODEL.DUMMY_INPUT = False
@@ -122,6 +124,9 @@ _C.TRAIN.BEST_METRIC = "top1"
 _C.TRAIN.PATIENCE = 0
 # Stop once val top-1 reaches this (percent; 0: never); the time to reach it is logged
 _C.TRAIN.TARGET_TOP1 = 0.0
+# Freeze the backbone (every parameter but the classifier; its BatchNorm statistics too) for the first N
+# epochs (-1: for good; 0: never)
+_C.TRAIN.FREEZE_BACKBONE_EPOCHS = 0
 # Extra training hooks, "package.module:ClassName" (a distribuuuu.engine.HookBase made with no arguments)
 _C.TRAIN.HOOKS = []
 
@@ -193,6 +198,8 @@ _C.OPTIM.STEPS = []
 _C.OPTIM.OPTIMIZER = "sgd"
 # Exempt normalization weights and biases from weight decay
 _C.OPTIM.NO_WD_NORM_BIAS = False
+# LR of the backbone (every parameter but the classifier) as a fraction of the LR (1.0: one LR for all)
+_C.OPTIM.BACKBONE_LR_SCALE = 1.0
 # Multiplier applied at each step of the 'steps' policy
 _C.OPTIM.LR_MULT = 0.1
 # SGD momentum
@@ -262,6 +269,8 @@ _C.IMPORTS = []
 
 # Keys whose default is None, and the type a value given for them must have.
 NULLABLE_TYPES: dict[str, type] = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
+# Keys that take a value of either type (MODEL.PRETRAINED: True/False, or a file path).
+EITHER_TYPES: dict[str, tuple[type, ...]] = {"MODEL.PRETRAINED": (bool, str)}
 
 
 def get_defaults() -> CN:

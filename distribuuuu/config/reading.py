@@ -13,7 +13,7 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from distribuuuu.config import shipped
-from distribuuuu.config.defaults import NULLABLE_TYPES, get_defaults
+from distribuuuu.config.defaults import EITHER_TYPES, NULLABLE_TYPES, get_defaults
 from distribuuuu.errors import UserError
 
 
@@ -46,6 +46,11 @@ def _type_name(t: type) -> str:
 
 def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
     """Return value converted to the type of the key's default, or raise UserError."""
+    if key in EITHER_TYPES:
+        if isinstance(value, EITHER_TYPES[key]):
+            return value
+        raise UserError(f"config key {key} expects {' or '.join(_a(_type_name(t)) for t in EITHER_TYPES[key])}, "
+                        f"got {value!r} ({_type_name(type(value))}) from {source}")
     expected = NULLABLE_TYPES.get(key, type(default))
     if value is None:
         if key in NULLABLE_TYPES:
@@ -147,14 +152,23 @@ def merge_file(cfg: CN, path: str) -> None:
         raise UserError(f"config file {path!r} is a folder; pass --cfg with a YAML file such as config/resnet18.yaml")
     if not os.path.isfile(path):
         raise UserError(shipped.missing_message(path))
-    text = _read_text(path)
+    _merge_yaml(cfg, _read_text(path), f"config file {path!r}", f"config file {path}")
+
+
+def merge_text(cfg: CN, text: str, source: str) -> None:
+    """Merge YAML text (e.g. the config stored in a checkpoint) into cfg, checking every key and
+    type as for a file; unlike yacs's merge_from_other_cfg, it takes a MODEL.PRETRAINED path."""
+    _merge_yaml(cfg, text, source, source)
+
+
+def _merge_yaml(cfg: CN, text: str, source: str, plain_source: str) -> None:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise UserError(f"config file {path!r} is not valid YAML: {e}") from None
+        raise UserError(f"{source} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise UserError(f"config file {path!r} must hold a mapping of KEY: value, not {type(data).__name__}")
-    _set(cfg, _flatten_plain(data), f"config file {path}")
+        raise UserError(f"{source} must hold a mapping of KEY: value, not {type(data).__name__}")
+    _set(cfg, _flatten_plain(data), plain_source)
 
 
 def merge_opts(cfg: CN, opts: list[str]) -> None:

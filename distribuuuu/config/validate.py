@@ -73,6 +73,7 @@ def validate(cfg: CN) -> None:
     _check_choices(cfg)
     _check_train(cfg)
     _check_recipe(cfg)
+    _check_finetune(cfg)
     _check_dist(cfg)
     _check_data_modes(cfg)
     _check_run(cfg)
@@ -175,6 +176,24 @@ def _check_recipe(cfg: CN) -> None:
     _need(0.0 <= cfg.TEST.CROP_PCT <= 1.0 and (cfg.TEST.CROP_PCT == 0 or cfg.TEST.CROP_PCT >= 0.1),
           f"TEST.CROP_PCT is the center-crop fraction in [0.1, 1] (e.g. 0.875), or 0 to use TEST.IM_SIZE, "
           f"got {cfg.TEST.CROP_PCT}")
+
+
+def _check_finetune(cfg: CN) -> None:
+    """MODEL.PRETRAINED, TRAIN.FREEZE_BACKBONE_EPOCHS and OPTIM.BACKBONE_LR_SCALE (docs/recipes.md, Fine-tuning)."""
+    pretrained = cfg.MODEL.PRETRAINED
+    _need(not isinstance(pretrained, str) or pretrained.strip().lower() not in ("", "true", "false", "none"),
+          f"MODEL.PRETRAINED is True, False or the path of a weights file, got the text {pretrained!r}; "
+          "write True or False without quotes")
+    freeze = cfg.TRAIN.FREEZE_BACKBONE_EPOCHS
+    _need(isinstance(freeze, int) and freeze >= -1, "TRAIN.FREEZE_BACKBONE_EPOCHS is a number of epochs (0: off), "
+          f"or -1 to keep the backbone frozen for good, got {freeze}")
+    _need(cfg.OPTIM.BACKBONE_LR_SCALE > 0, "OPTIM.BACKBONE_LR_SCALE is the backbone's fraction of the LR and must "
+          f"be positive (e.g. 0.1), got {cfg.OPTIM.BACKBONE_LR_SCALE}; to keep the backbone fixed use "
+          "TRAIN.FREEZE_BACKBONE_EPOCHS -1")
+    _need(not freeze or cfg.DIST.STRATEGY != "fsdp", "TRAIN.FREEZE_BACKBONE_EPOCHS works with DIST.STRATEGY ddp, "
+          "zero1 or dp, not fsdp (its shards are made for the parameters that train at the start)")
+    _need(freeze <= 0 or not cfg.DIST.STATIC_GRAPH, f"TRAIN.FREEZE_BACKBONE_EPOCHS {freeze} changes the parameters "
+          f"that get gradients after epoch {freeze}, which DIST.STATIC_GRAPH True forbids; set DIST.STATIC_GRAPH False")
 
 
 def _check_dist(cfg: CN) -> None:

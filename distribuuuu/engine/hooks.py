@@ -5,7 +5,8 @@ A hook subclasses ``HookBase`` and overrides some of its six methods; each gets 
 
     before_fit                    after the model, the data and a resume are ready
     for each epoch:
-        before_epoch
+        before_epoch              the model is in train mode already: a hook may put parts of it in
+                                  eval mode for the epoch (the built-in FreezeBackboneHook does)
         for each batch:
             after_step            after every micro-batch; ``trainer.step_out.stepped`` is None
                                   between optimizer steps under TRAIN.ACCUM_STEPS, True/False at a step
@@ -17,8 +18,8 @@ A hook subclasses ``HookBase`` and overrides some of its six methods; each gets 
 
 Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
 ("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
-EarlyStopHook (target / patience), MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck,
-EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints
+FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (target / patience),
+MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck, EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints
 and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
 
 Every rank runs every hook: a hook that does a collective (any_rank, a checkpoint) does it in the
@@ -35,9 +36,10 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import run_folder
+from distribuuuu import heads, models, run_folder
 from distribuuuu.dist import comm, signals
 from distribuuuu.dist.signals import Preempted
 from distribuuuu.engine import evaluation
@@ -98,7 +100,44 @@ def from_config(cfg: CfgNode) -> list[HookBase]:
 
 
 def default_hooks(cfg: CfgNode) -> list[HookBase]:
-    return [EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg)]
+    freeze = [FreezeBackboneHook(cfg)] if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS else []
+    return [*freeze, EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg)]
+
+
+class FreezeBackboneHook(HookBase):
+    """TRAIN.FREEZE_BACKBONE_EPOCHS N: for the first N epochs (-1: all) the backbone, every parameter
+    but the classifier (heads.py), gets no gradient (requires_grad False: no backward through it, no
+    optimizer update, no weight decay) and its BatchNorm layers run in eval mode, so its statistics stay
+    as loaded too (timm's freeze does the same); the head trains. Decided from the epoch alone, so a
+    resumed run is frozen exactly when the uninterrupted run was. Under DDP the strategy sets
+    find_unused_parameters (strategies/ddp.py): the frozen parameters are registered but get no gradient.
+    """
+
+    def __init__(self, cfg: CfgNode) -> None:
+        self.epochs = cfg.TRAIN.FREEZE_BACKBONE_EPOCHS
+        self.frozen: bool | None = None  # what the parameters are set to now (None: not set yet)
+
+    def before_fit(self, trainer: Trainer) -> None:
+        net = models.unwrap(trainer.model)
+        self.backbone, head = heads.split_parameters(net)
+        in_head = {id(m) for layer in heads.head_layers(net) for m in net.get_submodule(layer).modules()}
+        self.norms = [m for m in net.modules()
+                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in in_head]
+        until = "for good" if self.epochs < 0 else "for epoch 1" if self.epochs == 1 else f"for epochs 1-{self.epochs}"
+        log.info("backbone frozen %s: %d parameter tensors and %d BatchNorm layers; the classifier %s (%d tensors) "
+                 "trains", until, len(self.backbone), len(self.norms), heads.describe(net), len(head))
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        frozen = self.epochs < 0 or trainer.state.epoch < self.epochs
+        if frozen != self.frozen:
+            for p in self.backbone:
+                p.requires_grad_(not frozen)
+            if self.frozen is not None or not frozen:
+                log.info("epoch %d: backbone %s", trainer.state.epoch + 1, "frozen" if frozen else "unfrozen")
+            self.frozen = frozen
+        if frozen:  # after the trainer's model.train(): the statistics stay fixed this epoch
+            for m in self.norms:
+                m.eval()
 
 
 class NonFiniteLoss(UserError, RuntimeError):

@@ -74,10 +74,13 @@ class Trainer:
     def build_model(self, bare: torch.nn.Module | None = None) -> None:
         """The model wrapped by the strategy, its optimizer and the stepper (``bare``: a given CPU model)."""
         cfg, ctx = self.cfg, self.ctx
-        self.model = self.strategy.wrap_model(bare if bare is not None else models.build_model(cfg))
+        self.model = self.strategy.wrap_model(bare if bare is not None else models.build_model(cfg, new_head=True))
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
         self.peak_lr = optim.peak_lr(cfg, self.global_batch)
+        if cfg.OPTIM.BACKBONE_LR_SCALE != 1:
+            log.info("OPTIM.BACKBONE_LR_SCALE %g: %s", cfg.OPTIM.BACKBONE_LR_SCALE,
+                     optim.describe_groups(self.optimizer))
         self.stepper = Stepper(cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy)
 
     def build_data(self) -> None:
@@ -114,7 +117,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.wall_start = time.perf_counter()
         self.seed = seed_everything(cfg, self.ctx.rank, previous_seed(cfg) if self.ctx.is_main else None)
-        bare = models.build_model(cfg)
+        bare = models.build_model(cfg, new_head=True)  # a MODEL.WEIGHTS head of another class count: re-initialised
         write_run_record(cfg, self.ctx, bare, self.seed)  # env.json, model.txt (before sharding); a collective
         self.build_model(bare)
         self.build_data()
@@ -123,6 +126,7 @@ class Trainer:
         self.resumed = resume_run(self) is not None
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
+            self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)
             self.call("before_epoch")
             self.train_metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
@@ -149,7 +153,6 @@ class Trainer:
         """Train on this rank's shard from state.samples_in_epoch to the end of the epoch; returns
         the epoch's metrics summed over all ranks. Hooks see every batch (after_step)."""
         cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
-        stepper.model.train()
         self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK)
         if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before a restart
             counter.add(state.resumed_sums)

@@ -178,6 +178,6 @@ class Strategy:
 
     def test_model(self, model: nn.Module, ckpt: dict[str, Any], weights: str, folder: str) -> nn.Module:
         """Collective: a module holding a chosen checkpoint's weights (``weights``: 'model' or 'ema')."""
-        net = models.build_model(self.cfg).to(self.ctx.device)
+        net = models.build_model(self.cfg, with_weights=False).to(self.ctx.device)
         net.load_state_dict(models.strip_wrapper_prefixes(ckpt[weights]))
         return net

@@ -146,7 +146,8 @@ class FSDP(Strategy):
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
         super().__init__(cfg, ctx)
-        self.replica = EvalReplica(lambda: models.build_model(cfg), ctx.device)
+        # The architecture only: the replica takes the trained weights.
+        self.replica = EvalReplica(lambda: models.build_model(cfg, with_weights=False), ctx.device)
         self.sharded: nn.Module | None = None
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:

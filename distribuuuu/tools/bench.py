@@ -76,7 +76,7 @@ def time_call(fn: Callable[[], Any], device: torch.device, iters: int, warmup: i
 def _stepper(cfg: Any, ctx: group.DistContext) -> Stepper:
     """The model and the engine's Stepper (AMP, channels_last, accumulation, clipping, EMA as configured)."""
     strategy = strategies.build(cfg, ctx)
-    model = strategy.wrap_model(models.build_model(cfg))
+    model = strategy.wrap_model(models.build_model(cfg, new_head=True))  # as training builds it (fine-tuning too)
     optimizer = strategy.build_optimizer(model)
     optim.set_lr(optimizer, optim.peak_lr(cfg, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS))
     return Stepper(cfg, ctx.device, model, optimizer, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS, strategy)

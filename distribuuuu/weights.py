@@ -1,0 +1,188 @@
+"""Weights files: reading them safely and loading them into a model, checked name by name.
+
+What a file may hold (``read_state_dict``): a distribuuuu checkpoint (its ``model`` entry: the raw
+weights, not the EMA), ``{"state_dict": ...}`` or ``{"model": ...}`` as other trainers write, a bare
+state dict (.pt / .pth), or .safetensors. DDP's ``module.`` and torch.compile's ``_orig_mod.``
+prefixes are dropped. Files are read with ``weights_only=True``: loading runs no code.
+
+``load_file`` checks every tensor name and shape against the model before anything is loaded; each
+problem is a ``UserError`` (exit 2) naming the tensor. Two differences may be allowed:
+
+  new_head     the classifier (heads.py) has another number of classes than the model: every other
+               tensor is loaded, the head keeps the model's own initialisation, and ONE line says so
+               (fine-tuning onto another class count: MODEL.WEIGHTS in training, MODEL.PRETRAINED)
+  adapt_stem   the first conv has other input channels (summed / repeated, timm's rule) or another
+               kernel (MODEL.SMALL_STEM: kept as initialised): MODEL.PRETRAINED only
+
+and ``fresh_head`` never loads the classifier, whatever its size (MODEL.PRETRAINED PATH: a start for
+a new task, whose classes are not the file's even when they are as many).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.nn as nn
+from timm.models import adapt_input_conv
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from distribuuuu import checkpoint, heads
+from distribuuuu.errors import UserError
+
+log = logging.getLogger("distribuuuu")
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
+
+
+def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
+    """The name and module of the model's first convolution (its stem)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            return name, module
+    raise UserError(f"{type(model).__name__} has no convolution to take MODEL.IN_CHANS; use MODEL.IN_CHANS 3")
+
+
+def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
+    """The state dict in a file (see the module docstring for the forms accepted)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{label} {path} does not exist; give the path of a weights file "
+                        "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, or .safetensors)")
+    if path.endswith(".safetensors"):
+        try:
+            return safetensors.torch.load_file(path, device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
+    obj = checkpoint.load(path, label)  # weights_only=True: loading runs no code
+    if isinstance(obj, dict) and obj.get("sharded") and "model" not in obj:
+        folder = os.path.join(os.path.dirname(path), obj["sharded"])
+        raise UserError(f"{label} {path} keeps its weights sharded in {folder} (DIST.FSDP_STATE_DICT sharded); "
+                        "make one file with `python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
+                        f"{folder} full.pth` and pass full.pth, or train with DIST.FSDP_STATE_DICT full")
+    for key in ("model", "state_dict"):  # distribuuuu checkpoints, then most other trainers
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not (isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values())):
+        raise UserError(f"{label} {path} holds no state dict: expected a distribuuuu checkpoint (key 'model'), "
+                        "a dict with 'state_dict', or a dict of parameter name -> tensor")
+    return obj
+
+
+def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """Drop 'module.' / '_orig_mod.' when every key has it: wrapper names, not part of the model.
+    Only then: torch's helper alone would also strip a model's own layer named 'module'."""
+    state = collections.OrderedDict(state)  # a copy: torch's helper renames in place
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if state and all(k.startswith(prefix) for k in state):
+                consume_prefix_in_state_dict_if_present(state, prefix)
+                stripped = True
+    return dict(state)
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else f" ({len(keys)})")
+
+
+def _adapt_stem(model: nn.Module, state: dict, own: dict, mismatched: list[str], notes: list[str]) -> set[str]:
+    """MODEL.PRETRAINED onto another stem: adapt the input channels, or keep a stem of another
+    kernel as initialised. Returns the stem tensors left as initialised."""
+    stem = first_conv(model)[0] + ".weight"
+    if stem not in mismatched:
+        return set()
+    mismatched.remove(stem)
+    w, want = state[stem], own[stem]
+    if w.shape[0] == want.shape[0] and w.shape[2:] == want.shape[2:]:
+        state[stem] = adapt_input_conv(want.shape[1], w)  # timm's rule: sum or repeat RGB
+        notes.append(f"{stem} adapted from {w.shape[1]} to {want.shape[1]} input channels")
+        return set()
+    del state[stem]
+    notes.append(f"{stem} kept freshly initialised (the file's {_fmt_shape(w)} does not fit "
+                 f"{_fmt_shape(want)}, e.g. after MODEL.SMALL_STEM)")
+    return {stem}
+
+
+def _head_classes(keys: list[str], state: dict, own: dict) -> tuple[str, int, int]:
+    """(a head tensor, classes in the file, classes in the model), from the weight when it is there."""
+    k = sorted(keys, key=lambda n: not n.endswith(".weight"))[0]
+    return k, state[k].shape[0], own[k].shape[0]
+
+
+def _check_shapes(model: nn.Module, where: str, state: dict, own: dict, mismatched: list[str]) -> None:
+    """Refuse shape mismatches outside the classifier (UserError naming the first)."""
+    head = heads.head_state_keys(model)
+    others = [k for k in mismatched if k not in head]
+    if others:
+        k = others[0]
+        more = f" (and {len(others) - 1} more tensors)" if len(others) > 1 else ""
+        raise UserError(
+            f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
+            f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
+            "MODEL.SMALL_STEM or TRAIN.IM_SIZE settings")
+
+
+def _drop_head(model: nn.Module, where: str, state: dict, own: dict, mismatched: list[str],
+               new_head: bool, fresh_head: bool) -> tuple[set[str], str]:
+    """The classifier's tensors to leave as initialised (removed from state) and the ONE line to log
+    about them once the load succeeds: those of another class count when new_head (else a
+    UserError), all of them when fresh_head."""
+    head = heads.head_state_keys(model)
+    bad = [k for k in mismatched if k in head]
+    drop = [k for k in head if k in state] if fresh_head else bad
+    if bad and not (new_head or fresh_head):
+        k, theirs, _ = _head_classes(bad, state, own)
+        raise UserError(
+            f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model; "
+            f"set MODEL.NUM_CLASSES {theirs} to match (training from these weights re-initialises the "
+            "classifier instead)")
+    if not drop:
+        return set(), ""
+    _, theirs, mine = _head_classes(drop, state, own)
+    why = "; a weights file given as MODEL.PRETRAINED starts a new task" if fresh_head else ""
+    line = (f"{where}: the classifier {heads.describe(model)} is re-initialised ({theirs} classes in the file, "
+            f"{mine} in the model{why}); every other tensor is loaded")
+    for key in drop:
+        del state[key]
+    return set(drop), line
+
+
+def load_file(model: nn.Module, path: str, label: str, new_head: bool = False, adapt_stem: bool = False,
+              fresh_head: bool = False) -> None:
+    """Load a weights file into an unwrapped model after checking every name and shape (UserError
+    on a problem). new_head / adapt_stem: the differences allowed; fresh_head: never load the
+    classifier (module docstring)."""
+    where = f"{label} {path}"
+    state = strip_wrapper_prefixes(read_state_dict(path, label))
+    own = model.state_dict()
+    notes: list[str] = []
+    mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
+    fresh = _adapt_stem(model, state, own, mismatched, notes) if adapt_stem and mismatched else set()
+    _check_shapes(model, where, state, own, mismatched)
+    new, head_line = _drop_head(model, where, state, own, mismatched, new_head, fresh_head)
+    fresh |= new
+    # Counters such as BatchNorm's num_batches_tracked are not weights; old files lack them. A file
+    # without a classifier (a backbone saved alone) is fine when a new head is allowed.
+    head = heads.head_state_keys(model) if new_head or fresh_head else set()
+    missing = [k for k in own if k not in state and k not in fresh and k not in head
+               and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        parts = ([f"missing from the file: {_few(missing)}"] if missing else []) + \
+                ([f"not in the model: {_few(unexpected)}"] if unexpected else [])
+        raise UserError(f"{where} does not fit the {type(model).__name__} built from MODEL.ARCH; tensors "
+                        + "; tensors ".join(parts))
+    model.load_state_dict(state, strict=False)  # every difference was checked above
+    if head_line:
+        log.warning(head_line)
+    log.info("loaded %d tensors from %s%s", len(state), where, "".join(f"; {n}" for n in notes))

@@ -1,0 +1,308 @@
+"""Fine-tuning: weights of another head, MODEL.PRETRAINED PATH, a frozen backbone, a backbone LR scale.
+
+In process: real weights files (a real training checkpoint among them) and real training runs on the
+synthetic tiny config; one e2e test runs the installed command with 2 DDP processes from a folder
+outside the repository.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn as nn
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint, engine, heads, models, optim
+from distribuuuu.config import get_defaults, load_config, merge_text
+from distribuuuu.dist import group
+from distribuuuu.errors import UserError
+from tests.conftest import ROOT, TINY, check, cli_main, env
+
+torch.set_num_threads(1)
+
+
+def _cfg(*opts, cfg_file=None):
+    return load_config(cfg_file, list(opts))
+
+
+def _build(*opts, new_head=True):
+    return models.build_model(_cfg("MODEL.ARCH", "resnet_tiny", "TRAIN.TOPK", "2", *opts), new_head=new_head)
+
+
+def _fit(cfg, hooks=()):
+    with group.session(cfg) as ctx:
+        return engine.fit(cfg, ctx, hooks=hooks)
+
+
+def _train_cfg(tmp_path, name, *opts):
+    return _cfg("OUT_DIR", str(tmp_path / name), "TRAIN.PRINT_FREQ", "100", "OPTIM.WARMUP_EPOCHS", "1",
+                *opts, cfg_file=TINY)
+
+
+def _head_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "re-initialised" in r.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def source_ckpt(tmp_path_factory):
+    """A real distribuuuu checkpoint: synthetic_tiny (4 classes) trained for one epoch."""
+    tmp = tmp_path_factory.mktemp("source")
+    _fit(_train_cfg(tmp, "src", "OPTIM.MAX_EPOCH", "1"))
+    return str(tmp / "src" / "checkpoints" / "last.pth")
+
+
+def _source_state(path):
+    return models.strip_wrapper_prefixes(checkpoint.load(path)["model"])
+
+
+def _backbone(state):
+    return {k: v.clone() for k, v in state.items() if not k.startswith("fc.")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the head
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:The default weight initialization of GoogleNet")
+@pytest.mark.parametrize("arch, expected", [
+    ("resnet_tiny", ["fc"]),                          # timm's ResNet class built directly: get_classifier()
+    ("resnet10t", ["fc"]),                            # timm: pretrained cfg 'classifier'
+    ("mobilenet_v3_small", ["classifier.3"]),         # torchvision: last Linear of `classifier`
+    ("googlenet", ["fc", "aux1.fc2", "aux2.fc2"]),    # torchvision: auxiliary heads of the same width
+])
+def test_head_layers_are_found_and_score_the_classes(arch, expected):
+    model = models.build_model(_cfg("MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "7"))
+    assert heads.head_layers(model) == expected
+    for name in expected:
+        layer = model.get_submodule(name)
+        assert (layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels) == 7
+    backbone, head = heads.split_parameters(model)
+    assert len(head) == 2 * len(expected) and len(backbone) + len(head) == len(list(model.parameters()))
+
+
+def test_a_model_without_a_classifier_cannot_be_split():
+    with pytest.raises(UserError, match="cannot find the classifier"):
+        heads.split_parameters(nn.Sequential(nn.BatchNorm1d(3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# MODEL.WEIGHTS and MODEL.PRETRAINED PATH
+# ---------------------------------------------------------------------------------------------
+def _save(obj_kind, state, path):
+    if obj_kind == "safetensors":
+        safetensors.torch.save_file(state, str(path))
+        return
+    obj = {"bare": state, "state_dict": {"state_dict": state, "epoch": 9}, "model": {"model": state}}[obj_kind]
+    torch.save(obj, path)
+
+
+@pytest.mark.parametrize("kind, suffix", [("checkpoint", ".pth"), ("bare", ".pt"), ("state_dict", ".pth"),
+                                          ("model", ".pth"), ("safetensors", ".safetensors")])
+def test_weights_of_another_head_load_and_reinitialise_it_with_one_line(tmp_path, caplog, source_ckpt, kind, suffix):
+    state = _source_state(source_ckpt)
+    path = source_ckpt if kind == "checkpoint" else str(tmp_path / f"w{suffix}")
+    if kind != "checkpoint":
+        _save(kind, state, path)
+    with caplog.at_level(logging.INFO, logger="distribuuuu"):
+        model = _build("MODEL.NUM_CLASSES", "6", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", path)
+    lines = _head_lines(caplog)
+    assert len(lines) == 1, lines
+    assert "classifier fc" in lines[0] and "(4 classes in the file, 6 in the model)" in lines[0]
+    got = model.state_dict()
+    assert got["fc.weight"].shape == (6, 128)
+    for key, value in _backbone(state).items():
+        assert torch.equal(got[key], value), key
+
+
+def test_same_head_loads_everything_without_the_line(caplog, source_ckpt):
+    with caplog.at_level(logging.INFO, logger="distribuuuu"):
+        model = _build("MODEL.NUM_CLASSES", "4", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", source_ckpt)
+    assert not _head_lines(caplog)
+    assert torch.equal(model.fc.weight, _source_state(source_ckpt)["fc.weight"])
+
+
+def test_pretrained_path_always_starts_a_new_head_and_adapts_the_stem(caplog, source_ckpt):
+    state = _source_state(source_ckpt)
+    with caplog.at_level(logging.INFO, logger="distribuuuu"):
+        model = _build("MODEL.NUM_CLASSES", "4", "MODEL.SMALL_STEM", "True", "MODEL.IN_CHANS", "1",
+                       "MODEL.PRETRAINED", source_ckpt, new_head=False)
+    lines = _head_lines(caplog)
+    assert len(lines) == 1 and "(4 classes in the file, 4 in the model" in lines[0] and "new task" in lines[0]
+    got = model.state_dict()
+    assert not torch.equal(got["fc.weight"], state["fc.weight"])  # same shape, fresh anyway
+    assert torch.allclose(got["conv1.weight"], state["conv1.weight"].sum(1, keepdim=True))  # 3 -> 1 channel
+    assert torch.equal(got["layer4.0.conv2.weight"], state["layer4.0.conv2.weight"])
+
+
+def test_eval_refuses_another_head_and_training_refuses_other_mismatches(tmp_path, source_ckpt, caplog):
+    with pytest.raises(UserError, match=r"fc.weight has shape \(4, 128\) in the file but \(6, 128\) in the model; "
+                                        r"set MODEL.NUM_CLASSES 4"):
+        _build("MODEL.NUM_CLASSES", "6", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", source_ckpt, new_head=False)
+    state = _source_state(source_ckpt)
+    with pytest.raises(UserError, match=r"missing from the file: conv1.0.weight.*not in the model: conv1.weight"):
+        _build("MODEL.NUM_CLASSES", "6", "MODEL.WEIGHTS", source_ckpt)  # no SMALL_STEM: timm's deep stem
+    broken = dict(state)
+    broken.pop("layer2.0.conv1.weight")
+    broken["extra.weight"] = torch.zeros(2)
+    torch.save(broken, tmp_path / "broken.pt")
+    with pytest.raises(UserError, match=r"missing from the file: layer2.0.conv1.weight.*not in the model: extra"):
+        _build("MODEL.NUM_CLASSES", "6", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", str(tmp_path / "broken.pt"))
+    narrow = dict(state, **{"layer4.0.bn1.weight": torch.ones(64)})  # a shape outside the head
+    torch.save(narrow, tmp_path / "narrow.pt")
+    with pytest.raises(UserError, match=r"layer4.0.bn1.weight has shape \(64\) in the file but \(128\)"):
+        _build("MODEL.NUM_CLASSES", "6", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", str(tmp_path / "narrow.pt"))
+    assert not _head_lines(caplog)  # a refused file logs no "re-initialised" line
+    proc = cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "r"), "MODEL.NUM_CLASSES", "6",
+                    "MODEL.WEIGHTS", str(tmp_path / "narrow.pt"))
+    assert proc.returncode == 2 and "layer4.0.bn1.weight has shape" in proc.stderr
+
+
+def test_cli_exits_2_on_a_bad_pretrained_value_or_file(tmp_path):
+    proc = cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "r"), "MODEL.PRETRAINED", str(tmp_path / "no.pt"))
+    assert proc.returncode == 2 and "MODEL.PRETRAINED" in proc.stderr and "does not exist" in proc.stderr
+    proc = cli_main("config", "--cfg", TINY, "MODEL.PRETRAINED", "true")
+    assert proc.returncode == 2 and "write True or False" in proc.stderr
+    proc = cli_main("config", "--cfg", TINY, "MODEL.PRETRAINED", "3")
+    assert proc.returncode == 2 and "expects a bool or a str" in proc.stderr
+    proc = cli_main("config", "--cfg", TINY, "MODEL.PRETRAINED", str(tmp_path / "x.pt"))
+    assert proc.returncode == 0 and str(tmp_path / "x.pt") in proc.stdout
+    for opts, words in ((["TRAIN.FREEZE_BACKBONE_EPOCHS", "-2"], "-1 to keep"),
+                        (["OPTIM.BACKBONE_LR_SCALE", "0.0"], "must be positive"),
+                        (["TRAIN.FREEZE_BACKBONE_EPOCHS", "1", "DIST.STRATEGY", "fsdp"], "not fsdp"),
+                        (["TRAIN.FREEZE_BACKBONE_EPOCHS", "1", "DIST.STATIC_GRAPH", "True"], "STATIC_GRAPH False")):
+        proc = cli_main("config", "--cfg", TINY, *opts)
+        assert proc.returncode == 2 and words in proc.stderr, (opts, proc.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two LR groups
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("no_wd", [False, True])
+def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
+    cfg = _cfg("MODEL.ARCH", "resnet_tiny", "OPTIM.BACKBONE_LR_SCALE", "0.1", "OPTIM.NO_WD_NORM_BIAS", str(no_wd),
+               "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.MAX_EPOCH", "10")
+    model = models.build_model(cfg)
+    opt = optim.build_optimizer(cfg, model)
+    head = {id(p) for p in model.fc.parameters()}
+    assert len(opt.param_groups) == (4 if no_wd else 2)
+    for g in opt.param_groups:
+        in_head = {id(p) in head for p in g["params"]}
+        assert len(in_head) == 1 and g["lr_scale"] == (1.0 if in_head.pop() else 0.1)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    for epoch in (0.0, 0.5, 1.9, 2.0, 6.3, 9.99):  # warmup, then cosine
+        lr = 0.4 * optim.lr_factor(cfg, epoch)
+        optim.set_lr(opt, lr)
+        for g in opt.param_groups:
+            assert g["lr"] == pytest.approx(lr * g["lr_scale"], rel=1e-12)
+    default = _cfg("MODEL.ARCH", "resnet_tiny")
+    groups = optim.build_optimizer(default, models.build_model(default)).param_groups
+    assert len(groups) == 1 and "lr_scale" not in groups[0]  # as before the key existed: old checkpoints resume
+
+
+def test_zero1_takes_the_groups_and_keeps_their_ratio(tmp_path):
+    import torch.distributed as dist
+    from distribuuuu.strategies import zero1
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cfg = _cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2",
+               "OPTIM.BACKBONE_LR_SCALE", "0.25")
+    model = models.build_model(cfg)
+    opt = zero1.Zero1(cfg, None).build_optimizer(model)
+    optim.set_lr(opt, 0.08)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    before = model.fc.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.fc.weight, before)
+    assert sorted(g["lr"] for g in opt.optim.param_groups) == pytest.approx([0.02, 0.08])  # the local shard's
+
+
+# ---------------------------------------------------------------------------------------------
+# Freezing, resume
+# ---------------------------------------------------------------------------------------------
+class Snapshots(engine.HookBase):
+    """After each epoch: the backbone's state (parameters and BatchNorm statistics), the head, and
+    which backbone parameters required a gradient during it; the optimizer's LRs."""
+
+    def __init__(self):
+        self.backbone, self.head, self.grad, self.lrs = [], [], [], []
+
+    def after_step(self, trainer):
+        net = models.unwrap(trainer.model)
+        self.step_grad = any(p.requires_grad for p in heads.split_parameters(net)[0])
+
+    def after_epoch(self, trainer):
+        state = models.unwrap(trainer.model).state_dict()
+        self.backbone.append(_backbone(state))
+        self.head.append(state["fc.weight"].clone())
+        self.grad.append(self.step_grad)
+        self.lrs.append(sorted({g["lr"] for g in trainer.optimizer.param_groups}))
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_frozen_backbone_stays_exactly_as_loaded_then_trains(tmp_path, source_ckpt, caplog):
+    loaded = _backbone(_source_state(source_ckpt))
+    snaps = Snapshots()
+    cfg = _train_cfg(tmp_path, "ft", "MODEL.NUM_CLASSES", "3", "MODEL.WEIGHTS", source_ckpt,
+                     "TRAIN.FREEZE_BACKBONE_EPOCHS", "2", "OPTIM.MAX_EPOCH", "3", "OPTIM.WEIGHT_DECAY", "0.01")
+    with caplog.at_level(logging.INFO, logger="distribuuuu"):
+        _fit(cfg, hooks=[snaps])
+    assert [_same(s, loaded) for s in snaps.backbone] == [True, True, False]  # weights and BN statistics
+    assert snaps.grad == [False, False, True]
+    assert not torch.equal(snaps.head[0], snaps.head[1])  # the head trains while the backbone is frozen
+    assert any("backbone frozen for epochs 1-2" in r.getMessage() for r in caplog.records)
+    assert any("epoch 3: backbone unfrozen" in r.getMessage() for r in caplog.records)
+
+
+def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source_ckpt):
+    loaded = _backbone(_source_state(source_ckpt))
+    opts = ["MODEL.NUM_CLASSES", "3", "MODEL.PRETRAINED", source_ckpt, "TRAIN.FREEZE_BACKBONE_EPOCHS", "2",
+            "OPTIM.BACKBONE_LR_SCALE", "0.1"]
+    _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "1"))  # stops inside the frozen phase
+    first = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "last.pth"))
+    assert _same(_backbone(models.strip_wrapper_prefixes(first["model"])), loaded)
+    assert [g["lr_scale"] for g in first["optimizer"]["param_groups"]] == [0.1, 1.0]
+    snaps = Snapshots()
+    _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "3"), hooks=[snaps])  # resumes at epoch 2
+    assert [_same(s, loaded) for s in snaps.backbone] == [True, False]
+    assert snaps.grad == [False, True]
+    for low, high in snaps.lrs:  # two groups, 0.1 apart, through the resumed schedule
+        assert low == pytest.approx(0.1 * high)
+    # The stored config names a MODEL.PRETRAINED path: it reads back as a --cfg file does (yacs's
+    # own merge refuses a str over the default False), and the model it describes loads the weights.
+    text = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "last.pth"))["cfg"]
+    with pytest.raises(ValueError, match="Type mismatch"):
+        get_defaults().merge_from_other_cfg(CfgNode.load_cfg(text))
+    cfg = get_defaults()
+    merge_text(cfg, text, "the checkpoint's config")
+    assert cfg.MODEL.PRETRAINED == source_ckpt and cfg.MODEL.NUM_CLASSES == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The installed command, 2 DDP processes, from a folder outside the repository
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_finetune_with_ddp_freezes_then_unfreezes_from_outside_the_repo(tmp_path, source_ckpt):
+    loaded = _backbone(_source_state(source_ckpt))
+    e = env()
+    e["PYTHONPATH"] = ROOT  # this checkout's package, as the installed editable one
+    proc = subprocess.run(
+        [sys.executable, "-m", "distribuuuu", "train", "--cfg", "synthetic_tiny", "--nproc-per-node", "2",
+         "OUT_DIR", "ft", "MODEL.NUM_CLASSES", "3", "MODEL.WEIGHTS", source_ckpt, "TRAIN.FREEZE_BACKBONE_EPOCHS", "1",
+         "OPTIM.BACKBONE_LR_SCALE", "0.1", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "32"],
+        cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
+    check(proc)
+    out = proc.stdout + proc.stderr
+    assert out.count("classifier fc is re-initialised (4 classes in the file, 3 in the model)") == 2  # per rank
+    assert "find_unused_parameters on" in out and "epoch 2: backbone unfrozen" in out
+    states = [models.strip_wrapper_prefixes(checkpoint.load(str(tmp_path / "ft" / "checkpoints" / f"epoch_000{e}.pth"))
+                                            ["model"]) for e in (1, 2)]
+    assert _same(_backbone(states[0]), loaded)  # frozen on both ranks through DDP's all-reduce
+    assert not _same(_backbone(states[1]), loaded)
+    assert states[0]["fc.weight"].shape == (3, 128) and not torch.equal(states[0]["fc.weight"], states[1]["fc.weight"])
+    assert os.path.isfile(tmp_path / "ft" / "config.yaml")
