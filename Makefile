@@ -25,7 +25,7 @@ demo: $(STAMP)
 # (tests/conftest.py groups them): about 19 minutes on a quiet 2-core machine, against about 30 one
 # file after another.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # The in-process tier: every test not marked e2e (none starts the command, a launcher or a
 # spawner), in one process: about 35 s on a 2-core machine (the budget is 2 minutes).
