@@ -8,6 +8,7 @@
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
+    distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]   loader img/s: folder vs shards
     distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ... [--output F.csv|F.json]
     distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
 
@@ -132,6 +133,15 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16"],
                        help="--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native "
                             "bf16, else fp16)")
+    bench.add_argument("--io", action="store_true",
+                       help="time the training data loader alone against the number of loader workers, "
+                            "image folder vs shards of the same images (io.csv, io.png)")
+    bench.add_argument("--workers", default=None, metavar="LIST",
+                       help="--io: loader worker counts such as 0,1,2 (default 0, then 1, 2, 4, ... up to the cores)")
+    bench.add_argument("--repeats", type=int, default=3, help="--io: timed stretches of --iters batches each")
+    bench.add_argument("--io-shards", dest="io_shards", default=None, metavar="DIR",
+                       help="--io: keep the shards of a folder dataset in DIR and reuse them (default: none, "
+                            "written to a temporary folder and removed)")
     bench.add_argument("--out", default=None, help="results folder (default OUT_DIR/bench)")
     predict = sub.add_parser("predict", help="top-k classes of image files, folders and globs (without --cfg: "
                              "the checkpoint's config, class names and preprocessing)")
@@ -153,6 +163,7 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 TOOLS = ("plot", "bench", "predict", "export")
+TOOL_FLAGS = ("--io", "--help")  # the tools' options that take no value
 
 
 def package_version() -> str:
@@ -189,7 +200,7 @@ def _options_first(tokens: list[str]) -> list[str]:
     rest: list[str] = []
     i = 0
     while i < len(tokens):
-        take = (1 if "=" in tokens[i] else 2) if tokens[i].startswith("--") else 0
+        take = (1 if "=" in tokens[i] or tokens[i] in TOOL_FLAGS else 2) if tokens[i].startswith("--") else 0
         if take:
             front += tokens[i:i + take]
         else:
@@ -218,11 +229,14 @@ def _run_tool(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
-    """bench: the one-process timings (tools/bench.py), --scaling (tools/scaling.py) or --compare
-    (tools/compare.py). The options are checked here, before the chosen module imports torch."""
+    """bench: the one-process timings (tools/bench.py), --scaling (tools/scaling.py), --compare
+    (tools/compare.py) or --io (tools/bench_io.py). The options are checked here, before the chosen
+    module imports torch."""
+    sweeps = [name for name, on in (("--compare", args.compare is not None), ("--scaling", args.scaling is not None),
+                                     ("--io", args.io)) if on]
+    if len(sweeps) > 1:
+        raise UserError(f"{' and '.join(sweeps)} are different sweeps; give one of them")
     if args.compare is not None:
-        if args.scaling is not None:
-            raise UserError("--compare and --scaling are two different sweeps; give one of them")
         from distribuuuu.tools import compare
 
         return compare.run_compare(args.cfg_file, opts, args.compare, 2 if args.epochs is None else args.epochs,
@@ -233,6 +247,13 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
         from distribuuuu.tools import scaling
 
         return scaling.main(args.cfg_file, opts, args.scaling, 1 if args.epochs is None else args.epochs, args.out)
+    if args.io:
+        if args.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+        from distribuuuu.tools import bench_io
+
+        return bench_io.main(args.cfg_file, opts, args.workers, (args.iters, args.warmup, args.repeats),
+                             args.io_shards, args.out)
     from distribuuuu.tools import bench
 
     return bench.main(args.cfg_file, opts, args.iters, args.warmup, args.out)
