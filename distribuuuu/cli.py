@@ -5,6 +5,7 @@
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
     distribuuuu config --list                            the shipped configs, each with its first comment line
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
+    distribuuuu data shard SRC DEST [--shard-size 256MB]  an image folder (or mnist5k) as tar shards + index.json
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
@@ -31,6 +32,7 @@ import signal
 import sys
 from typing import Any, Callable, Sequence
 
+from distribuuuu import data_cli  # light: argparse only; the data code is imported when a command runs
 from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
 
@@ -96,11 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_parser.add_argument("--list", dest="list_shipped", action="store_true",
                                help="list the shipped configs (usable as --cfg NAME) instead")
     _add_cfg_args(config_parser, with_nproc=False)
-    data_parser = sub.add_parser("data", help="dataset utilities")
-    data_sub = data_parser.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
-    export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
-    export.add_argument("source", choices=["mnist5k"], metavar="SOURCE", help="the built-in dataset to write: mnist5k")
-    export.add_argument("dest", help="output folder (gets train/<class>/*.png and val/<class>/*.png)")
+    data_cli.add_parser(sub, _Parser)
     _add_tool_parsers(sub)
     return parser
 
@@ -347,11 +345,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command in TOOLS:
         return _run_tool(args)
     if args.command == "data":
-        from distribuuuu import data
-
-        counts = data.export_mnist5k(args.dest)
-        print(f"wrote {args.source} to {args.dest}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-        return 0
+        return data_cli.run(args)
     opts = list(args.opts or [])
     if args.command == "config":
         return _print_config(args, opts)

@@ -111,7 +111,7 @@ def test_sweep_writes_table_csv_and_png(jpeg_root, tmp_path):
     assert [e for e in os.listdir(out) if e.startswith("io_shards.")] == []  # the temporary shards are gone
 
 
-@pytest.mark.skipif(not _has_shards(), reason="needs distribuuuu.data.shards")
+@pytest.mark.skipif(not _has_shards(), reason="needs the shard reader (#17, not in yet): bench --io times folders only")
 def test_io_shards_are_kept_and_reused(jpeg_root, tmp_path):
     keep, out = str(tmp_path / "keep"), str(tmp_path / "bench")
     args = ("bench", "--io", "--workers", "0", "--iters", "2", "--warmup", "0", "--repeats", "1", "--io-shards", keep,
@@ -136,7 +136,7 @@ def test_io_shards_are_kept_and_reused(jpeg_root, tmp_path):
     assert [r["format"] for r in _read_csv(alone)] == ["shards"]
 
 
-@pytest.mark.skipif(not _has_shards(), reason="needs distribuuuu.data.shards")
+@pytest.mark.skipif(not _has_shards(), reason="needs the shard reader (#17, not in yet): bench --io times folders only")
 def test_stale_io_shards_are_a_user_error(jpeg_root, tmp_path):
     keep = str(tmp_path / "keep")
     small = str(tmp_path / "small")

@@ -95,12 +95,13 @@ def parse_workers(text: str | None, n_cores: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 def _shards_module() -> Any:
     """distribuuuu.data.shards, imported when first needed (it is the shard reader and writer);
-    None while this checkout has no shard support (TEMPORARY until the shard modules are merged)."""
+    None while this checkout cannot read shards (TEMPORARY: the reader of #17 is not in yet)."""
     try:
         from distribuuuu.data import shards
     except ImportError:
         return None
-    return shards if hasattr(shards, "write_shards") and hasattr(shards, "is_shard_set") else None
+    # The writer is in; the reader (training from shards) is not yet, and the sweep needs both.
+    return shards if hasattr(shards, "write_shards") and hasattr(shards, "build_train_loader") else None
 
 
 def dataset_format(cfg: Any) -> str:
