@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # The in-process tier: every test not marked e2e (none starts the command, a launcher or a
-# spawner), in one process: about 35 s on a 2-core machine (the budget is 2 minutes).
+# spawner), in one process: about 50 s on a 2-core machine (the budget is 2 minutes).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" tests
 
