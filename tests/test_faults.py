@@ -224,7 +224,11 @@ def test_preempted_sbatch_job_requeues_itself_and_the_second_run_finishes(tmp_pa
             time.sleep(0.3)
             info = su.job_info(job)
         # Slurm holds a requeued batch job back for ~2 minutes (the credential lifetime, 120 s by
-        # default); starting it now keeps the test short and changes nothing else.
+        # default); starting it now keeps the test short and changes nothing else. Not at once: slurmd
+        # revoked the first run's credential with a time in whole seconds and refuses a new one made in
+        # that same second ("Killing non-startable batch JobId=N: Job credential revoked" in
+        # slurmctld.log, and the job ends FAILED), so the release waits for the next second.
+        time.sleep(2)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
         info = su.wait_job(job, 180)
     finally:
