@@ -153,9 +153,12 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
 def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCard:
     """The card described from the config's data: the TRAIN folder's class names when it is here
     (else numbers), or the TEST data of a built-in / registered source (as predict always did)."""
-    from distribuuuu.data import build_dataset, sources
+    from distribuuuu.data import build_dataset, shards, sources
 
-    if sources.source_kind(cfg.TRAIN.DATASET) == "folder" and not cfg.MODEL.DUMMY_INPUT:
+    kind = "dummy" if cfg.MODEL.DUMMY_INPUT else sources.source_kind(cfg.TRAIN.DATASET)
+    if kind == "shards":
+        return describe(cfg, None, classes or shards.load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes)
+    if kind == "folder":
         train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         if classes is None and os.path.isdir(train_dir):
             classes = sources.folder_classes(train_dir)

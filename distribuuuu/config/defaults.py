@@ -41,7 +41,8 @@ _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE = 32
 # Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images)
 _C.TRAIN.IM_SIZE = 224
-# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*), a CIFAR folder, or mnist5k / synthetic
+# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*), a CIFAR folder, a shard set (its folder,
+# index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
 _C.TRAIN.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for training
 _C.TRAIN.SPLIT = "train"
@@ -55,6 +56,9 @@ _C.TRAIN.RESUME_ALLOW = []
 _C.TRAIN.LOAD_OPT = True
 # DataLoader worker processes per training process
 _C.TRAIN.WORKERS = 4
+# Shard sets: each loader worker reads this many consecutive samples at a time and yields them in a
+# random order (per epoch; memory: this x the mean record size per worker); 1 = stream order only
+_C.TRAIN.SHARD_SHUFFLE = 1000
 # Pin host memory of batches (only has an effect with CUDA)
 _C.TRAIN.PIN_MEMORY = True
 # Print a progress line every PRINT_FREQ iterations (rank 0 only)
@@ -154,7 +158,7 @@ _C.TRAIN.STD = []
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 _C.TEST = CN()
-# Validation data: a folder path, a CIFAR folder, or mnist5k / synthetic
+# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic
 _C.TEST.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for validation
 _C.TEST.SPLIT = "val"

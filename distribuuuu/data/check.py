@@ -18,6 +18,8 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import integrity, registry, sources, split
 from distribuuuu.data.loaders import require_image_chans, tensor_source, val_folder_classes
+from distribuuuu.data.shards import plan
+from distribuuuu.data.shards.index import load_shard_set
 from distribuuuu.errors import UserError
 
 _NAMED = 5  # how many offending class folders a message names
@@ -71,6 +73,10 @@ def _scan(cfg: CfgNode, key: str) -> tuple[int, int, dict[str, int] | None]:
     cfg[key].DATASET, with the source's own checks."""
     group = cfg[key]
     kind = sources.source_kind(group.DATASET)
+    if kind == "shards":  # counts and classes from the index; every shard present at its size
+        require_image_chans(cfg, key)
+        shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
+        return len(shard_set.classes), shard_set.num_samples, None
     if kind not in ("cifar", "folder"):  # a registered source: mnist5k, synthetic or a user's
         data = registry.build_source(cfg, key)
         tensor_source(cfg, key, data)  # the channel checks of a TensorSource
@@ -133,6 +139,10 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
         if n_classes > cfg.MODEL.NUM_CLASSES:
             raise UserError(f"{key}.DATASET {cfg[key].DATASET!r} has {n_classes} classes but "
                             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES}; set MODEL.NUM_CLASSES {n_classes}")
+        if key == "TRAIN" and cfg.TRAIN.VAL_SPLIT and sources.source_kind(cfg.TRAIN.DATASET) == "shards":
+            raise UserError("TRAIN.VAL_SPLIT holds out random samples, which a shard set (read as a stream) cannot "
+                            "give; shard a val split too (`distribuuuu data shard` writes one per folder) and set "
+                            "TEST.DATASET to it, with TRAIN.VAL_SPLIT 0")
         if key == "TRAIN" and cfg.TRAIN.VAL_SPLIT:
             n, held = _check_val_split(cfg, folder_counts)
             n, kept = n - held, f" left after TRAIN.VAL_SPLIT holds out {held}"
@@ -145,3 +155,15 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
             train_n, train_kept = n, kept
     if train:  # after TEST's checks: a wrong path or layout is the first thing to hear about
         _require_one_step(cfg, train_n, train_kept, world_size)
+        if sources.source_kind(cfg.TRAIN.DATASET) == "shards":
+            _require_no_empty_step(cfg, train_n, world_size)
+
+
+def _require_no_empty_step(cfg: CfgNode, n: int, world_size: int) -> None:
+    """Shards run every sample in equal step counts (shards/plan.py): refuse a plan where a rank has an empty step."""
+    batch, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
+    if plan.smallest_train_batch(n, world_size, batch, accum) < 1:
+        raise UserError(f"TRAIN.DATASET {cfg.TRAIN.DATASET!r}: {n} samples over {world_size} process(es) in "
+                        f"{plan.train_steps(n, world_size, batch, accum)} steps (TRAIN.BATCH_SIZE {batch}, ACCUM_STEPS "
+                        f"{accum}) would leave a step without a sample on some process; raise TRAIN.BATCH_SIZE to 2 "
+                        "or more, or lower TRAIN.ACCUM_STEPS")

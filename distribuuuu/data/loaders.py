@@ -4,7 +4,8 @@ Which loader (TRAIN.DATA_PIPELINE): mnist5k, CIFAR and any registered TensorSour
 in-memory MemoryLoader (memory.py: the split on the device, batched augmentation) under 'auto', unless
 the split would take more than MEMORY_PIPELINE_BUDGET_BYTES there (CIFAR training above ~80 px: the log
 says so) or TRAIN.CROP_SCALE asks for resized crops (the in-memory path only pads and crops); image
-folders, synthetic data (and a registered Dataset) and MODEL.DUMMY_INPUT through a DataLoader. With
+folders, synthetic data (and a registered Dataset) and MODEL.DUMMY_INPUT through a DataLoader; shard
+sets through shards/loader.py (every sample once per epoch, equal steps on every rank). With
 TRAIN.IMAGE_DECODE fast, folder items are uint8 crops (transforms.FastTrainDecode / FastEvalDecode)
 normalized per batch on the device. The crop, flip, interpolation and mean/std follow the data recipe
 (recipe.py) on every path.
@@ -38,6 +39,7 @@ from distribuuuu.data.memory import MemoryLoader
 from distribuuuu.data.recipe import log_recipe, recipe_of
 from distribuuuu.data.registry import TensorSource
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
+from distribuuuu.data.shards.loader import build_shard_loader
 from distribuuuu.errors import UserError
 
 PIPELINES = ("auto", "memory", "loader")  # TRAIN.DATA_PIPELINE
@@ -82,7 +84,7 @@ def val_folder_classes(cfg: CfgNode, val_classes: list[str]) -> list[str]:
 def registered_data(cfg: CfgNode, key: str) -> TensorSource | Dataset | None:
     """What the registered source cfg[key].DATASET (mnist5k, synthetic or a user's) builds for
     cfg[key].SPLIT; None for CIFAR, folders and MODEL.DUMMY_INPUT."""
-    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) in ("cifar", "folder"):
+    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) in ("cifar", "folder", "shards"):
         return None
     return registry.build_source(cfg, key)
 
@@ -93,7 +95,7 @@ def tensor_source(cfg: CfgNode, key: str, data: TensorSource | Dataset | None = 
     None for other sources."""
     group, chans = cfg[key], cfg.MODEL.IN_CHANS
     kind = sources.source_kind(group.DATASET)
-    if cfg.MODEL.DUMMY_INPUT or kind == "folder":
+    if cfg.MODEL.DUMMY_INPUT or kind in ("folder", "shards"):
         return None
     if kind == "cifar":
         require_image_chans(cfg, key)
@@ -307,6 +309,8 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     _note_unaugmented(cfg, rank)
     if rank == 0:
         log_recipe(cfg)
+    if _is_shards(cfg, "TRAIN"):
+        return build_shard_loader(cfg, "TRAIN", True, rank, world_size, device, seed)
 
     def sampler_of(dataset: Sized) -> Sampler:
         return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
@@ -339,6 +343,8 @@ def build_test_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.de
 def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size: int,
                  device: torch.device) -> Any:
     """Exact evaluation: each sample is seen by exactly one rank (a rank may get none)."""
+    if _is_shards(cfg, key):  # (TRAIN.VAL_SPLIT with shards is refused by check_datasets)
+        return build_shard_loader(cfg, key, False, rank, world_size, device, 0)
 
     def sampler_of(dataset: Sized) -> Sampler:
         return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
@@ -366,6 +372,10 @@ def _note_unaugmented(cfg: CfgNode, rank: int) -> None:
         what = "synthetic data" if name == "synthetic" else f"the {name} source's items"
     log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
                 "not augmented", what)
+
+
+def _is_shards(cfg: CfgNode, key: str) -> bool:
+    return not cfg.MODEL.DUMMY_INPUT and sources.source_kind(cfg[key].DATASET) == "shards"
 
 
 def _fast_folder(cfg: CfgNode, key: str) -> bool:

@@ -10,6 +10,7 @@ transform is set (loaders.build_dataset picks the transforms). Errors a user can
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import integrity, registry
 from distribuuuu.data.registry import TensorSource, check_split_name
+from distribuuuu.data.shards.index import is_shard_set
 from distribuuuu.data.split import stratified_split
 from distribuuuu.data.transforms import MNIST_STATS, to_8bit
 from distribuuuu.errors import UserError
@@ -36,12 +38,15 @@ LAYOUT = "<DATASET>/<SPLIT>/<class>/<image>"
 
 
 def source_kind(dataset: str) -> str:
-    """The name of a registered source ('mnist5k', 'synthetic' or a user's), else 'cifar' or
-    'folder' (a registered name wins over a folder of that name)."""
+    """The name of a registered source ('mnist5k', 'synthetic' or a user's), else 'cifar', 'shards'
+    (a shard set written by `distribuuuu data shard`) or 'folder' (a registered name wins over a
+    folder of that name)."""
     if registry.get_source(dataset) is not None:
         return dataset
     if find_cifar(dataset) is not None:
         return "cifar"
+    if is_shard_set(dataset):
+        return "shards"
     return "folder"
 
 
@@ -269,9 +274,10 @@ def folder_classes(split_dir: str) -> list[str]:
     return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
 
 
-def open_image(path: str, mode: str) -> Image.Image:
-    """Decode and convert to mode ('L' or 'RGB'): any file (L, P, RGBA, CMYK, 16-bit...) gets IN_CHANS."""
-    with open(path, "rb") as f:
+def open_image(path: str | bytes, mode: str) -> Image.Image:
+    """Decode and convert to mode ('L' or 'RGB'): any file (L, P, RGBA, CMYK, 16-bit...) gets IN_CHANS.
+    path: a file, or an encoded file's bytes (a shard's record)."""
+    with io.BytesIO(path) if isinstance(path, bytes) else open(path, "rb") as f:
         return to_8bit(Image.open(f)).convert(mode)
 
 

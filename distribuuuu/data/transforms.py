@@ -345,7 +345,10 @@ class FastTrainDecode:
         self.scale, self.flip = list(recipe.folder_scale()), recipe.flip_prob(True)
 
     def __call__(self, path: str) -> torch.Tensor:
-        data = _read(path)
+        return self.from_bytes(_read(path))
+
+    def from_bytes(self, data: bytes) -> torch.Tensor:
+        """The same for an encoded file already in memory (a shard's record)."""
         width, height = image_size(data)
         # get_params only reads the size: a stride-0 view of one element stands for the image.
         shape_only = torch.empty(1, dtype=torch.uint8).expand(1, height, width)
@@ -367,7 +370,9 @@ class FastEvalDecode:
         self.resize_to, self.crop, self.mode, self.recipe = resize_to, crop, mode, recipe
 
     def __call__(self, path: str) -> torch.Tensor:
-        data = _read(path)
+        return self.from_bytes(_read(path))
+
+    def from_bytes(self, data: bytes) -> torch.Tensor:
         width, height = image_size(data)
         short = min(width, height)
         image = decode(data, self.mode, decode_scale(data, width, height, short, short, self.resize_to))

@@ -25,6 +25,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, model_card, models, resume_check, summary
 from distribuuuu.dist import comm
+from distribuuuu.errors import UserError
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer
@@ -103,7 +104,7 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
     counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
     record = {**trainer.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rng,
               "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": trainer.seed,
-              model_card.CARD_KEY: trainer.card.to_dict()}
+              model_card.CARD_KEY: trainer.card.to_dict(), "shard_plan": _shard_plan(trainer)}
     shards = checkpoint.checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
     entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, shards)
     record.update(entries)
@@ -114,6 +115,23 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
             path = checkpoint.save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
             log.info("saved %s%s", path, " (best)" if is_best else "")
     comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
+
+
+def _shard_plan(trainer: Trainer) -> dict[str, Any] | None:
+    """What decides the batches of a shard set's epoch (data/shards/reader.describe_plan); None for other data."""
+    plan = getattr(trainer.train_loader, "shard_plan", None)
+    return plan() if plan is not None else None
+
+
+def _require_same_shard_plan(trainer: Trainer, ckpt: dict[str, Any], path: str) -> None:
+    """A mid-epoch position on shards means particular batches: refuse to resume it under another plan."""
+    now, then = _shard_plan(trainer), ckpt.get("shard_plan")
+    if now is None or trainer.state.samples_in_epoch == 0 or then == now:
+        return
+    changed = ", ".join(f"{k} {then.get(k)} -> {v}" for k, v in now.items() if then.get(k) != v) if then else "unknown"
+    raise UserError(f"{path} stopped {trainer.state.samples_in_epoch} samples into an epoch of a shard set, whose "
+                    f"batches depend on the world size, TRAIN.WORKERS, BATCH_SIZE, ACCUM_STEPS and SHARD_SHUFFLE "
+                    f"({changed}); resume with the values it was written with, then change them at an epoch end")
 
 
 def _keep_seed(trainer: Trainer, seed: int | None) -> None:
@@ -144,6 +162,7 @@ def resume_run(trainer: Trainer) -> dict[str, Any] | None:
     strategy.load_checkpoint(trainer.model, opt, ckpt, path, checkpoint.checkpoint_dir(cfg.OUT_DIR))
     for key in TrainState.COUNTERS:
         setattr(state, key, ckpt.get(key, getattr(state, key)))
+    _require_same_shard_plan(trainer, ckpt, path)
     state.resumed_sums = ckpt.get("train_sums")
     # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
     _keep_seed(trainer, ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))

@@ -159,8 +159,11 @@ class Trainer:
         state.resumed_sums = None
         micro_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size  # samples per micro-step, all ranks
         accum = cfg.TRAIN.ACCUM_STEPS
-        # A full epoch in samples: whole optimizer steps only (a partial accumulation is dropped).
-        self.epoch_samples = len(loader.dataset) // micro_batch // accum * accum * micro_batch
+        # A full epoch in samples: whole optimizer steps only (a partial accumulation is dropped); a
+        # shard loader plans its own steps, which run every sample (data/shards/plan.py).
+        planned = getattr(loader, "epoch_steps", None)
+        self.epoch_samples = (planned * micro_batch if planned is not None else
+                              len(loader.dataset) // micro_batch // accum * accum * micro_batch)
         loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # same shuffle on all ranks
         iters = (self.epoch_samples - state.samples_in_epoch) // micro_batch
         progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)

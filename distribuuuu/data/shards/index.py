@@ -15,8 +15,10 @@ import json
 import os
 import re
 
-from distribuuuu.data.shards.write import FORMAT, INDEX
 from distribuuuu.errors import UserError
+
+FORMAT = "distribuuuu-shards/1"  # index.json's "format": what this version reads and writes
+INDEX = "index.json"
 
 
 @dataclasses.dataclass(frozen=True)

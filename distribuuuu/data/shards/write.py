@@ -25,10 +25,9 @@ from typing import Callable
 import numpy as np
 
 from distribuuuu.data import integrity, sources
+from distribuuuu.data.shards.index import FORMAT, INDEX
 from distribuuuu.errors import UserError
 
-FORMAT = "distribuuuu-shards/1"
-INDEX = "index.json"
 SPLIT_NAMES = ("train", "val", "test")
 _BLOCK = 512  # tar block: every member is a header block plus its data padded to whole blocks
 

@@ -1,0 +1,126 @@
+"""The train / val / test loaders of a shard set (TRAIN.DATASET or TEST.DATASET naming one).
+
+The images go through the folder pipeline's recipe (recipe.py): with TRAIN.IMAGE_DECODE fast the
+records are decoded and cropped to uint8 in the workers (transforms.FastTrainDecode / FastEvalDecode)
+and normalized per batch on the device (batches.NormalizedBatches); with 'pil', torchvision's
+per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
+left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
+whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
+every sample once, in equal step counts on every rank (plan.py), dropping none.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+from yacs.config import CfgNode
+
+from distribuuuu.data import sources, transforms
+from distribuuuu.data.batches import NormalizedBatches
+from distribuuuu.data.recipe import recipe_of
+from distribuuuu.data.shards.index import ShardSet, load_shard_set
+from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
+from distribuuuu.data.shards.tar import ShardError
+from distribuuuu.errors import UserError
+
+
+class ShardLoader:
+    """A DataLoader over a ShardDataset, with the engine's loader interface (module docstring)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.dataset = loader, loader.dataset
+
+    @property
+    def sampler(self) -> ShardDataset:
+        return self.dataset  # set_epoch and seed live on the dataset, which the workers copy each epoch
+
+    @property
+    def epoch_steps(self) -> int:
+        return self.dataset.steps()
+
+    def shard_plan(self) -> dict[str, Any]:
+        return describe_plan(self.dataset)
+
+    def __len__(self) -> int:
+        return self.dataset.steps() - self.dataset.start_step
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self.loader
+        except (ShardError, BadRecordError) as e:  # from a worker: its message, without the worker's traceback
+            raise type(e)(_original_message(str(e))) from None
+
+
+def _original_message(text: str) -> str:
+    """A worker's exception as the DataLoader re-raises it ('Caught X in DataLoader worker process 0.
+    Original Traceback ... X: message') -> message."""
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
+def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor], bool]:
+    """(bytes -> image tensor, whether the images are uint8 to be normalized per batch)."""
+    size, recipe = cfg.TRAIN.IM_SIZE, recipe_of(cfg)
+    mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
+    policy = transforms.augment_policy(cfg.TRAIN.AUTO_AUGMENT, cfg.TRAIN.RANDAUG_MAGNITUDE) if train else None
+    if cfg.TRAIN.IMAGE_DECODE == "fast":
+        crop = (transforms.FastTrainDecode(size, mode, recipe) if train else
+                transforms.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
+        return (_Then(crop.from_bytes, policy) if policy is not None else crop.from_bytes), True
+    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
+                                     erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    return _Then(functools.partial(sources.open_image, mode=mode), tf), False
+
+
+class _Then:
+    """second(first(x)), picklable (for worker processes started by spawn)."""
+
+    def __init__(self, first: Callable, second: Callable) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, x: Any) -> Any:
+        return self.second(self.first(x))
+
+
+def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
+    """TEST shards' labels in the TRAIN shards' numbering (a val split may lack classes), by class name."""
+    if key == "TRAIN" or sources.source_kind(cfg.TRAIN.DATASET) != "shards":
+        return None
+    train = load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes
+    if train == shard_set.classes:
+        return None
+    position = {name: i for i, name in enumerate(train)}
+    extra = [c for c in shard_set.classes if c not in position]
+    if extra:
+        raise UserError(f"TEST.DATASET has classes that the training shards lack: {', '.join(extra[:5])}; "
+                        "val classes must be a subset of the train classes")
+    return [position[c] for c in shard_set.classes]
+
+
+def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_size: int,
+                       device: torch.device, seed: int) -> Any:
+    """The loader of the shard set cfg[key].DATASET names: training batches (train) or exact evaluation."""
+    if cfg.TRAIN.DATA_PIPELINE == "memory":
+        raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
+                        f"{cfg[key].DATASET!r} is a shard set; use TRAIN.DATA_PIPELINE auto or loader")
+    group = cfg[key]
+    shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
+    decode, batched = _decoder(cfg, train)
+    dataset = ShardDataset(
+        shard_set, decode, rank=rank, world_size=world_size, train=train, seed=seed,
+        batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE, accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
+        workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
+        label_map=_label_map(cfg, key, shard_set))
+    # Workers are started each epoch (not persistent): they copy the dataset, whose epoch and start
+    # position the engine has just set. Batches come whole from the workers (batch_size=None).
+    loader = ShardLoader(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
+                                    pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda"))
+    if not batched:
+        return loader
+    stats = transforms.stats_for_channels(recipe_of(cfg).stats or transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
+    return NormalizedBatches(loader, stats, device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
