@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from distribuuuu.data import shards
 from distribuuuu.errors import UserError
 from distribuuuu.tools import bench_io
 from tests.conftest import check, cli_main, env, write_fake_cifar10, write_image_tree
@@ -32,10 +33,6 @@ def _opts(root, *extra):
 def _read_csv(out):
     with open(os.path.join(out, "io.csv"), newline="") as f:
         return list(csv.DictReader(f))
-
-
-def _has_shards():
-    return bench_io._shards_module() is not None
 
 
 # ---- the worker list --------------------------------------------------------------------------
@@ -92,7 +89,7 @@ def test_sweep_writes_table_csv_and_png(jpeg_root, tmp_path):
     iters, warmup, repeats = 5, 1, 3  # 16 batches: two epochs of 8 batches, read through
     proc = check(cli_main("bench", "--io", "--workers", "0", "--iters", str(iters), "--warmup", str(warmup),
                           "--repeats", str(repeats), "--out", out, *_opts(jpeg_root)))
-    formats = ["folder", "shards"] if _has_shards() else ["folder"]
+    formats = ["folder", "shards"]
     rows = _read_csv(out)
     assert [r["format"] for r in rows] == formats and {r["workers"] for r in rows} == {"0"}
     for r in rows:
@@ -111,7 +108,6 @@ def test_sweep_writes_table_csv_and_png(jpeg_root, tmp_path):
     assert [e for e in os.listdir(out) if e.startswith("io_shards.")] == []  # the temporary shards are gone
 
 
-@pytest.mark.skipif(not _has_shards(), reason="needs the shard reader (#17, not in yet): bench --io times folders only")
 def test_io_shards_are_kept_and_reused(jpeg_root, tmp_path):
     keep, out = str(tmp_path / "keep"), str(tmp_path / "bench")
     args = ("bench", "--io", "--workers", "0", "--iters", "2", "--warmup", "0", "--repeats", "1", "--io-shards", keep,
@@ -136,12 +132,11 @@ def test_io_shards_are_kept_and_reused(jpeg_root, tmp_path):
     assert [r["format"] for r in _read_csv(alone)] == ["shards"]
 
 
-@pytest.mark.skipif(not _has_shards(), reason="needs the shard reader (#17, not in yet): bench --io times folders only")
 def test_stale_io_shards_are_a_user_error(jpeg_root, tmp_path):
     keep = str(tmp_path / "keep")
     small = str(tmp_path / "small")
     write_image_tree(small, "train", {"cat": 3, "dog": 3}, ext="jpg", size=(16, 16))
-    bench_io._shards_module().write_shards(os.path.join(small, "train"), keep, progress=False)
+    shards.write_shards(os.path.join(small, "train"), keep, progress=False)
     bad = check(cli_main("bench", "--io", "--workers", "0", "--iters", "1", "--io-shards", keep,
                          "--out", str(tmp_path / "out"), *_opts(jpeg_root)), 2)
     assert "holds shards of 6 images" in bad.stderr and f"has {sum(CLASSES.values())}" in bad.stderr
@@ -191,12 +186,11 @@ def test_installed_command_sweeps_workers_0_and_1(jpeg_root, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run" / "bench"  # OUT_DIR relative to the user's folder
     rows = _read_csv(str(out))
-    formats = ["folder", "shards"] if _has_shards() else ["folder"]
+    formats = ["folder", "shards"]
     assert [(r["format"], int(r["workers"])) for r in rows] == [(f, w) for f in formats for w in (0, 1)]
     assert all(int(r["images_timed"]) == 3 * 2 * BATCH and float(r["img_per_s"]) > 0 for r in rows)
     assert os.path.getsize(out / "io.png") > 10_000
-    if _has_shards():
-        assert "shards / folder: 0 workers" in proc.stdout and "1 workers" in proc.stdout
+    assert "shards / folder, img/s: 0 workers" in proc.stdout and "1 workers" in proc.stdout
 
 
 @pytest.mark.e2e

@@ -165,6 +165,11 @@ def test_two_ranks_of_two_workers_read_every_sample_once_per_epoch_in_new_orders
         assert collections.Counter(flat) == collections.Counter(range(101))  # each once, none dropped
         epochs.append(flat)
     assert epochs[0] != epochs[1]
+    # One loader for both epochs, as training keeps it: its persistent workers read the new epoch.
+    loader = build_shard_loader(cfg, "TRAIN", True, 0, 2, torch.device("cpu"), 3)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        assert [ids(images) for images, _ in loader] == epoch_ids(cfg, 0, 2, epoch)
     index = json.load(open(os.path.join(id_shards, "train", "index.json")))
     # More than shard order: a batch mixes samples of different shards, and no shard is read in its order.
     in_order = [k for s in index["shards"] for k, _ in tar.samples(os.path.join(id_shards, "train", s["name"]))]
@@ -290,6 +295,7 @@ def test_two_torchrun_processes_of_two_workers_read_every_key_once(id_shards, tm
         assert [len(r["train"][epoch]) for r in ranks] == [13, 13]
         keys = [i for r in ranks for batch in r["train"][epoch] for i in batch]
         assert collections.Counter(keys) == collections.Counter(range(101))
+    assert ranks[0]["train"][0] != ranks[0]["train"][1]  # the persistent workers saw the new epoch
     assert sorted(ranks[0]["val"] + ranks[1]["val"]) == list(range(37))
 
 

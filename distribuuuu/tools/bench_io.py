@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -34,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from distribuuuu import config, data
-from distribuuuu.data import sources
+from distribuuuu.data import shards, sources
 from distribuuuu.dist import group, launch
 from distribuuuu.errors import UserError
 from distribuuuu.logger import setup_logging
@@ -93,25 +94,13 @@ def parse_workers(text: str | None, n_cores: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # what is read: the configured folder, its shard copy, or a shard set
 # ---------------------------------------------------------------------------------------------
-def _shards_module() -> Any:
-    """distribuuuu.data.shards, imported when first needed (it is the shard reader and writer);
-    None while this checkout cannot read shards (TEMPORARY: the reader of #17 is not in yet)."""
-    try:
-        from distribuuuu.data import shards
-    except ImportError:
-        return None
-    # The writer is in; the reader (training from shards) is not yet, and the sweep needs both.
-    return shards if hasattr(shards, "write_shards") and hasattr(shards, "build_train_loader") else None
-
-
 def dataset_format(cfg: Any) -> str:
     """'folder' or 'shards' for TRAIN.DATASET; a UserError for data that is not image files."""
     path = cfg.TRAIN.DATASET
     if cfg.MODEL.DUMMY_INPUT:
         raise UserError("bench --io times reading image files, but MODEL.DUMMY_INPUT makes random tensors; "
                         "drop MODEL.DUMMY_INPUT and point TRAIN.DATASET at an image folder or a shard set")
-    shards = _shards_module()
-    if shards and (shards.is_shard_set(path) or shards.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT))):
+    if shards.is_shard_set(path) or shards.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
         return "shards"
     kind = sources.source_kind(path)
     if kind != "folder":
@@ -139,7 +128,7 @@ def shard_copy(split_dir: str, dest: str, n_images: int) -> str:
     index = find_index(dest, os.path.basename(os.path.normpath(split_dir)))
     if index is None:
         print(f"[bench] writing shards of {split_dir} into {dest}", flush=True)
-        written = _shards_module().write_shards(split_dir, dest, progress=True)
+        written = shards.write_shards(split_dir, dest, progress=True)
         index = str(written[0])
     else:
         print(f"[bench] reusing the shards in {os.path.dirname(index)}", flush=True)
@@ -155,10 +144,12 @@ def shard_copy(split_dir: str, dest: str, n_images: int) -> str:
 # timing
 # ---------------------------------------------------------------------------------------------
 def cpu_seconds() -> float | None:
-    """CPU seconds (user + system) of this process and its running children, the loader workers;
+    """CPU seconds (user + system) of this process and its children, the loader workers;
     None where /proc cannot tell (not Linux). Per core, what other jobs on the machine do shows in
     the wall clock, hardly in the CPU time: it is the fairer per-core figure on a shared machine."""
-    total = time.process_time()
+    # Children that have ended and been reaped (loader workers of an earlier epoch) are in RUSAGE_CHILDREN.
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + children.ru_utime + children.ru_stime
     try:
         tick = os.sysconf("SC_CLK_TCK")
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -298,9 +289,6 @@ def _formats(cfg: Any, io_shards: str | None, out_dir: str) -> tuple[list[tuple[
     fmt = dataset_format(cfg)
     if fmt == "shards":
         return [("shards", cfg)], None
-    if _shards_module() is None:
-        print("[bench] this installation has no shard support: timing the folder only", flush=True)
-        return [("folder", cfg)], None
     n_images = len(data.build_dataset(cfg, train=True))
     tmp = None if io_shards else tempfile.mkdtemp(prefix="io_shards.", dir=out_dir)
     shard_dir = shard_copy(os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT), io_shards or tmp, n_images)
@@ -321,10 +309,12 @@ def run_io(cfg: Any, workers: list[int], timing: tuple[int, int, int], io_shards
     try:
         with group.session(cfg) as ctx:
             setup_logging(None, True)
-            for fmt, fmt_cfg in formats:
-                for w in workers:
+            # Formats alternate at each worker count, so that a slow spell of the machine hits both alike.
+            for w in workers:
+                for fmt, fmt_cfg in formats:
                     print(f"[bench] {fmt}, {w} worker(s)", flush=True)
                     rows.append(measure(fmt_cfg, fmt, w, ctx.device, timing))
+            rows.sort(key=lambda r: [f for f, _ in formats].index(r.format))  # the table: one format, then the other
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -35,7 +35,7 @@ class ShardLoader:
 
     @property
     def sampler(self) -> ShardDataset:
-        return self.dataset  # set_epoch and seed live on the dataset, which the workers copy each epoch
+        return self.dataset  # set_epoch and seed live on the dataset (in memory its workers share)
 
     @property
     def epoch_steps(self) -> int:
@@ -116,9 +116,9 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
         batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE, accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
         workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
         label_map=_label_map(cfg, key, shard_set))
-    # Workers are started each epoch (not persistent): they copy the dataset, whose epoch and start
-    # position the engine has just set. Batches come whole from the workers (batch_size=None).
+    # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
     loader = ShardLoader(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
+                                    persistent_workers=cfg.TRAIN.WORKERS > 0,
                                     pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda"))
     if not batched:
         return loader

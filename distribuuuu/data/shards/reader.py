@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from distribuuuu.data.integrity import DECODE_ERRORS
 from distribuuuu.data.shards import plan, tar
@@ -47,12 +47,18 @@ class ShardDataset(IterableDataset):
                  label_map: list[int] | None = None) -> None:
         self.shard_set, self.decode, self.classes = shard_set, decode, shard_set.classes
         self.rank, self.world_size, self.batch_size, self.accum = rank, world_size, batch_size, accum
-        self.workers, self.train, self.seed, self.shuffle_block = workers, train, seed, max(1, shuffle_block)
+        self.workers, self.train, self.shuffle_block = workers, train, max(1, shuffle_block)
         self.bad_images, self.label_map = bad_images, label_map
-        self.epoch, self.start_step = 0, 0
+        # (seed, epoch, start step) in shared memory: persistent workers, started once, read the epoch
+        # the engine sets before each one (a plain attribute would stay as it was when they started).
+        self._position = multiprocessing.Array("q", [seed, 0, 0], lock=False)
         self.counts = np.array([s.num_samples for s in shard_set.shards])
         # Shared with the worker processes, which inherit it when they start (as ImageFolderWithClasses').
         self.bad_count = multiprocessing.Value("i", 0)
+
+    seed = property(lambda self: self._position[0], lambda self, v: self._position.__setitem__(0, v))
+    epoch = property(lambda self: self._position[1])
+    start_step = property(lambda self: self._position[2])
 
     def __len__(self) -> int:
         return int(self.counts.sum())
@@ -66,7 +72,7 @@ class ShardDataset(IterableDataset):
         micro = self.batch_size * self.world_size
         if start % micro:
             raise ValueError(f"start {start} is not a whole number of steps of {micro} samples")
-        self.epoch, self.start_step = epoch, start // micro
+        self._position[1], self._position[2] = epoch, start // micro
 
     def take_bad_count(self) -> int:
         with self.bad_count.get_lock():
@@ -139,7 +145,8 @@ class ShardDataset(IterableDataset):
             return None
         if self.train:  # every rank keeps its batch size: a readable record of the batch stands in
             good += [good[i % len(good)] for i in range(len(items) - len(good))]
-        return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good])
+        # default_collate, not torch.stack: in a worker it builds the batch in shared memory, saving a copy
+        return default_collate([g[0] for g in good]), torch.tensor([g[1] for g in good])
 
     def _item(self, sample: tar.Sample) -> tuple[torch.Tensor, int] | None:
         key, fields = sample

@@ -21,6 +21,7 @@ from typing import BinaryIO, Iterator
 from distribuuuu.errors import UserError
 
 BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif", "img")
 
 
@@ -40,8 +41,9 @@ def _number(field: bytes) -> int:
 
 
 def _checksum_ok(header: bytes) -> bool:
-    stored = _number(header[148:156])
-    return stored == sum(header[:148]) + 8 * 32 + sum(header[156:])
+    """The stored checksum is the sum of the header's bytes with its own 8 counted as spaces."""
+    field = header[148:156]
+    return _number(field) == sum(header) - sum(field) + 8 * 32
 
 
 def _pax_path(data: bytes) -> str | None:
@@ -60,7 +62,7 @@ def members(f: BinaryIO, path: str, want_data: bool = True) -> Iterator[tuple[st
     while True:
         offset = f.tell()
         header = f.read(BLOCK)
-        if header == bytes(BLOCK):
+        if header == _ZERO_BLOCK:
             return  # the end-of-archive block (tarfile and every tar writer end the file with two)
         if len(header) < BLOCK or not _checksum_ok(header):
             why = ("ends before its end-of-archive block" if not header else "ends inside a header"
@@ -96,9 +98,9 @@ def _name(header: bytes) -> str:
 
 def split_name(name: str) -> tuple[str, str]:
     """'dir/00000012.jpg' -> ('dir/00000012', 'jpg'): webdataset's key and field rule."""
-    folder, base = os.path.split(name)
+    folder, slash, base = name.rpartition("/")
     stem, _, field = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), field.lower()
+    return folder + slash + stem, field.lower()
 
 
 def _sample_offset(f: BinaryIO, path: str, skip: int) -> int:
