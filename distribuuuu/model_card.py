@@ -33,6 +33,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import models
 from distribuuuu.data import sources, transforms
+from distribuuuu.data.shards.reader import ShardDataset
 from distribuuuu.data.recipe import INTERPOLATIONS, recipe_of
 from distribuuuu.errors import UserError
 
@@ -133,7 +134,7 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
     recipe, chans, size = recipe_of(cfg), cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
     names = list(classes if classes is not None else getattr(dataset, "classes", []))
     stats: tuple[Any, Any]
-    if dataset is None or isinstance(dataset, sources.ImageFolderWithClasses):
+    if dataset is None or isinstance(dataset, (sources.ImageFolderWithClasses, ShardDataset)):  # image files
         stats = transforms.stats_for_channels(recipe.stats or transforms.IMAGENET_STATS, chans)
         resize, crop_pct = recipe.eval_resize(size, cfg.TEST.IM_SIZE), recipe.crop_pct
         resize_on = "pil" if cfg.TRAIN.IMAGE_DECODE == "pil" else "tensor"

@@ -20,7 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from distribuuuu import api, config, data
+from distribuuuu import api, config, data, model_card
+from distribuuuu.data import transforms
 from distribuuuu.data import shards
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
@@ -259,6 +260,15 @@ def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_p
         list(loader)
     message = str(caught.value)
     assert message.startswith(f"shard {victim} ") and "truncated" in message and "Traceback" not in message
+
+
+def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shards):
+    opts = {k: v for k, v in id_opts(id_shards, workers=0).items() if k not in ("TRAIN.MEAN", "TRAIN.STD")}
+    cfg = make_cfg({**opts, "TEST.IM_SIZE": 10})
+    card = model_card.describe(cfg, build_shard_loader(cfg, "TRAIN", True, 0, 1, torch.device("cpu"), 3).dataset)
+    stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, 1)  # what the loader normalizes with
+    assert (card.mean, card.std) == (list(stats[0]), list(stats[1])) and card.resize == 10
+    assert card.classes == list(CLASSES)
 
 
 # -- the command ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 from yacs.config import CfgNode
 
 from distribuuuu.data import integrity, registry, sources, split
-from distribuuuu.data.loaders import require_image_chans, tensor_source, val_folder_classes
+from distribuuuu.data.loaders import data_pipeline, require_image_chans, tensor_source, val_folder_classes
 from distribuuuu.data.shards import plan
 from distribuuuu.data.shards.index import load_shard_set
 from distribuuuu.errors import UserError
@@ -135,6 +135,8 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
     if cfg.MODEL.DUMMY_INPUT:
         return  # random tensors: nothing on disk to check
     for key in (("TRAIN", "TEST") if train else ("TEST",)):
+        if cfg.TRAIN.DATA_PIPELINE == "memory":  # refused here, before any process starts, if impossible
+            data_pipeline(cfg, key)
         n_classes, n, folder_counts = _scan(cfg, key)
         if n_classes > cfg.MODEL.NUM_CLASSES:
             raise UserError(f"{key}.DATASET {cfg[key].DATASET!r} has {n_classes} classes but "

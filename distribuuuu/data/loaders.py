@@ -221,13 +221,19 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
     if cfg.MODEL.DUMMY_INPUT:
         return "loader"
     kind = sources.source_kind(cfg[key].DATASET)
-    if key == "TRAIN" and kind != "folder" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
+    if choice == "memory" and kind in ("folder", "shards"):
+        raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
+                        f"{cfg[key].DATASET!r} is {'an image folder' if kind == 'folder' else 'a shard set'}; "
+                        "use TRAIN.DATA_PIPELINE auto or loader")
+    if kind in ("folder", "shards"):
+        return "loader"
+    if key == "TRAIN" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
         if choice == "memory":
             raise UserError("TRAIN.DATA_PIPELINE memory pads and crops only; TRAIN.CROP_SCALE needs "
                             "TRAIN.DATA_PIPELINE auto or loader (auto then uses the DataLoader)")
         return "loader"
     if choice == "auto":
-        if kind == "folder" or (kind != "cifar" and not isinstance(registered_data(cfg, key), TensorSource)):
+        if kind != "cifar" and not isinstance(registered_data(cfg, key), TensorSource):
             return "loader"
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
@@ -236,9 +242,6 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
                         key, cfg.TRAIN.IM_SIZE, need / 1e9, MEMORY_PIPELINE_BUDGET_BYTES / 1e9)
             return "loader"
         return "memory"
-    if choice == "memory" and kind == "folder":
-        raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
-                        f"{cfg[key].DATASET!r} is an image folder; use TRAIN.DATA_PIPELINE auto or loader")
     return choice
 
 
@@ -309,6 +312,7 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     _note_unaugmented(cfg, rank)
     if rank == 0:
         log_recipe(cfg)
+    pipeline = data_pipeline(cfg, "TRAIN")
     if _is_shards(cfg, "TRAIN"):
         return build_shard_loader(cfg, "TRAIN", True, rank, world_size, device, seed)
 
@@ -316,7 +320,7 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
         return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
                                            repeats=cfg.TRAIN.REPEATED_AUG)
 
-    if data_pipeline(cfg, "TRAIN") == "memory":
+    if pipeline == "memory":
         return _memory_loader(cfg, "TRAIN", True, part, sampler_of, cfg.TRAIN.BATCH_SIZE, device)
     batched = _fast_folder(cfg, "TRAIN")
     dataset = _part(cfg, _build_dataset(cfg, "TRAIN", True, batched=batched), part)
@@ -343,13 +347,14 @@ def build_test_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.de
 def _eval_loader(cfg: CfgNode, key: str, part: str | None, rank: int, world_size: int,
                  device: torch.device) -> Any:
     """Exact evaluation: each sample is seen by exactly one rank (a rank may get none)."""
+    pipeline = data_pipeline(cfg, key)
     if _is_shards(cfg, key):  # (TRAIN.VAL_SPLIT with shards is refused by check_datasets)
         return build_shard_loader(cfg, key, False, rank, world_size, device, 0)
 
     def sampler_of(dataset: Sized) -> Sampler:
         return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
 
-    if data_pipeline(cfg, key) == "memory":
+    if pipeline == "memory":
         return _memory_loader(cfg, key, False, part, sampler_of, cfg.TEST.BATCH_SIZE, device)
     batched = _fast_folder(cfg, key)
     dataset = _part(cfg, _build_dataset(cfg, key, False, batched=batched), part)

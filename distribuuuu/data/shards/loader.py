@@ -105,9 +105,6 @@ def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
 def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_size: int,
                        device: torch.device, seed: int) -> Any:
     """The loader of the shard set cfg[key].DATASET names: training batches (train) or exact evaluation."""
-    if cfg.TRAIN.DATA_PIPELINE == "memory":
-        raise UserError(f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
-                        f"{cfg[key].DATASET!r} is a shard set; use TRAIN.DATA_PIPELINE auto or loader")
     group = cfg[key]
     shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
     decode, batched = _decoder(cfg, train)
