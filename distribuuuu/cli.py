@@ -279,10 +279,11 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     The work is api.run_command's (the Python API runs the same); here only the statuses: 0, or
     128 + signal after a preemption checkpoint. UserError and stop signals: see _guarded.
     """
-    from distribuuuu import api
     from distribuuuu.dist.signals import Preempted
 
-    cfg = command_config(command, cfg_file, opts)
+    cfg = command_config(command, cfg_file, opts)  # before torch is imported: a bad key is a 0.2 s exit 2
+    from distribuuuu import api
+
     try:
         api.run_command(command, cfg)
     except Preempted as stop:

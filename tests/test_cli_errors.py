@@ -6,11 +6,12 @@ prove the same of the installed command and of the spawner.
 """
 
 import os
+import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import TINY, check, cli_main, distribuuuu, run
+from tests.conftest import ROOT, TINY, check, cli_main, distribuuuu, env, run
 
 
 def _user_error(proc, *fragments):
@@ -87,3 +88,15 @@ def test_the_installed_command_exits_2_with_one_message():
 def test_unknown_arch_with_spawned_processes_fails_once_and_cleanly():
     _user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
                 "MODEL.ARCH")
+
+
+@pytest.mark.e2e
+def test_a_bad_key_is_refused_before_torch_is_imported():
+    """`train MODEL.ARHC x` answers in a fraction of a second: the config is read before the engine
+    (and torch, ~5 s of imports on a small machine) is imported."""
+    code = ("import sys\nfrom distribuuuu import cli\nstatus = cli.main(['train', 'MODEL.ARHC', 'x'])\n"
+            "print(status, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert "did you mean MODEL.ARCH?" in proc.stderr
