@@ -82,10 +82,11 @@ def _stepper(cfg: Any, ctx: group.DistContext) -> Stepper:
     return Stepper(cfg, ctx.device, model, optimizer, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS, strategy)
 
 
-def bench_model(cfg: Any, ctx: group.DistContext, iters: int, warmup: int) -> dict[str, float]:
+def bench_model(cfg: Any, ctx: group.DistContext, iters: int, warmup: int,
+                stepper: Stepper | None = None) -> dict[str, float]:
     """(a) the model on one random batch: a training step (the engine's Stepper.micro_step), its
     forward alone, and the eval-mode forward; median ms per call, its IQR, and img/s."""
-    stepper = _stepper(cfg, ctx)
+    stepper = stepper or _stepper(cfg, ctx)
     model = stepper.model
     b, c, s = cfg.TRAIN.BATCH_SIZE, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
     x = torch.randn(b, c, s, s, device=ctx.device)
@@ -119,10 +120,10 @@ def _train_loader(cfg: Any, ctx: group.DistContext) -> Any:
     return loader
 
 
-def bench_data(cfg: Any, ctx: group.DistContext, iters: int) -> dict[str, float]:
+def bench_data(cfg: Any, ctx: group.DistContext, iters: int, loader: Any = None) -> dict[str, float]:
     """(b) the training loader alone: img/s after the first batch, per worker, first-batch latency.
     A loop over a loader, not a callable: timed by hand, with a clock that waits for the device."""
-    loader = _train_loader(cfg, ctx)
+    loader = loader or _train_loader(cfg, ctx)
     now = _clock(ctx.device)  # the in-memory pipeline makes its batches with GPU kernels
     start = t0 = time.perf_counter()
     first_s, images, batches, epoch = None, 0, 0, 0
@@ -141,12 +142,12 @@ def bench_data(cfg: Any, ctx: group.DistContext, iters: int) -> dict[str, float]
     seconds = now() - t0  # the batches are made, not only launched
     workers = cfg.TRAIN.WORKERS
     img_s = images / max(seconds, 1e-9)
-    del loader  # stops the worker processes
     return {"img_per_s": img_s, "img_per_s_per_worker": img_s / max(workers, 1), "workers": workers,
             "first_batch_s": first_s or 0.0, "batches": batches - 1}
 
 
-def bench_step(cfg: Any, ctx: group.DistContext, iters: int, warmup: int) -> dict[str, float]:
+def bench_step(cfg: Any, ctx: group.DistContext, iters: int, warmup: int, stepper: Stepper | None = None,
+               loader: Any = None) -> dict[str, float]:
     """(c) training steps on real batches of the training loader: img/s and the data-wait share.
 
     The loop of Trainer.train_epoch (batch to device, Stepper.micro_step) without its bookkeeping
@@ -155,8 +156,7 @@ def bench_step(cfg: Any, ctx: group.DistContext, iters: int, warmup: int) -> dic
     no step waits for the GPU (that would remove the overlap of data loading with GPU compute and
     inflate the data-wait share); the clock synchronizes at the start and the end only.
     """
-    stepper = _stepper(cfg, ctx)
-    loader = _train_loader(cfg, ctx)
+    stepper, loader = stepper or _stepper(cfg, ctx), loader or _train_loader(cfg, ctx)
     now = _clock(ctx.device)
     stepper.model.train()
     step, images_seen, data_s, epoch = 0, 0, 0.0, 0
@@ -178,7 +178,6 @@ def bench_step(cfg: Any, ctx: group.DistContext, iters: int, warmup: int) -> dic
                 break
         epoch += 1
     seconds = now() - start
-    del loader  # stops the worker processes
     return {"img_per_s": images_seen / seconds, "ms_per_step": 1e3 * seconds / iters,
             "data_frac": data_s / seconds, "steps": iters}
 
@@ -221,9 +220,12 @@ def run_local(cfg: Any, iters: int, warmup: int, out_dir: str) -> dict[str, Any]
                   "input": [cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE],
                   "device": str(ctx.device), "threads": torch.get_num_threads(), "iters": iters, "warmup": warmup,
                   "dataset": cfg.TRAIN.DATASET}
-        result["model"] = bench_model(cfg, ctx, iters, warmup)
-        result["data"] = bench_data(cfg, ctx, iters)
-        result["step"] = bench_step(cfg, ctx, iters, warmup)
+        # One model and one loader for all three parts (a folder is listed once, the log says each once).
+        stepper, loader = _stepper(cfg, ctx), _train_loader(cfg, ctx)
+        result["model"] = bench_model(cfg, ctx, iters, warmup, stepper)
+        result["data"] = bench_data(cfg, ctx, iters, loader)
+        result["step"] = bench_step(cfg, ctx, iters, warmup, stepper, loader)
+        del loader  # stops its worker processes
     print_table(cfg, result)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench.json")
