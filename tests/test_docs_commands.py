@@ -46,6 +46,8 @@ def _commands() -> list[tuple[str, str]]:
                 block = block.replace(f'"${{{name}[@]}}"', " ".join(words.split()))
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.strip().removeprefix("$ ").removesuffix("&").strip()
+                if "..." in line:  # a placeholder for the user's own values (`--cfg ...`): nothing to check
+                    continue
                 if line.startswith(("distribuuuu ", ".venv/bin/distribuuuu ")):
                     found.append((path, line))
                 for script, command in (("train_net.py", "train"), ("test_net.py", "eval")):
@@ -68,8 +70,6 @@ SHOWN_FAILING = ("MODEL.ARHC",)
 
 @pytest.mark.parametrize("path,line", COMMANDS, ids=[f"{p}:{i}" for i, (p, _) in enumerate(COMMANDS)])
 def test_a_documented_command_parses(path, line):
-    if "..." in line:
-        pytest.skip(f"a placeholder ('...') in {path}: `{line}`")
     if any(word in line for word in SHOWN_FAILING):
         with pytest.raises(UserError):
             _parse(line)
