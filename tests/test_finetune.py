@@ -259,7 +259,7 @@ def test_frozen_backbone_stays_exactly_as_loaded_then_trains(tmp_path, source_ck
     assert any("epoch 3: backbone unfrozen" in r.getMessage() for r in caplog.records)
 
 
-def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source_ckpt):
+def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source_ckpt, caplog):
     loaded = _backbone(_source_state(source_ckpt))
     opts = ["MODEL.NUM_CLASSES", "3", "MODEL.PRETRAINED", source_ckpt, "TRAIN.FREEZE_BACKBONE_EPOCHS", "2",
             "OPTIM.BACKBONE_LR_SCALE", "0.1"]
@@ -268,7 +268,16 @@ def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source
     assert _same(_backbone(models.strip_wrapper_prefixes(first["model"])), loaded)
     assert [g["lr_scale"] for g in first["optimizer"]["param_groups"]] == [0.1, 1.0]
     snaps = Snapshots()
-    _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "3"), hooks=[snaps])  # resumes at epoch 2
+    package_log = logging.getLogger("distribuuuu")  # it does not propagate to caplog's root handler
+    package_log.addHandler(caplog.handler)
+    try:
+        caplog.set_level(logging.INFO, logger="distribuuuu")
+        caplog.clear()  # the first run's lines
+        _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "3"), hooks=[snaps])  # resumes at epoch 2
+    finally:
+        package_log.removeHandler(caplog.handler)
+    # The resumed run's weights come from its checkpoint: MODEL.PRETRAINED is not read again.
+    assert "resumed from" in caplog.text and f"MODEL.PRETRAINED {source_ckpt}" not in caplog.text
     assert [_same(s, loaded) for s in snaps.backbone] == [True, False]
     assert snaps.grad == [False, True]
     for low, high in snaps.lrs:  # two groups, 0.1 apart, through the resumed schedule

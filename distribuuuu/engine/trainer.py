@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, model_card, models, optim, resume_check, strategies
+from distribuuuu import checkpoint, data, model_card, models, optim, resume_check, strategies
 from distribuuuu.dist import comm
 from distribuuuu.dist.group import DistContext
 from distribuuuu.engine import evaluation, hooks as hooks_
@@ -117,7 +117,10 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.wall_start = time.perf_counter()
         self.seed = seed_everything(cfg, self.ctx.rank, previous_seed(cfg) if self.ctx.is_main else None)
-        bare = models.build_model(cfg, new_head=True)  # a MODEL.WEIGHTS head of another class count: re-initialised
+        # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another class count is re-initialised);
+        # a run about to resume takes its weights from its checkpoint instead, so they are not read.
+        resuming = cfg.TRAIN.AUTO_RESUME and bool(checkpoint.resume_candidates(cfg.OUT_DIR))
+        bare = models.build_model(cfg, new_head=True, with_weights=not resuming)
         write_run_record(cfg, self.ctx, bare, self.seed)  # env.json, model.txt (before sharding); a collective
         self.build_model(bare)
         self.build_data()
