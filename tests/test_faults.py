@@ -57,6 +57,26 @@ def test_step_exact_resume_gives_the_same_losses_on_two_ranks(tmp_path):
     assert [(m["n"], m["loss"]) for m in train(stopped)] == [(m["n"], m["loss"]) for m in train(straight)]
 
 
+def test_step_exact_resume_with_loader_workers_on_an_augmented_folder(tmp_path):
+    """As above on JPEGs with random crops and flips made by 2 loader workers per rank: the workers
+    seed each item by (seed, epoch, index), so the resumed epoch's batches are the straight run's."""
+    from tests.conftest import write_image_tree
+
+    write_image_tree(str(tmp_path / "data"), "train", {"a": 40, "b": 40}, ext="jpg", size=(20, 20))
+    folder = ["TRAIN.DATASET", str(tmp_path / "data"), "TEST.DATASET", str(tmp_path / "data"), "TEST.SPLIT",
+              "train", "MODEL.NUM_CLASSES", "2", "TRAIN.TOPK", "1", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+              "TRAIN.WORKERS", "2", "TRAIN.BATCH_SIZE", "8"]  # 80 images: 5 steps of 2 x 8 per epoch
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    check(_run(SMALL + folder + ["OUT_DIR", straight], {"LOSS_LOG": f"{straight}/loss"}))
+    assert _run(SMALL + folder + ["OUT_DIR", stopped], {"LOSS_LOG": f"{stopped}/loss", "SIGNAL_AT": "3:0:SIGUSR1"}
+                ).returncode != 0
+    assert _ckpt(stopped)["global_step"] == 3
+    check(_run(SMALL + folder + ["OUT_DIR", stopped], {"LOSS_LOG": f"{stopped}/loss"}))
+    for rank in (0, 1):
+        assert _losses(f"{stopped}/loss", rank) == _losses(f"{straight}/loss", rank)
+        assert len(_losses(f"{straight}/loss", rank)) == 10
+
+
 def test_sigterm_to_a_plain_run_checkpoints_and_exits_with_its_status(tmp_path):
     out = str(tmp_path / "run")
     proc = _run(SMALL + ["OUT_DIR", out], {"SIGNAL_AT": "3:0:SIGTERM"}, launcher="plain")

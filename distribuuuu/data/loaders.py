@@ -157,17 +157,11 @@ def _build_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Datase
                           transforms.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
         # The policy runs per item here, in the worker processes; erasing follows the batch normalization.
         return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load,
-                                              transform=policy, **_folder_options(cfg, key, train))
+                                              transform=policy, replace_bad=train, key=key)
     tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase, recipe=recipe)
     load = functools.partial(sources.open_image, mode=mode)
     return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load,
-                                          **_folder_options(cfg, key, train))
-
-
-def _folder_options(cfg: CfgNode, key: str, train: bool) -> dict[str, Any]:
-    """Unreadable files are replaced by another sample in training only (evaluation leaves them
-    out, see collate_readable)."""
-    return {"replace_bad": train, "key": key}
+                                          replace_bad=train, key=key)
 
 
 class SplitPart(Subset):
@@ -247,10 +241,8 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
 
 def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
     """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (CIFAR or a registered
-    TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy
-    (MemoryLoader). Nothing is unpickled: a CIFAR
-    split's images are counted from its files' sizes (3,072 bytes of pixels per image, and a little
-    more per image for its label and name, so the count errs high)."""
+    TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader).
+    A CIFAR split is counted from its files' sizes, unread (3,072 bytes per image and a little more)."""
     if sources.source_kind(cfg[key].DATASET) != "cifar":  # a registered TensorSource: built, so counted
         src = registry.build_source(cfg, key)
         samples, pad = len(src.images), src.pad
@@ -325,6 +317,9 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     batched = _fast_folder(cfg, "TRAIN")
     dataset = _part(cfg, _build_dataset(cfg, "TRAIN", True, batched=batched), part)
     sampler = sampler_of(dataset)
+    folder = getattr(dataset, "dataset", dataset)  # (a VAL_SPLIT part's whole folder)
+    if cfg.TRAIN.REPEATED_AUG == 1 and isinstance(folder, sources.ImageFolderWithClasses):  # copies need their own draws
+        sampler.on_epoch = folder.seed_items
     # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
     drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
     loader = _loader(cfg, dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sized
+from typing import Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
@@ -60,12 +60,15 @@ class ResumableDistributedSampler(Sampler[int]):
         self.size, self.num_replicas, self.rank, self.seed = len(dataset), num_replicas, rank, seed
         self.repeats = repeats
         self.epoch, self.start = 0, 0
+        self.on_epoch: Callable[[int, int], None] | None = None  # called with (seed, epoch) by set_epoch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Shuffle for ``epoch``, skipping the first ``start`` samples of its permutation."""
         if not 0 <= start <= self.size:
             raise ValueError(f"start {start} is not in [0, {self.size}]")
         self.epoch, self.start = epoch, start
+        if self.on_epoch is not None:
+            self.on_epoch(self.seed, epoch)
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator()

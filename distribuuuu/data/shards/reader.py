@@ -135,7 +135,7 @@ class ShardDataset(IterableDataset):
         """Decode a batch with its own random stream; unreadable records are replaced (training) or left out."""
         seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank, j]).generate_state(1)[0])
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the crops draw from it (torch.manual_seed seeds every device)
             items = [self._item(sample) for sample in batch]
         good = [item for item in items if item is not None]
         if not good:
