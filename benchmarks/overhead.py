@@ -129,6 +129,7 @@ def _framework(cfg: Any, ctx: Any, model: torch.nn.Module) -> Callable[[list], f
 
     trainer = engine.Trainer(cfg, ctx)
     trainer.build_model(model)  # wrapped by the strategy, its optimizer, the Stepper
+    quiet_metrics(trainer)
     state = trainer.state
 
     def run(loader: Any) -> tuple[float, float]:
@@ -140,6 +141,17 @@ def _framework(cfg: Any, ctx: Any, model: torch.nn.Module) -> Callable[[list], f
         return n / seconds, n / cpu
 
     return run
+
+
+def quiet_metrics(trainer: Any) -> None:
+    """train_epoch without fit: the metrics hook gets the no-op writer of a non-main rank (fit's
+    before_fit would make a real one; the epoch's last iteration is a print step that writes)."""
+    from distribuuuu.engine.hooks import MetricsHook
+    from distribuuuu.logger import MetricsWriter
+
+    for hook in trainer.hooks:
+        if isinstance(hook, MetricsHook):
+            hook.writer = MetricsWriter(trainer.cfg.OUT_DIR, False, topk=trainer.cfg.TRAIN.TOPK)
 
 
 def _minimal(cfg: Any, model: torch.nn.Module) -> Callable[[list], float]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import TINY, check, distribuuuu, read_metrics
+from tests.conftest import ROOT, TINY, check, distribuuuu, read_metrics
 
 
 def _cfg(*opts: str):
@@ -425,3 +425,64 @@ def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
             assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is on
     finally:
         group._set_cudnn(_cfg())
+
+
+# --- benchmarks/gpu.py: the script that runs these paths on a GPU ---------------------------------
+
+
+def _gpu_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "benchmarks", "gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_script_runs_every_path_and_its_commands_parse(tmp_path):
+    """Every distribuuuu command of benchmarks/gpu.py (the torchrun and fault-injection ones as the
+    train command they are) parses and makes a valid config: a typo would cost a GPU session."""
+    import argparse
+
+    from tests.test_docs_commands import _parse
+
+    gpu = _gpu_script()
+    args = argparse.Namespace(device="cuda", small=False)
+    jobs = gpu.correctness_jobs(args) + gpu.speed_jobs(args)
+    assert {"fp16", "compile", "fsdp_offload_torchrun", "resume", "eval_predict_export", "compare",
+            "bench_fp32_no_tf32", "overhead", "memory", "jpeg_io"} <= {j.name for j in jobs}
+    checked = 0
+    for job in jobs:
+        for step in job.steps:
+            cmd = gpu._fill(step[0] if isinstance(step, tuple) else step, str(tmp_path))
+            if "distribuuuu" in cmd[:3]:
+                words = cmd[cmd.index("distribuuuu") + 1:]
+            elif any(s.endswith(("train_net.py", "fault_run.py")) for s in cmd):
+                words = ["train", *cmd[next(i for i, s in enumerate(cmd) if s.endswith(".py")) + 1:]]
+            else:
+                continue
+            _parse(" ".join(["distribuuuu", *words]))
+            checked += 1
+    assert checked >= 20
+
+
+def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, monkeypatch):
+    """benchmarks/overhead.py and gpu.py time Trainer.train_epoch without fit: the epoch's last
+    iteration is a print step, whose metrics hook needs the writer that fit's before_fit makes
+    (it raised AttributeError); quiet_metrics gives it a no-op one."""
+    monkeypatch.setenv("DISTRIBUUUU_PROGRESS", "lines")  # overhead.py sets it when unset
+    from benchmarks.overhead import _Batches, quiet_metrics
+    from distribuuuu import engine
+    from distribuuuu.dist import group
+
+    cfg = _cfg("OUT_DIR", str(tmp_path), "TRAIN.PRINT_FREQ", "1000", "TRAIN.BATCH_SIZE", "8")
+    ctx = group.setup(cfg)
+    try:
+        trainer = engine.Trainer(cfg, ctx)
+        trainer.build_model(_tiny_model())
+        quiet_metrics(trainer)
+        trainer.train_epoch(_Batches([_batch(i) for i in range(3)]))
+        assert trainer.state.global_step == 3
+        assert not os.path.exists(tmp_path / "metrics.jsonl")
+    finally:
+        group.teardown()
