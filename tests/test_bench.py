@@ -12,6 +12,28 @@ from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_slow_first_call_does_not_size_the_timed_stretch():
+    """The first calls carry cuDNN's autotuning and compilation: sizing the timed stretch by them
+    made ResNet-50's bench take minutes on an H100. Counted in calls, not seconds: a first call of
+    0.3 s and later ones of 1 ms, 10 iterations -> about MIN_RUN_S of 1 ms calls, not 3 s of them."""
+    import time
+
+    import torch
+
+    from distribuuuu.tools import bench
+
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        time.sleep(0.3 if len(calls) == 1 else 0.001)
+
+    m = bench.time_call(fn, torch.device("cpu"), iters=10, warmup=1)
+    assert m.median < 0.05
+    # 3 s / 1 ms = ~3000 calls had the 0.3 s call sized it; MIN_RUN_S = 0.2 s gives ~200
+    assert len(calls) < 1500, len(calls)
+
+
 @pytest.mark.e2e
 def test_bench_times_model_data_and_step(tmp_path):
     out = str(tmp_path / "bench")

@@ -55,17 +55,20 @@ def _clock(device: torch.device) -> Callable[[], float]:
 
 def time_call(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int) -> Measurement:
     """Seconds per call of fn: `warmup` untimed calls, then torch's Timer.blocked_autorange for at
-    least `iters` calls' worth of time (as the warm-up measured a call) and MIN_RUN_S.
+    least `iters` calls' worth of time (as one call after the warm-up took) and MIN_RUN_S.
 
     Timer is given bench's clock: its default synchronizes the *current* accelerator, which is not
     the bench's device when that is another GPU, and waits on a GPU when DEVICE is cpu. Timer runs
     its statement under its own thread setting (default 1): it gets this process's.
     """
     clock = _clock(device)
-    start = clock()
-    for _ in range(max(warmup, 1)):  # one call at least, to size the timed stretch
+    for _ in range(warmup):
         fn()
-    per_call = (clock() - start) / max(warmup, 1)
+    # A warm call sizes the timed stretch: the first calls carry cuDNN's autotuning and compilation
+    # (seconds on a GPU), and sizing by them made ResNet-50's stretch minutes long on an H100.
+    start = clock()
+    fn()
+    per_call = clock() - start
     timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=max(MIN_RUN_S, iters * per_call))
 
