@@ -116,3 +116,37 @@ def test_rng_state_round_trip():
     checkpoint.set_rng_state(state)
     b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "Terminated"])
+def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypatch, stop):
+    """Ctrl-C / SIGTERM raised inside torch.save's writes: torch's zip writer then fails closing
+    ("unexpected pos"), which was reported as a failed checkpoint write (a traceback, in CI). The
+    stop must come out, the previous checkpoint stay, and no temporary file be left."""
+    from distribuuuu.dist.signals import Terminated
+
+    stop = Terminated if stop == "Terminated" else stop
+    out = str(tmp_path)
+    checkpoint.save(_state(1), out, is_best=False, keep=3)
+    real_save = torch.save
+
+    class Interrupting:  # a file whose writes are cut by the signal after 3 KB
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 3000:
+                raise stop()
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, Interrupting(f)))
+    big = {**_state(2), "model": {"w": torch.zeros(10_000)}}
+    with pytest.raises(stop):
+        checkpoint.save(big, out, is_best=False, keep=3)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(os.listdir(checkpoint.checkpoint_dir(out))) == ["epoch_0001.pth", "last.pth"]
+    assert checkpoint.load_latest(out)[0]["epoch"] == 1
