@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from distribuuuu import files
+from distribuuuu.dist import signals
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -62,23 +63,11 @@ def _atomic_save(obj: Any, path: str) -> None:
     try:
         files.atomic_write(path, lambda f: torch.save(obj, f))
     except Exception as e:  # torch wraps ENOSPC in a RuntimeError: say plainly what happened
-        interrupt = _interruption(e)
+        interrupt = signals.interruption(e)
         if interrupt is not None:  # a stop signal mid-write; torch's zip writer then failed closing
             raise interrupt from None  # a stop (exit 130/143), not a write error
         raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); "
                       "the previous checkpoint is intact") from e
-
-
-def _interruption(error: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (Ctrl-C, or SIGTERM's Terminated) that error was raised on top of, if any."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, KeyboardInterrupt):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
 
 
 _atomic_link = files.atomic_link

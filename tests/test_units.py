@@ -150,3 +150,33 @@ def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypat
     monkeypatch.setattr(torch, "save", real_save)
     assert sorted(os.listdir(checkpoint.checkpoint_dir(out))) == ["epoch_0001.pth", "last.pth"]
     assert checkpoint.load_latest(out)[0]["epoch"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP without a process group
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "Terminated", None])
+def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, monkeypatch, stop):
+    """torch.distributed.checkpoint collects every failure, a Ctrl-C included, into a
+    CheckpointException, a BaseException that the CLI neither reported nor treated as a stop (a raw
+    traceback, exit 1). A stop inside its writes (here: in fsync) comes out as the stop; any other
+    failure (here: the folder's parent is a file) as an OSError naming the folder."""
+    from distribuuuu.dist.signals import Terminated
+    from distribuuuu.strategies import fsdp
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # momentum buffers: optimizer state to write
+    if stop is None:
+        (tmp_path / "a_file").write_text("")
+        folder = str(tmp_path / "a_file" / "epoch_0001.dcp")
+        with pytest.raises(OSError, match="writing the sharded checkpoint .*epoch_0001.dcp failed"):
+            fsdp.save_sharded(model, optimizer, folder)
+        return
+    stop = Terminated if stop == "Terminated" else stop
+
+    def interrupted_fsync(fd: int) -> None:
+        raise stop()
+
+    monkeypatch.setattr(os, "fsync", interrupted_fsync)
+    with pytest.raises(stop):
+        fsdp.save_sharded(model, optimizer, str(tmp_path / "epoch_0001.dcp"))

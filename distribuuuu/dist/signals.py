@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from distribuuuu.dist import launch
 
-__all__ = ["STOP_SIGNALS", "Terminated", "handle_stop_signals", "restore_signal_handlers", "stop_status",
+__all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers", "stop_status",
            "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +40,27 @@ class Terminated(KeyboardInterrupt):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stopping: int | None = None  # the stop signal this process is ending for, if any
 _saved_handlers: dict[int, Any] = {}
+
+
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The stop (KeyboardInterrupt, or Terminated) that error was raised on top of, if any.
+
+    A stop signal that lands inside a library's write can come out wrapped: torch.save's zip writer
+    then fails closing (a RuntimeError whose context is the interrupt), and torch.distributed.checkpoint
+    collects it into a CheckpointException. Writers re-raise the stop itself, so the run ends as
+    stopped (130 / 143), not as a failed write."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        todo += [current.__cause__, current.__context__]
+        todo += [failure[0] for failure in getattr(current, "failures", {}).values()]  # CheckpointException
+    return None
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import models
-from distribuuuu.dist import comm
+from distribuuuu.dist import comm, signals
 from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
 
 log = logging.getLogger("distribuuuu")
@@ -78,7 +78,15 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str
     """Collective: each rank writes its own shards into folder (torch.distributed.checkpoint);
     nothing is gathered, so no rank ever holds the whole state."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+    except dcp.CheckpointException as e:  # a BaseException holding each failed rank's error
+        interrupt = signals.interruption(e)
+        if interrupt is not None:  # Ctrl-C / SIGTERM mid-write: a stop (130 / 143), not a crash
+            raise interrupt from None
+        rank, (error, _) = next(iter(e.failures.items()))
+        raise OSError(f"writing the sharded checkpoint {folder} failed (rank {rank}: {type(error).__name__}: "
+                      f"{error}); the previous checkpoint is intact") from e
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str) -> None:
