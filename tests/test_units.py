@@ -180,3 +180,4 @@ def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, 
     monkeypatch.setattr(os, "fsync", interrupted_fsync)
     with pytest.raises(stop):
         fsdp.save_sharded(model, optimizer, str(tmp_path / "epoch_0001.dcp"))
+    assert not (tmp_path / "epoch_0001.dcp").exists()  # the half-written folder is gone

@@ -23,8 +23,8 @@ from typing import Any, Iterator, Sequence
 
 from distribuuuu.dist import launch
 
-__all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers", "stop_status",
-           "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
+__all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers",
+           "stop_status", "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
 # Stop signals: Ctrl-C (SIGINT) and SIGTERM end a process the same, clean way

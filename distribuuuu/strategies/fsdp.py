@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -78,9 +79,12 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str
     """Collective: each rank writes its own shards into folder (torch.distributed.checkpoint);
     nothing is gathered, so no rank ever holds the whole state."""
     model_state, optim_state = get_state_dict(model, optimizer)
+    existed = os.path.exists(folder)
     try:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
     except dcp.CheckpointException as e:  # a BaseException holding each failed rank's error
+        if not existed:  # no .pth names a half-written folder, so nothing would ever prune it
+            shutil.rmtree(folder, ignore_errors=True)
         interrupt = signals.interruption(e)
         if interrupt is not None:  # Ctrl-C / SIGTERM mid-write: a stop (130 / 143), not a crash
             raise interrupt from None
