@@ -104,6 +104,22 @@ def test_compare_plans_split_the_global_batch_and_refuse_uneven_ones():
         plan_runs(["ddp"], 2, 4, 32, "auto", 8)
 
 
+def test_compare_runs_the_amp_variant_channels_last_on_a_gpu_only():
+    """On CUDA the ddp+amp run is channels_last (NCHW made it look 1.20x where bench shows 2.2x);
+    ddp, single and every CPU run keep the config's layout, and a user's TRAIN.CHANNELS_LAST wins."""
+    from distribuuuu.config import load_config
+    from distribuuuu.tools.compare import plan_runs, run_opts
+
+    def layout(gpus: int, method: str, *opts: str) -> bool:
+        plan = {p.method: p for p in plan_runs(["single", "ddp", "ddp+amp"], gpus, 1, 32, "bf16", 8)}[method]
+        return load_config(TINY, run_opts(plan, list(opts), "/tmp/x", 2, 0)).TRAIN.CHANNELS_LAST
+
+    assert layout(1, "ddp+amp") is True
+    assert layout(1, "ddp") is False and layout(1, "single") is False
+    assert layout(0, "ddp+amp") is False  # the CPU: NCHW, where oneDNN's bf16 kernels are measured
+    assert layout(1, "ddp+amp", "TRAIN.CHANNELS_LAST", "False") is False
+
+
 def test_compare_unknown_method_exits_2_listing_the_valid_ones(tmp_path):
     out = str(tmp_path / "cmp")
     bad = check(cli_main("bench", "--cfg", TINY, "--compare", "single,ddp+fp8", "--out", out), 2)

@@ -4,7 +4,8 @@ What ``setup(cfg)`` chooses, once per process (the launch itself comes from dist
 
 - device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
   visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
-  GPUs) is right: ``cuda:0`` then; anything else is a UserError (two ranks would share a GPU).
+  GPUs) is right: ``cuda:0`` then; or ``DIST.BACKEND gloo``, which lets ranks share a GPU
+  (``cuda:<local_rank % GPUs>``, a test mode); anything else is a UserError (NCCL refuses a shared GPU).
 - backend: ``DIST.BACKEND auto`` is nccl on CUDA, gloo on CPU.
 - intra-op threads: ``NUM_THREADS`` if > 0; else an ``OMP_NUM_THREADS`` already in the environment
   (torchrun sets 1 for several processes per node); else the usable cores / processes on the node.
@@ -83,12 +84,17 @@ def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
     # would share a GPU and NCCL stops with "Duplicate GPU detected".
     if info.launcher == "slurm" and launch.slurm_gpus_per_task():
         return torch.device("cuda", 0)  # the first of this task's own GPUs
+    if cfg.DIST.BACKEND == "gloo":
+        # gloo copies CUDA tensors through host memory, so several ranks may share a GPU (NCCL refuses
+        # that): the way to run the multi-rank GPU paths on one GPU (docs/launching.md). Round robin.
+        return torch.device("cuda", info.local_rank % count)
     hint = ("request as many GPUs as tasks per node (--gres gpu:N with --ntasks-per-node N) or bind one "
             "GPU per task (srun --gpus-per-task=1)" if info.launcher == "slurm"
             else "start at most one process per GPU")
     raise UserError(
         f"{info.local_world_size} processes on this node but only {count} GPU(s) visible to each, so two "
-        f"would share a GPU; {hint}, or use DEVICE cpu"
+        f"would share a GPU, which NCCL refuses; {hint}, or use DEVICE cpu, or DIST.BACKEND gloo to share "
+        "the GPU (a test mode: slow collectives through host memory)"
     )
 
 
