@@ -13,7 +13,8 @@ What ``setup(cfg)`` chooses, once per process (the launch itself comes from dist
   ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
   convolutions as ``CUDNN.TF32`` says (on by default).
 - the process group (``env://``), only with more than one process, and under nccl a gloo side
-  group for dist.comm.any_rank.
+  group for dist.comm.any_rank; under gloo on CUDA, a check that gloo serves the collectives the
+  run needs on CUDA tensors (dist.gloo_cuda), before any work.
 - stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
   with 130 / 143 (dist.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
 """
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from distribuuuu.dist import comm, launch, signals
+from distribuuuu.dist import comm, gloo_cuda, launch, signals
 from distribuuuu.dist.launch import LaunchInfo
 from distribuuuu.errors import UserError
 
@@ -225,6 +226,16 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
         raise
 
 
+def _check_gloo_cuda(cfg: Any, device: torch.device) -> None:
+    """Collective: gloo on CUDA tensors serves every collective this run needs, or every rank stops
+    here with the same UserError (dist.gloo_cuda), its process group destroyed."""
+    try:
+        gloo_cuda.check(cfg, device)
+    except UserError:
+        dist.destroy_process_group()
+        raise
+
+
 def setup(cfg: Any) -> DistContext:
     """Detect the launch, pick device/backend/threads/cuDNN flags, join the process group.
 
@@ -243,6 +254,8 @@ def setup(cfg: Any) -> DistContext:
     _set_cudnn(cfg)
     if info.world_size > 1:
         _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _group_backend(cfg, backend))
+        if backend == "gloo" and device.type == "cuda":
+            _check_gloo_cuda(cfg, device)
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
     # One write of the whole line: print() writes the text and the newline apart, so the ranks'
     # lines could interleave in a shared output file (seen in Slurm job logs).
