@@ -446,6 +446,14 @@ def write_results(root: str, results: dict) -> None:
                 log.write(f"\n===== {name}\n" + open(path).read()[-20000:])
 
 
+def all_jobs(a: argparse.Namespace) -> list[Job]:
+    """Every job, in order: each group below is one function (add a group as one more line here)."""
+    from benchmarks.gpu_jpeg import jpeg_jobs
+    from benchmarks.gpu_multirank import multirank_jobs
+
+    return correctness_jobs(a) + multirank_jobs(a, Job) + speed_jobs(a) + jpeg_jobs(a, Job)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results folder")
@@ -464,7 +472,7 @@ def main() -> None:
         with open(os.path.join(a.out, "inner.json"), "w") as f:
             json.dump(res, f)
         return
-    jobs = correctness_jobs(a) + speed_jobs(a)
+    jobs = all_jobs(a)
     if a.list:
         print("\n".join(f"{j.kind:8s} {j.name}" for j in jobs))
         return
