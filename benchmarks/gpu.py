@@ -11,8 +11,10 @@ eval/predict/export from a checkpoint) run 4 at a time; speed jobs run one after
 the GPU. Results: DIR/gpu.json (every figure, command and status) and DIR/gpu.log (every output);
 a table is printed at the end. With one GPU the ddp / zero1 / fsdp jobs run at world size 1, where
 distribuuuu makes no process group: they check the strategies and launchers on a GPU, not NCCL
-(which refuses two ranks on one GPU); DIST.STRATEGY dp needs two GPUs. Measured on an H100:
-docs/performance.md section 6.
+(which refuses two ranks on one GPU); DIST.STRATEGY dp needs two GPUs. The mr_* jobs
+(gpu_multirank.py) run the multi-rank paths with 2 ranks sharing the GPU under gloo, and jpeg_e2e
+(gpu_jpeg.py) trains ResNet-50 from JPEGs against synthetic data. Measured on an H100:
+docs/performance.md section 6; the mr_* and jpeg_e2e figures are still to be measured (section 6b).
 """
 
 from __future__ import annotations

@@ -448,9 +448,9 @@ def test_the_gpu_script_runs_every_path_and_its_commands_parse(tmp_path):
 
     gpu = _gpu_script()
     args = argparse.Namespace(device="cuda", small=False)
-    jobs = gpu.correctness_jobs(args) + gpu.speed_jobs(args)
+    jobs = gpu.all_jobs(args)
     assert {"fp16", "compile", "fsdp_offload_torchrun", "resume", "eval_predict_export", "compare",
-            "bench_fp32_no_tf32", "overhead", "memory", "jpeg_io"} <= {j.name for j in jobs}
+            "bench_fp32_no_tf32", "overhead", "memory", "jpeg_io", *JOBS_26} <= {j.name for j in jobs}
     checked = 0
     for job in jobs:
         for step in job.steps:
@@ -463,7 +463,41 @@ def test_the_gpu_script_runs_every_path_and_its_commands_parse(tmp_path):
                 continue
             _parse(" ".join(["distribuuuu", *words]))
             checked += 1
-    assert checked >= 20
+    assert checked >= 30
+
+
+# Issue #26's jobs: 2 ranks sharing one GPU under gloo, and training from JPEGs (benchmarks/gpu_multirank.py,
+# benchmarks/gpu_jpeg.py). On the CPU the same commands run with gloo on CPU tensors, tiny.
+JOBS_26 = ("mr_ddp_eval", "mr_ddp_torchrun", "mr_zero1", "mr_fsdp", "mr_syncbn", "mr_resume", "jpeg_e2e")
+
+
+@pytest.mark.e2e
+def test_the_multirank_and_jpeg_jobs_dry_run_on_the_cpu(tmp_path):
+    """`benchmarks/gpu.py --device cpu --small --only <#26's jobs>`: every job runs and passes its own
+    checks (exact eval equal for 1 and 2 ranks, a signalled 2-rank run resumed mid-run bitwise, both
+    JPEG sources measured against synthetic), so the first lent GPU runs them without edits."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import env
+
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path), "--device", "cpu", "--small",
+                           "--only", ",".join(JOBS_26), "--parallel", "2"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "gpu.json") as f:
+        jobs = json.load(f)["jobs"]
+    assert set(jobs) == set(JOBS_26)
+    failed = {name: rec.get("tail", rec.get("result")) for name, rec in jobs.items() if not rec["ok"]}
+    assert not failed, failed
+    ev = jobs["mr_ddp_eval"]["result"]
+    assert ev["eval_1rank"] == ev["eval_2ranks"] and ev["eval_1rank"][2] == 50
+    res = jobs["mr_resume"]["result"]
+    assert res["same_losses_both_ranks"] and res["same_final_weights"] and 0 < res["resumed_at_step"] < 8
+    jpeg = jobs["jpeg_e2e"]["result"]
+    assert {"folder", "shards"} <= set(jpeg) and len(jpeg["verdict"]) == 2
+    assert all(0 <= jpeg[s]["data_wait_share"] <= 1 and jpeg[s]["img_per_s"] > 0 for s in ("folder", "shards"))
 
 
 def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, monkeypatch):

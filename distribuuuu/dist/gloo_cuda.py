@@ -49,13 +49,15 @@ def _all_gather(device: torch.device, world: int) -> bool:
 
 def _all_gather_single(device: torch.device, world: int) -> bool:
     out = torch.empty(2 * world, device=device)
-    dist.all_gather_single(out, torch.full((2,), float(dist.get_rank()), device=device))
+    _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.14's name
+    _gather_into(out, torch.full((2,), float(dist.get_rank()), device=device))
     return bool((out == torch.arange(world, device=device).repeat_interleave(2)).all())
 
 
 def _reduce_scatter_avg(device: torch.device, world: int) -> bool:
     out = torch.empty(2, device=device)
-    dist.reduce_scatter_single(out, torch.ones(2 * world, device=device), op=dist.ReduceOp.AVG)
+    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.14's
+    _reduce_scatter(out, torch.ones(2 * world, device=device), op=dist.ReduceOp.AVG)
     return bool((out == 1).all())
 
 
