@@ -1,6 +1,7 @@
 """The GPU paths run for real on one CUDA GPU: correctness runs, then speed figures (docs/performance.md 6).
 
-    python benchmarks/gpu.py --out DIR                       # everything (H100: ~2 + ~6 minutes, compile and jpeg_io untimed)
+    python benchmarks/gpu.py --out DIR                       # everything (H100: ~2 + ~6 minutes measured before the mr_* and
+                                                             # jpeg_e2e jobs, which add an estimated ~3 + ~4)
     python benchmarks/gpu.py --out DIR --only fp16,resume    # the named jobs alone
     python benchmarks/gpu.py --out DIR --list                # the job names
     python benchmarks/gpu.py --out DIR --device cpu --small  # a dry run of every command on the CPU
