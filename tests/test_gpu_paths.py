@@ -520,3 +520,20 @@ def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, mon
         assert not os.path.exists(tmp_path / "metrics.jsonl")
     finally:
         group.teardown()
+
+
+def test_the_jpeg_job_says_whether_the_target_is_met_and_by_how_much():
+    """jpeg_e2e's verdict: met at >= 0.9 of synthetic; else the shortfall, and either the input speed-up
+    needed (the steps wait for data) or that the wait is not the cause (the workers load the CPU)."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.gpu_jpeg import verdict
+
+    fig = {"synthetic_img_per_s": 3750, "img_per_s": 3500, "ratio": 0.933, "data_wait_share": 0.02}
+    assert verdict("folder", fig) == "folder: 0.93 of synthetic, target 0.9 met"
+    fig.update(img_per_s=1875, ratio=0.5, data_wait_share=0.45)
+    assert verdict("shards", fig) == ("shards: 0.50 of synthetic, 0.40 short of 0.9: the input must be 1.80x "
+                                      "faster (waiting for data 45% of the step time)")
+    fig.update(data_wait_share=0.01)
+    assert "waiting for data only 1%" in verdict("shards", fig)
