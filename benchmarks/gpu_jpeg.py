@@ -31,7 +31,8 @@ def _figures(bench_json: str) -> dict[str, Any]:
         b = json.load(f)
     synthetic, real = b["model"]["train_img_per_s"], b["step"]["img_per_s"]
     return {"synthetic_img_per_s": round(synthetic), "img_per_s": round(real), "ratio": round(real / synthetic, 3),
-            "data_wait_share": round(b["step"]["data_frac"], 3), "loader_alone_img_per_s": round(b["data"]["img_per_s"])}
+            "data_wait_share": round(b["step"]["data_frac"], 3),
+            "loader_alone_img_per_s": round(b["data"]["img_per_s"])}
 
 
 def verdict(name: str, fig: dict[str, Any]) -> str:
