@@ -252,6 +252,9 @@ class CheckpointHook(HookBase):
 
     def before_fit(self, trainer: Trainer) -> None:
         self.timer.reset()  # CKPT_PERIOD_MIN counts from the start of training, after setup and resume
+        # The step of the last mid-epoch checkpoint (resumed: the one read): a skipped step leaves the
+        # state as it was, so that step is not written again under the same name.
+        self.saved_step = trainer.state.global_step if trainer.state.samples_in_epoch else -1
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
         self.timer.reset()
@@ -271,7 +274,11 @@ class CheckpointHook(HookBase):
         stop, by_time = comm.any_rank([stop_signal is not None, ctx.is_main and self.timer.due()]) if vote else (
             False, False)
         if (stop or by_steps or by_time) and not epoch_done:
-            self.save(trainer, train_sums=trainer.counter.sums_with_n())
+            trainer.reconcile()  # the exact global_step (skipped steps on the device path): a host sync
+            by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
+            if (stop or by_steps or by_time) and state.global_step != self.saved_step:
+                self.saved_step = state.global_step
+                self.save(trainer, train_sums=trainer.counter.sums_with_n())
         if stop and epoch_done:
             state.stop_signal = stop_signal or signal.SIGTERM  # the epoch is complete: end it, then stop
         elif stop:
