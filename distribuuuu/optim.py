@@ -51,7 +51,7 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
 FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # torch's optimizers with fused CPU/CUDA kernels
 
 
-def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD
     with Distribuuuu's keys, or timm's AdamW / LAMB / LARS (MOMENTUM is used where the optimizer has
     one, as timm's factory does).
@@ -62,7 +62,8 @@ def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str
     """
     o = cfg.OPTIM
     if o.OPTIMIZER == "sgd":
-        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, fused=True)
+        kernel = dict(fused=True) if fused_sgd else dict(foreach=True)
+        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
     info = get_optimizer_info(o.OPTIMIZER)
     kwargs = dict(info.defaults or {})
     if info.has_momentum:
@@ -72,9 +73,10 @@ def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str
     return info.opt_class, kwargs
 
 
-def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py)."""
-    cls, kwargs = optimizer_class(cfg)
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module, fused_sgd: bool = True) -> torch.optim.Optimizer:
+    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py); ``fused_sgd`` False:
+    SGD's multi-tensor kernels (FSDP: torch has no sharding rule for the fused SGD kernel)."""
+    cls, kwargs = optimizer_class(cfg, fused_sgd)
     return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
 
 
