@@ -62,6 +62,7 @@ class Trainer:
         self.step_scalars: dict[str, float] | None = None  # rank 0, on print steps: Progress's numbers
         self.train_metrics: dict[str, float] = {}
         self.counter: Counter | None = None
+        self.epoch_skips = 0
         self.epoch_samples = 0
         self.test_loader = None
         self.is_best, self.eval_split, self.eval_records = False, "", []  # set by evaluation (EvalHook)
@@ -132,6 +133,7 @@ class Trainer:
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)
             self.call("before_epoch")
+            self.epoch_skips = 0  # steps skipped for non-finite numbers in this epoch (its train record)
             self.train_metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
@@ -170,7 +172,6 @@ class Trainer:
         the epoch's metrics summed over all ranks. Hooks see every batch (after_step)."""
         cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
         self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK, skip_nonfinite=cfg.TRAIN.NONFINITE != "off")
-        self.epoch_skips = 0
         if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before a restart
             counter.add(state.resumed_sums)
         state.resumed_sums = None
@@ -191,11 +192,9 @@ class Trainer:
         epoch_start = tick = time.perf_counter()
         try:
             for it, (images, target) in zip(range(iters), loader):
-                images = images.to(ctx.device, non_blocking=True)
-                target = target.to(ctx.device, non_blocking=True)
+                images, target = images.to(ctx.device, non_blocking=True), target.to(ctx.device, non_blocking=True)
                 data_s = time.perf_counter() - tick
                 data_total += data_s
-
                 lr = self.peak_lr * optim.lr_factor(cfg, state.epoch + state.samples_in_epoch / self.epoch_samples)
                 optim.set_lr(stepper.optimizer, lr)
                 self.step_out = out = stepper.micro_step(images, target)
@@ -204,12 +203,11 @@ class Trainer:
                 if out.stepped is False:
                     self.on_nonfinite()  # every rank skipped this step (or raises NonFiniteLoss)
                 elif out.stepped:  # on the device path: unless take_skips says otherwise (reconcile)
-                    state.global_step += 1
-                    state.bad_steps = state.bad_steps if out.skipped is not None else 0
+                    state.global_step, state.bad_steps = state.global_step + 1, state.bad_steps * (out.skipped is not None)
                     if cfg.TRAIN.COMPILE and state.global_step == 1:  # compile time is not throughput
                         first_step_s = time.perf_counter() - tick
                         log.info("torch.compile + first step: %.1fs (left out of img/s)", first_step_s)
-                if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank
+                if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank: a host sync
                     self.reconcile()
                 # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
                 self.step_scalars = progress.step(it, data_s, images.size(0), lr, counter.result)
@@ -226,7 +224,8 @@ class Trainer:
         if bad:  # each file was named in the log when it was met
             log.warning("epoch %d: %d unreadable training images skipped (TRAIN.BAD_IMAGES skip)", state.epoch + 1, bad)
         result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
-                      skipped_steps=self.epoch_skips, data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
+                      skipped_steps=self.epoch_skips, data_frac=data_total / max(seconds, 1e-9),
+                      peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
         return result
 
     def reconcile(self) -> None:
