@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -249,3 +250,15 @@ def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
     assert len(errors) == 1 and "the run could not save" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "done:" not in proc.stdout + proc.stderr
     assert not os.path.exists(out / "checkpoints" / "epoch_0001.pth")
+
+
+@pytest.mark.e2e
+def test_the_gpu_sync_debug_job_dry_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py's sync_debug job (a GPU session runs it under set_sync_debug_mode("error")):
+    its CPU dry run counts no sync-forcing call in the watched steps and skips the one NaN step."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path), "--device", "cpu", "--small",
+                           "--only", "sync_debug"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu.json") as f:
+        rec = json.load(f)["jobs"]["sync_debug"]["result"]
+    assert rec["ok"] and rec["sync_calls_while_watched"] == 0 and rec["skipped_steps"] == 1, rec

@@ -211,7 +211,8 @@ class Stepper:
         finite = self._finite()
         if self.check_finite and not bool(finite):  # the one host sync this check costs
             self.optimizer.zero_grad(set_to_none=True)
-            torch._foreach_copy_(self.buffers, self.saved_buffers)  # the forward pass never happened
+            if self.buffers:  # the forward pass never happened
+                torch._foreach_copy_(self.buffers, self.saved_buffers)
             self.scaler.update()  # under fp16: a smaller loss scale for the next step
             return None if self._scaler_overflow(loss_finite) else False
         self.scaler.step(self.optimizer)
