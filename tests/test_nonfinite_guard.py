@@ -262,3 +262,21 @@ def test_the_gpu_sync_debug_job_dry_runs_on_the_cpu(tmp_path):
     with open(tmp_path / "gpu.json") as f:
         rec = json.load(f)["jobs"]["sync_debug"]["result"]
     assert rec["ok"] and rec["sync_calls_while_watched"] == 0 and rec["skipped_steps"] == 1, rec
+
+
+def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
+    """A frozen backbone unfrozen later (or a parameter without a gradient so far): fused SGD's kernel
+    takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
+    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    model = _net()
+    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    model[0].requires_grad_(False)
+    assert stepper.micro_step(x, y).stepped
+    model[0].requires_grad_(True)
+    assert stepper.micro_step(x, y).stepped and stepper.micro_step(x, y).stepped
+    bufs = [stepper.optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(torch.isfinite(b).all() for b in bufs)
+    assert all(group["fused"] for group in stepper.optimizer.param_groups)  # back on the fused kernel
+    assert stepper.on_device and not stepper._momentum_unborn()

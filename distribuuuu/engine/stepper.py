@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from timm.data import Mixup
@@ -155,6 +156,26 @@ class Stepper:
         return any(group.get("momentum", 0) and p.grad is not None and "momentum_buffer" not in self.optimizer.state[p]
                    for group in self.optimizer.param_groups if "dampening" in group for p in group["params"])
 
+    @contextlib.contextmanager
+    def _kernel_for_new_buffers(self) -> Iterator[None]:
+        """Fused SGD makes momentum buffers only when no parameter has one: a step that gives some
+        parameters their first (an unfrozen backbone, a parameter without a gradient so far) runs the
+        multi-tensor kernel, which makes them from the gradients, and GradScaler's synced path."""
+        groups = [g for g in self.optimizer.param_groups if g.get("fused")] if self._momentum_unborn() else []
+        saved = [(g["fused"], g["foreach"]) for g in groups]
+        amp = getattr(self.optimizer, "_step_supports_amp_scaling", None)
+        for g in groups:
+            g["fused"], g["foreach"] = False, True
+        if groups:
+            self.optimizer._step_supports_amp_scaling = False
+        try:
+            yield
+        finally:
+            for g, (fused, foreach) in zip(groups, saved):
+                g["fused"], g["foreach"] = fused, foreach
+            if groups:
+                self.optimizer._step_supports_amp_scaling = amp
+
     def _step_on_device(self) -> torch.Tensor:
         """Step with the skip decided on the device; returns the 0-d bool 'skipped' flag."""
         finite = self._finite()
@@ -215,7 +236,8 @@ class Stepper:
                 torch._foreach_copy_(self.buffers, self.saved_buffers)
             self.scaler.update()  # under fp16: a smaller loss scale for the next step
             return None if self._scaler_overflow(loss_finite) else False
-        self.scaler.step(self.optimizer)
+        with self._kernel_for_new_buffers():
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
