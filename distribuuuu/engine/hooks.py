@@ -10,6 +10,8 @@ A hook subclasses ``HookBase`` and overrides some of its six methods; each gets 
         for each batch:
             after_step            after every micro-batch; ``trainer.step_out.stepped`` is None
                                   between optimizer steps under TRAIN.ACCUM_STEPS, True/False at a step
+                                  (True with the skip decided on the device: ``step_out.skipped``
+                                  holds its flag, and state.global_step is exact after each reading)
         after_epoch               ``trainer.train_metrics`` (reduced over ranks), state.epoch counts it;
                                   the built-in EvalHook evaluates here and calls
             after_eval            ``trainer.eval_records`` (``trainer.eval_split`` "val"; "test" once
