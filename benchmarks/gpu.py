@@ -233,6 +233,70 @@ def speed_jobs(a: argparse.Namespace) -> list[Job]:
     ]
 
 
+def sync_debug_job(a: argparse.Namespace) -> Job:
+    """A few hundred default steps (TRAIN.NONFINITE skip, fused SGD) with no print step among them, under
+    torch.cuda.set_sync_debug_mode("error"): a host sync in any of them raises (issue 24). Also counts the
+    sync-forcing tensor calls (item, __bool__, tolist, cpu, ...), which is what the CPU dry run checks."""
+    return Job("sync_debug", "correct", [[PY, __file__, "--inner", "sync_debug", "--out", "{out}", "--device",
+                                              a.device] + (["--small"] if a.small else [])], 300, parse_inner)
+
+
+def inner_sync_debug(a: argparse.Namespace) -> dict:
+    """The body of sync_debug_job: train_epoch over batches already on the device; the debug mode is on
+    from the second step (fused SGD's first step checks on the host: its momentum is not born yet) to the
+    last iteration (the epoch's end reads its sums)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from benchmarks.overhead import _Batches, make_cfg, quiet_metrics
+    from distribuuuu import engine
+    from distribuuuu.dist import group
+
+    size, batch, steps = (16, 4, 20) if a.small else (32, 64, 300)
+    cfg = make_cfg({"MODEL.ARCH": "resnet18", "MODEL.NUM_CLASSES": 10, "TRAIN.IM_SIZE": size, "TEST.IM_SIZE": size,
+                    "TRAIN.BATCH_SIZE": batch, "TRAIN.PRINT_FREQ": 10**6, "OPTIM.MAX_EPOCH": 10**6,
+                    "DEVICE": a.device, "RNG_SEED": 0, "TRAIN.NONFINITE": "skip"})
+    ctx = group.setup(cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(batch, 3, size, size, generator=g).to(ctx.device),
+                torch.randint(0, 10, (batch,), generator=g).to(ctx.device)) for _ in range(steps)]
+    batches[steps // 2][0][0] = float("nan")  # one skipped step among them, decided on the device
+    cuda = ctx.device.type == "cuda"
+    syncing = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+               torch.Tensor.__float__, torch.Tensor.__int__}
+
+    class Watch(TorchFunctionMode, engine.HookBase):
+        """Counts sync-forcing calls between the second step and the last iteration; sets the debug mode."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.step, self.calls, self.on = 0, 0, False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += self.on and func in syncing
+            return func(*args, **(kwargs or {}))
+
+        def after_step(self, trainer: Any) -> None:
+            self.step += 1
+            self.on = 1 <= self.step < steps - 1
+            if cuda:
+                torch.cuda.set_sync_debug_mode("error" if self.on else "default")
+
+    watch = Watch()
+    trainer = engine.Trainer(cfg, ctx, hooks=[watch])
+    trainer.build_model()
+    quiet_metrics(trainer)
+    with watch:
+        metrics = trainer.train_epoch(_Batches(batches))
+    group.teardown()
+    result = {"steps": steps, "watched_steps": steps - 2, "sync_calls_while_watched": watch.calls,
+              "cuda_sync_debug_mode": "error" if cuda else "not on the CPU", "skipped_steps": metrics["skipped_steps"],
+              "global_step": trainer.state.global_step, "ok": watch.calls == 0 and metrics["skipped_steps"] == 1}
+    if not result["ok"]:  # the job's status says it (its output keeps the figures)
+        raise SystemExit(f"sync_debug failed: {result}")
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # in-process measurements (run as `gpu.py --inner NAME`, a fresh process each)
 # ---------------------------------------------------------------------------------------------
@@ -454,7 +518,7 @@ def all_jobs(a: argparse.Namespace) -> list[Job]:
     from benchmarks.gpu_jpeg import jpeg_jobs
     from benchmarks.gpu_multirank import multirank_jobs
 
-    return correctness_jobs(a) + multirank_jobs(a, Job) + speed_jobs(a) + jpeg_jobs(a, Job)
+    return correctness_jobs(a) + multirank_jobs(a, Job) + speed_jobs(a) + [sync_debug_job(a)] + jpeg_jobs(a, Job)
 
 
 def main() -> None:
@@ -470,7 +534,7 @@ def main() -> None:
     p.add_argument("--inner", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.inner:
-        res = {"overhead": inner_overhead, "memory": inner_memory}[a.inner](a)
+        res = {"overhead": inner_overhead, "memory": inner_memory, "sync_debug": inner_sync_debug}[a.inner](a)
         print(json.dumps(res, indent=1))
         with open(os.path.join(a.out, "inner.json"), "w") as f:
             json.dump(res, f)

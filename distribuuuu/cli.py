@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from distribuuuu import data_cli  # light: argparse only; the data code is imported when a command runs
 from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
-from distribuuuu.errors import USER_ERROR_EXIT, UserError
+from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -320,6 +320,11 @@ def _guarded(fn: Callable[[], int]) -> int:
         sys.stderr.write(f"{prefix}: {e}\n")
         sys.stderr.flush()
         return USER_ERROR_EXIT
+    except RunNotSaved as e:  # every rank agreed on it (an any_rank vote): one line each, no traceback
+        rank = rank_label()
+        sys.stderr.write(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}\n")
+        sys.stderr.flush()
+        return NOT_SAVED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (dist.signals.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))
         rank = rank_label()

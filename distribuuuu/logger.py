@@ -34,7 +34,7 @@ CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "top5", "topk", "n", "l
 # The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch. The "top5" field
 # holds top-TRAIN.TOPK (its name is kept in metrics.jsonl/csv for the tools and scripts that read
 # it; the "topk" field says k); its TensorBoard tag names the real k: <split>/top<k>.
-TB_KEYS = ("loss", "top1", "top5", "lr", "img_per_s", "data_frac", "peak_mem_mb")
+TB_KEYS = ("loss", "top1", "top5", "lr", "img_per_s", "data_frac", "peak_mem_mb", "skipped_steps")
 # Every TRAIN.PRINT_FREQ iterations, against the global step: train_step/<key> (Progress's numbers).
 STEP_KEYS = ("loss", "top1", "topk", "lr", "img_per_s")
 

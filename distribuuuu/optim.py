@@ -48,23 +48,35 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
     return ", ".join(f"{n / 1e6:.3g}M parameters at {s:g} x the LR" for s, n in by_scale.items())
 
 
-def optimizer_class(cfg: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # torch's optimizers with fused CPU/CUDA kernels
+
+
+def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD
-    with Distribuuuu's keys and multi-tensor kernels, or timm's AdamW / LAMB / LARS (MOMENTUM is
-    used where the optimizer has one, as timm's factory does)."""
+    with Distribuuuu's keys, or timm's AdamW / LAMB / LARS (MOMENTUM is used where the optimizer has
+    one, as timm's factory does).
+
+    torch's SGD, Adam and AdamW run their fused kernels (CPU and CUDA): one launch per step, and they
+    take a device flag (``found_inf``) that skips the update and its step count on the device, which
+    the non-finite check uses instead of a host sync (engine/stepper.py). Others keep the synced check.
+    """
     o = cfg.OPTIM
     if o.OPTIMIZER == "sgd":
-        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, foreach=True)
+        kernel = dict(fused=True) if fused_sgd else dict(foreach=True)
+        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
     info = get_optimizer_info(o.OPTIMIZER)
     kwargs = dict(info.defaults or {})
     if info.has_momentum:
         kwargs.setdefault("momentum", o.MOMENTUM)
+    if info.opt_class in FUSED:
+        kwargs["fused"] = True
     return info.opt_class, kwargs
 
 
-def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py)."""
-    cls, kwargs = optimizer_class(cfg)
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module, fused_sgd: bool = True) -> torch.optim.Optimizer:
+    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py); ``fused_sgd`` False:
+    SGD's multi-tensor kernels (FSDP: torch has no sharding rule for the fused SGD kernel)."""
+    cls, kwargs = optimizer_class(cfg, fused_sgd)
     return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
 
 

@@ -150,9 +150,12 @@ def test_elastic_restart_after_kill_9_resumes_from_the_step_checkpoint(tmp_path)
     assert val[-1]["epoch"] == 2 and val[-1]["n"] == 50
 
 
-def test_a_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
+@pytest.mark.parametrize("opts", [[], ["DIST.STRATEGY", "fsdp", "OPTIM.OPTIMIZER", "adamw"]], ids=["ddp-sgd", "fsdp-adamw"])
+def test_a_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, opts):
+    """DDP averages the NaN into every rank's gradients; FSDP reduces the device flag (fused AdamW
+    skips on the device, read at the next print step)."""
     out = str(tmp_path / "run")
-    proc = check(_run(SMALL + ["OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"], {"NAN_AT": "3:1"}))
+    proc = check(_run(SMALL + ["OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", *opts], {"NAN_AT": "3:1"}))
     assert "step skipped on every rank (1 in a row" in proc.stdout + proc.stderr
     ckpt = _ckpt(out)
     assert ckpt["global_step"] == 7  # 8 batches, one skipped

@@ -80,10 +80,11 @@ _C.TRAIN.CKPT_KEEP = 3
 _C.TRAIN.CKPT_PERIOD_STEPS = 0
 # Also checkpoint every CKPT_PERIOD_MIN minutes of wall time, mid-epoch (0: off)
 _C.TRAIN.CKPT_PERIOD_MIN = 0.0
-# Non-finite loss or gradients: 'skip' the step, 'stop' the run, or 'off' (no check per step: one host
-# sync less; an epoch whose loss is not finite still ends the run). Ending the run is exit status 2
+# Non-finite loss or gradients: 'skip' the step (it leaves no trace; decided on the device with
+# SGD/AdamW), 'stop' the run, or 'off' (no check per step; an epoch whose loss is not finite still
+# ends the run). Ending the run is exit status 2
 _C.TRAIN.NONFINITE = "skip"
-# With NONFINITE 'skip': stop the run after this many consecutive non-finite steps
+# With NONFINITE 'skip': stop the run after more than this many non-finite steps in a row
 _C.TRAIN.NONFINITE_MAX_SKIPS = 10
 # Signals that mean "checkpoint now and exit" (preemption), e.g. Slurm's --signal=USR1@90
 _C.TRAIN.PREEMPT_SIGNALS = ["SIGTERM", "SIGUSR1"]

@@ -10,6 +10,8 @@ A hook subclasses ``HookBase`` and overrides some of its six methods; each gets 
         for each batch:
             after_step            after every micro-batch; ``trainer.step_out.stepped`` is None
                                   between optimizer steps under TRAIN.ACCUM_STEPS, True/False at a step
+                                  (True with the skip decided on the device: ``step_out.skipped``
+                                  holds its flag, and state.global_step is exact after each reading)
         after_epoch               ``trainer.train_metrics`` (reduced over ranks), state.epoch counts it;
                                   the built-in EvalHook evaluates here and calls
             after_eval            ``trainer.eval_records`` (``trainer.eval_split`` "val"; "test" once
@@ -252,6 +254,9 @@ class CheckpointHook(HookBase):
 
     def before_fit(self, trainer: Trainer) -> None:
         self.timer.reset()  # CKPT_PERIOD_MIN counts from the start of training, after setup and resume
+        # The step of the last mid-epoch checkpoint (resumed: the one read): a skipped step leaves the
+        # state as it was, so that step is not written again under the same name.
+        self.saved_step = trainer.state.global_step if trainer.state.samples_in_epoch else -1
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
         self.timer.reset()
@@ -271,7 +276,11 @@ class CheckpointHook(HookBase):
         stop, by_time = comm.any_rank([stop_signal is not None, ctx.is_main and self.timer.due()]) if vote else (
             False, False)
         if (stop or by_steps or by_time) and not epoch_done:
-            self.save(trainer, train_sums=trainer.counter.sums_with_n())
+            trainer.reconcile()  # the exact global_step (skipped steps on the device path): a host sync
+            by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
+            if (stop or by_steps or by_time) and state.global_step != self.saved_step:
+                self.saved_step = state.global_step
+                self.save(trainer, train_sums=trainer.counter.sums_with_n())
         if stop and epoch_done:
             state.stop_signal = stop_signal or signal.SIGTERM  # the epoch is complete: end it, then stop
         elif stop:

@@ -114,6 +114,8 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
         else:
             path = checkpoint.save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
             log.info("saved %s%s", path, " (best)" if is_best else "")
+        trainer.saves["written" if finite else "refused"] += 1  # read at the end (Trainer.require_saved)
+        trainer.saves["last_refused"] = int(not finite)
     comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
 

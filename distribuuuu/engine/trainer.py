@@ -29,7 +29,7 @@ from distribuuuu.engine import evaluation, hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
 from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper
-from distribuuuu.errors import UserError
+from distribuuuu.errors import RunNotSaved, UserError
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
 from distribuuuu.summary import previous_seed, write_run_record
@@ -58,9 +58,11 @@ class Trainer:
         self.resumed = False
         self.seed = 0  # the run's seed (RNG_SEED, or the one drawn for None): fit() sets it
         self.step_out: MicroStep | None = None
+        self.saves = {"written": 0, "refused": 0, "last_refused": 0}  # rank 0's checkpoint writes (save_run)
         self.step_scalars: dict[str, float] | None = None  # rank 0, on print steps: Progress's numbers
         self.train_metrics: dict[str, float] = {}
         self.counter: Counter | None = None
+        self.epoch_skips = 0
         self.epoch_samples = 0
         self.test_loader = None
         self.is_best, self.eval_split, self.eval_records = False, "", []  # set by evaluation (EvalHook)
@@ -131,6 +133,7 @@ class Trainer:
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)
             self.call("before_epoch")
+            self.epoch_skips = 0  # steps skipped for non-finite numbers in this epoch (its train record)
             self.train_metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
@@ -140,6 +143,7 @@ class Trainer:
                      train["top5"], train["img_per_s"], train["time_s"])
             self.call("after_epoch")  # metrics, evaluation (after_eval), checkpoint, stop signals
 
+        self.require_saved()
         summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,
                    "wall_s": time.perf_counter() - self.wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
         if self.test_loader is not None:  # once, on the checkpoint that the validation split chose
@@ -152,11 +156,22 @@ class Trainer:
                  format_seconds(summary["wall_s"]), cfg.OUT_DIR)
         return summary
 
+    def require_saved(self) -> None:
+        """A run that could not save is not done: the last checkpoint refused (non-finite weights or
+        buffers at the end), or none written of those due. Collective (rank 0 knows): all ranks raise."""
+        last, none = comm.any_rank([bool(self.saves["last_refused"]),
+                                    bool(self.saves["refused"]) and not self.saves["written"]])
+        if last or none:
+            why = ("the weights or buffers are not finite at the end" if last else
+                   "none of the checkpoints due was written (the weights were not finite each time)")
+            raise RunNotSaved(f"the run could not save: {why}; no usable checkpoint of it is in "
+                              f"{self.cfg.OUT_DIR}/checkpoints; {nonfinite_advice(self.cfg)}")
+
     def train_epoch(self, loader: Any) -> dict[str, float]:
         """Train on this rank's shard from state.samples_in_epoch to the end of the epoch; returns
         the epoch's metrics summed over all ranks. Hooks see every batch (after_step)."""
         cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
-        self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK)
+        self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK, skip_nonfinite=cfg.TRAIN.NONFINITE != "off")
         if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before a restart
             counter.add(state.resumed_sums)
         state.resumed_sums = None
@@ -177,11 +192,9 @@ class Trainer:
         epoch_start = tick = time.perf_counter()
         try:
             for it, (images, target) in zip(range(iters), loader):
-                images = images.to(ctx.device, non_blocking=True)
-                target = target.to(ctx.device, non_blocking=True)
+                images, target = images.to(ctx.device, non_blocking=True), target.to(ctx.device, non_blocking=True)
                 data_s = time.perf_counter() - tick
                 data_total += data_s
-
                 lr = self.peak_lr * optim.lr_factor(cfg, state.epoch + state.samples_in_epoch / self.epoch_samples)
                 optim.set_lr(stepper.optimizer, lr)
                 self.step_out = out = stepper.micro_step(images, target)
@@ -189,11 +202,13 @@ class Trainer:
                 counter.update(out.logits, out.target, out.loss)  # on-device sums: no host sync here
                 if out.stepped is False:
                     self.on_nonfinite()  # every rank skipped this step (or raises NonFiniteLoss)
-                elif out.stepped:
-                    state.bad_steps, state.global_step = 0, state.global_step + 1
+                elif out.stepped:  # on the device path: unless take_skips says otherwise (reconcile)
+                    state.global_step, state.bad_steps = state.global_step + 1, state.bad_steps * (out.skipped is not None)
                     if cfg.TRAIN.COMPILE and state.global_step == 1:  # compile time is not throughput
                         first_step_s = time.perf_counter() - tick
                         log.info("torch.compile + first step: %.1fs (left out of img/s)", first_step_s)
+                if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank: a host sync
+                    self.reconcile()
                 # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
                 self.step_scalars = progress.step(it, data_s, images.size(0), lr, counter.result)
                 self.call("after_step")  # step checkpoints, stop signals (at optimizer-step boundaries)
@@ -203,23 +218,49 @@ class Trainer:
         for gpu in gpus:  # the GPU runs behind the host: the epoch ends when its last kernel does
             torch.cuda.synchronize(gpu)
         seconds = time.perf_counter() - epoch_start - first_step_s
+        self.reconcile()
         result = counter.reduce().result()
         bad = int(comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
         if bad:  # each file was named in the log when it was met
             log.warning("epoch %d: %d unreadable training images skipped (TRAIN.BAD_IMAGES skip)", state.epoch + 1, bad)
         result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
-                      data_frac=data_total / max(seconds, 1e-9), peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
+                      skipped_steps=self.epoch_skips, data_frac=data_total / max(seconds, 1e-9),
+                      peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
         return result
+
+    def reconcile(self) -> None:
+        """Read the stepper's device count of skipped steps (one host sync: print steps, checkpoints,
+        the epoch's end): global_step stops counting them, and TRAIN.NONFINITE's limits apply. Every
+        rank skipped the same steps (the flag was averaged or reduced) and reads at the same
+        iteration, so all raise NonFiniteLoss together."""
+        cfg, state = self.cfg, self.state
+        v = self.stepper.take_skips()
+        if not self.stepper.on_device:
+            return
+        start = state.global_step - v["tried"]  # exact: the step count at the previous reading
+        state.global_step -= v["skips"]
+        state.bad_steps = v["run"]
+        self.epoch_skips += v["skips"]
+        if v["over"]:  # the message the synced check gives at that step
+            raise NonFiniteLoss(f"non-finite loss or gradients at step {start + v['good_before_over'] + 1} "
+                                f"({self.stepper.max_skips + 1} in a row; {self._setting()}); {nonfinite_advice(cfg)}")
+        if v["skips"]:
+            log.warning("non-finite loss or gradients: step skipped on every rank (%d in a row, at most %d; %d "
+                        "skipped after step %d)", v["longest"], cfg.TRAIN.NONFINITE_MAX_SKIPS, v["skips"], start)
+
+    def _setting(self) -> str:
+        cfg = self.cfg
+        return ("TRAIN.NONFINITE stop ends the run at the first one" if cfg.TRAIN.NONFINITE == "stop" else
+                f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS} in a row")
 
     def on_nonfinite(self) -> None:
         """A step skipped on every rank for non-finite numbers: within TRAIN.NONFINITE's limits, or the end."""
         cfg, state = self.cfg, self.state
         state.bad_steps += 1
+        self.epoch_skips += 1
         if cfg.TRAIN.NONFINITE == "stop" or state.bad_steps > cfg.TRAIN.NONFINITE_MAX_SKIPS:
-            setting = ("TRAIN.NONFINITE stop ends the run at the first one" if cfg.TRAIN.NONFINITE == "stop" else
-                       f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {cfg.TRAIN.NONFINITE_MAX_SKIPS} in a row")
             raise NonFiniteLoss(f"non-finite loss or gradients at step {state.global_step + 1} "
-                                f"({state.bad_steps} in a row; {setting}); {nonfinite_advice(cfg)}")
+                                f"({state.bad_steps} in a row; {self._setting()}); {nonfinite_advice(cfg)}")
         log.warning("non-finite loss or gradients: step skipped on every rank (%d in a row, at most %d)",
                     state.bad_steps, cfg.TRAIN.NONFINITE_MAX_SKIPS)
 

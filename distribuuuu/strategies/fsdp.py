@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distribuuuu import models
+from distribuuuu import models, optim
 from distribuuuu.dist import comm, signals
 from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
 
@@ -166,6 +166,11 @@ class FSDP(Strategy):
         d = self.cfg.DIST
         self.sharded = shard(model, units, d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
         return self.sharded
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        # torch has no DTensor rule for aten._fused_sgd_: SGD runs its multi-tensor kernels and keeps
+        # the synced non-finite check; fused Adam/AdamW have one and skip on the device.
+        return optim.build_optimizer(self.cfg, model, fused_sgd=False)
 
     def no_sync(self, sync: bool) -> ContextManager:
         # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.

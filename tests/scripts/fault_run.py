@@ -39,8 +39,8 @@ def _mine(var):
 _build = optim.build_optimizer
 
 
-def build_optimizer(cfg, model):
-    opt = _build(cfg, model)
+def build_optimizer(cfg, model, **kwargs):
+    opt = _build(cfg, model, **kwargs)
     plain_step = opt.step
 
     def step_with_faults(*args, **kwargs):

@@ -1,0 +1,297 @@
+"""The non-finite guard (TRAIN.NONFINITE skip, the default): a skipped step leaves no trace, costs
+no host sync per step, and a run that could not save is not "done" (issue 24). In process, tiny."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from distribuuuu import engine, optim
+from distribuuuu.config import load_config
+from distribuuuu.data import register_source, unregister_source
+from distribuuuu.dist import group
+from distribuuuu.engine.stepper import Stepper
+from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
+from tests.conftest import ROOT, TINY, env, read_metrics
+
+CPU = torch.device("cpu")
+SOURCE = "guard_nan_tiny"
+NAN_INDEX = 5  # the one all-NaN training image
+
+
+class QuadrantImages(torch.utils.data.Dataset):
+    """4 classes of 8x8 images, class c bright in quadrant c (learnable in an epoch); ready floats,
+    as the synthetic source gives them; ``nan``: the indices whose image is all NaN."""
+
+    def __init__(self, n: int, seed: int, nan: tuple[int, ...] = ()) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.arange(n) % 4
+        self.images = torch.rand(n, 3, 8, 8, generator=g) * 0.4
+        for i, c in enumerate(self.labels.tolist()):
+            r, k = divmod(c, 2)
+            self.images[i, :, 4 * r:4 * r + 4, 4 * k:4 * k + 4] += 0.6
+        self.images -= 0.5
+        for i in nan:
+            self.images[i] = float("nan")
+        self.classes = ["a", "b", "c", "d"]
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i], int(self.labels[i])
+
+
+@pytest.fixture
+def nan_source():
+    register_source(SOURCE, lambda split, cfg, key: QuadrantImages(128, 0, (NAN_INDEX,)) if split == "train"
+                    else QuadrantImages(32, 1))
+    yield SOURCE
+    unregister_source(SOURCE)
+
+
+def _cfg(out, *opts: str):
+    return load_config(TINY, ["OUT_DIR", str(out), "TRAIN.DATASET", SOURCE, "TEST.DATASET", SOURCE,
+                              "TEST.SPLIT", "val", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8",
+                              "OPTIM.BASE_LR", "0.1", "TRAIN.PRINT_FREQ", "100", *opts])
+
+
+def _fit(cfg, hooks=()):
+    with group.session(cfg) as ctx:
+        return engine.fit(cfg, ctx, hooks=hooks)
+
+
+# -- no trace -----------------------------------------------------------------------------------------
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 4))
+
+
+def _state(stepper: Stepper) -> dict:
+    """Everything a step could move, as plain tensors."""
+    flat = {f"model.{k}": v for k, v in stepper.model.state_dict().items()}
+    for i, s in enumerate(stepper.optimizer.state.values()):
+        flat.update({f"optim.{i}.{k}": v for k, v in s.items() if torch.is_tensor(v)})
+    if stepper.ema is not None:
+        flat.update({f"ema.{k}": v for k, v in stepper.ema.state_dict().items()})
+    return {k: v.detach().clone() for k, v in flat.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Bitwise: the bytes of every tensor (torch.equal would take -0.0 for 0.0)."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].reshape(-1).view(torch.uint8).equal(b[k].reshape(-1).view(torch.uint8))
+        for k in a)
+
+
+@pytest.mark.parametrize("opts", [["OPTIM.OPTIMIZER", "sgd"], ["OPTIM.OPTIMIZER", "adamw"],
+                                  ["OPTIM.OPTIMIZER", "sgd", "TRAIN.CLIP_GRAD_NORM", "1.0"],
+                                  ["OPTIM.OPTIMIZER", "lamb"]], ids=["sgd", "adamw", "sgd-clip", "lamb-synced"])
+def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
+    cfg = load_config(TINY, ["TRAIN.EMA_DECAY", "0.9", *opts])
+    model = _net()
+    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+    assert stepper.on_device == (opts[1] != "lamb")  # LAMB has no fused kernel: the synced check
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    assert stepper.micro_step(x, y).stepped  # momentum and moments exist now
+    before = _state(stepper)
+    bad = x.clone()
+    bad[3] = float("nan")
+    out = stepper.micro_step(bad, y)
+    skipped = out.skipped if out.skipped is not None else torch.tensor(out.stepped is False)
+    assert bool(skipped)
+    assert _same(_state(stepper), before)  # params, momentum/moments/step, BN stats + count, EMA
+    assert stepper.take_skips()["skips"] == (1 if stepper.on_device else 0)
+    assert stepper.micro_step(x, y).stepped and not _same(_state(stepper), before)  # and it trains on
+
+
+def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
+    """Fused SGD's first step makes the momentum buffers; a skipped one must not leave them behind:
+    NaN first, then a good batch, ends where the good batch alone does."""
+    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    runs = []
+    for first_bad in (True, False):
+        model = _net()
+        stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+        if first_bad:
+            assert stepper.micro_step(torch.full_like(x, float("nan")), y).stepped is False
+            assert not stepper.optimizer.state or all(
+                "momentum_buffer" not in s or s["momentum_buffer"] is None for s in stepper.optimizer.state.values())
+        stepper.micro_step(x, y)
+        stepper.micro_step(x.flip(0), y.flip(0))  # a second step uses the buffers
+        runs.append(_state(stepper))
+    assert _same(*runs)
+
+
+# -- one all-NaN sample in a run --------------------------------------------------------------------
+def test_one_nan_sample_is_skipped_without_trace_and_the_run_is_saved(tmp_path, nan_source):
+    out = tmp_path / "run"
+    summary = _fit(_cfg(out, "OPTIM.MAX_EPOCH", "3", "TRAIN.CKPT_PERIOD_STEPS", "1"))
+    records = read_metrics(str(out))
+    train = [r for r in records if r["split"] == "train"]
+    val = [r for r in records if r["split"] == "val"]
+    assert [r["skipped_steps"] for r in train] == [1, 1, 1]  # the NaN image's batch, once per epoch
+    assert all(r["loss"] is not None and r["n"] == 112 for r in train)  # the finite batches' loss
+    assert val[-1]["loss"] is not None and val[-1]["top1"] >= 75, val  # chance is 25%
+    assert summary["best"] >= 75
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(str(out / "checkpoints" / "*.pth")))
+    assert "last.pth" in ckpts and "best.pth" in ckpts and "epoch_0003.pth" in ckpts, ckpts
+    last = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 21  # 3 x 8 tried, 3 skipped
+    assert all(torch.isfinite(t).all() for t in last["model"].values() if t.is_floating_point())
+
+
+class CrashAtFirstStepCheckpoint(engine.HookBase):
+    """Ends the process's run (as a crash would) right after the first mid-epoch checkpoint."""
+
+    def after_step(self, trainer):
+        if glob.glob(os.path.join(trainer.cfg.OUT_DIR, "checkpoints", "step_*.pth")):
+            raise KeyboardInterrupt
+
+
+def test_resume_across_a_skipped_step_is_bitwise_a_straight_run(tmp_path, nan_source):
+    opts = ["OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_STEPS", "2", "TRAIN.EMA_DECAY", "0.9"]
+    _fit(_cfg(tmp_path / "straight", *opts))
+    with pytest.raises(KeyboardInterrupt):
+        _fit(_cfg(tmp_path / "resumed", *opts), hooks=[CrashAtFirstStepCheckpoint()])
+    (step,) = glob.glob(str(tmp_path / "resumed" / "checkpoints" / "step_*.pth"))
+    mid = torch.load(step, map_location="cpu", weights_only=True)
+    _fit(_cfg(tmp_path / "resumed", *opts))
+    train = [r for r in read_metrics(str(tmp_path / "resumed")) if r["split"] == "train"]
+    # The resumed epoch met the NaN batch after the checkpoint it started from.
+    assert mid["epoch"] == 0 and train[0]["skipped_steps"] == 1, (mid["global_step"], train)
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+            for run in ("straight", "resumed"))
+    assert a["global_step"] == b["global_step"] == 14
+    for key in ("model", "ema"):
+        assert _same(a[key], b[key]), key
+    assert _same(*({f"{i}.{k}": v for i, s in ckpt["optimizer"]["state"].items() for k, v in s.items()}
+                   for ckpt in (a, b)))
+
+
+# -- no host sync per step ------------------------------------------------------------------------------
+SYNCS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+         torch.Tensor.__float__, torch.Tensor.__int__}
+
+
+class CountSyncs(TorchFunctionMode):
+    """Counts the tensor calls that make the host wait for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sync_calls_do_not_grow_with_the_steps(tmp_path, optimizer):
+    counts = []
+    for samples in (124, 250):  # batch 2: 62 and 125 optimizer steps, no print step between
+        cfg = load_config(TINY, ["OUT_DIR", str(tmp_path / str(samples)), "OPTIM.OPTIMIZER", optimizer,
+                                 "OPTIM.BASE_LR", "0.01", "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "2",
+                                 "TRAIN.SYNTHETIC_SAMPLES", str(samples), "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8",
+                                 "TEST.SYNTHETIC_SAMPLES", "8", "TRAIN.PRINT_FREQ", "1000"])
+        mode = CountSyncs()
+        with group.session(cfg) as ctx:
+            trainer = engine.Trainer(cfg, ctx)
+            with mode:
+                trainer.fit()
+        counts.append(mode.count)
+    assert abs(counts[1] - counts[0]) <= 5, counts  # 63 more steps, not 63 more syncs
+
+
+# -- a run that could not save -------------------------------------------------------------------------
+class PoisonBuffersAtTheEnd(engine.HookBase):
+    """A BatchNorm statistic turns NaN at the run's last step (as a forward pass of bad data would
+    leave it without the guard): the epoch's checkpoint is refused."""
+
+    def after_step(self, trainer):
+        if trainer.state.epoch + 1 == trainer.cfg.OPTIM.MAX_EPOCH and \
+                trainer.state.samples_in_epoch >= trainer.epoch_samples:
+            bn = next(m for m in trainer.model.modules() if isinstance(m, nn.BatchNorm2d))
+            bn.running_var.fill_(float("nan"))
+
+
+def test_a_run_that_could_not_save_raises_not_saved(tmp_path):
+    cfg = load_config(TINY, ["OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16"])
+    with pytest.raises(RunNotSaved, match="not finite at the end"):
+        _fit(cfg, hooks=[PoisonBuffersAtTheEnd()])
+
+
+@pytest.mark.e2e
+def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
+                           "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
+                           "['tests.test_nonfinite_guard:PoisonBuffersAtTheEnd']"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == NOT_SAVED_EXIT == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "the run could not save" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "done:" not in proc.stdout + proc.stderr
+    assert not os.path.exists(out / "checkpoints" / "epoch_0001.pth")
+
+
+@pytest.mark.e2e
+def test_the_gpu_sync_debug_job_dry_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py's sync_debug job (a GPU session runs it under set_sync_debug_mode("error")):
+    its CPU dry run counts no sync-forcing call in the watched steps and skips the one NaN step."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path), "--device", "cpu", "--small",
+                           "--only", "sync_debug"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu.json") as f:
+        rec = json.load(f)["jobs"]["sync_debug"]["result"]
+    assert rec["ok"] and rec["sync_calls_while_watched"] == 0 and rec["skipped_steps"] == 1, rec
+
+
+def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
+    """A frozen backbone unfrozen later (or a parameter without a gradient so far): fused SGD's kernel
+    takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
+    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    model = _net()
+    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    model[0].requires_grad_(False)
+    assert stepper.micro_step(x, y).stepped
+    model[0].requires_grad_(True)
+    assert stepper.micro_step(x, y).stepped and stepper.micro_step(x, y).stepped
+    bufs = [stepper.optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(torch.isfinite(b).all() for b in bufs)
+    assert all(group["fused"] for group in stepper.optimizer.param_groups)  # back on the fused kernel
+    assert stepper.on_device and not stepper._momentum_unborn()
+
+
+def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
+    from distribuuuu.metrics import Counter
+
+    logits, target = torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 0])
+    c = Counter(CPU, 2, skip_nonfinite=True)
+    c.update(logits, target, torch.tensor(0.5))
+    c.update(logits, target, torch.tensor(float("nan")))  # a skipped step's batch
+    assert c.result() == {"loss": 0.5, "top1": 50.0, "top5": 100.0, "n": 2} and c.n == 4
+    c.add([1.0, 2.0, 2.0, 2.0])  # a checkpoint's sums from before issue 24: [loss, hit1, hitk, n]
+    assert c.result()["n"] == 4 and c.sums_with_n().tolist() == [2.0, 3.0, 4.0, 6.0, 4.0]
+    off = Counter(CPU, 2)  # TRAIN.NONFINITE off: the epoch's loss must show the NaN (NonFiniteEpochCheck)
+    off.update(logits, target, torch.tensor(float("nan")))
+    assert off.result()["n"] == 2 and off.result()["loss"] != off.result()["loss"]
