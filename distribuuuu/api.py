@@ -27,6 +27,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, engine, inference, preflight, run_folder
+from distribuuuu.data.batches import stop_workers
 from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
@@ -80,11 +81,14 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
         run_folder.log_notes(notes)  # a stale lock taken over, debris removed
-        if command == "eval":
-            return engine.run_eval(cfg, ctx)
-        if ctx.is_main:
-            config.dump_to_run_folder(cfg, cfg.OUT_DIR)
-        return _fit(cfg, ctx, hooks)
+        try:
+            if command == "eval":
+                return engine.run_eval(cfg, ctx)
+            if ctx.is_main:
+                config.dump_to_run_folder(cfg, cfg.OUT_DIR)
+            return _fit(cfg, ctx, hooks)
+        finally:  # however the run ended: its loader workers ignore stop signals (data.batches)
+            stop_workers()
 
 
 def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:
