@@ -86,3 +86,55 @@ def test_whole_group_sigterm_with_loader_workers_checkpoints_and_resumes(tmp_pat
     check(again)
     assert f"{ckpt['samples_in_epoch']} samples into epoch 1" in _read(out / "log.txt")
     assert [m["n"] for m in read_metrics(str(out)) if m["split"] == "train"] == [1024]
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals change nothing
+# ---------------------------------------------------------------------------------------------
+
+SHORT = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16",
+         "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8"]
+
+
+def _hashes(folder) -> dict[str, str]:
+    """Every file under folder: relative path -> sha256 (what a refusal must leave as it was)."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_late_refusal_leaves_the_run_folder_byte_for_byte(tmp_path):
+    """A resume refused after the model and the data are built (the training set shrank) exits 2
+    (refused by the resume checks) and leaves every file as it was. Before: config.yaml, config_diff.yaml, env.json
+    and model.txt were rewritten and log.txt, env_history.jsonl appended to."""
+    out = tmp_path / "run"
+    check(subprocess.run([PY, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), *SHORT,
+                          "OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_MIN", "0"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=240))
+    os.remove(out / "checkpoints" / "last.pth")  # an unfinished run: the re-run would resume it
+    before = _hashes(out)
+    assert "config.yaml" in before and "env.json" in before and "log.txt" in before, before
+    refused = subprocess.run([PY, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), *SHORT,
+                              "OPTIM.MAX_EPOCH", "3", "TRAIN.SYNTHETIC_SAMPLES", "48"], cwd=ROOT, env=env(),
+                             capture_output=True, text=True, timeout=240)
+    check(refused, 2)
+    assert "cannot resume" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert _hashes(out) == before
+
+
+def test_a_refused_command_makes_no_folder(tmp_path):
+    """eval with nothing to evaluate, and train
+    (too large a step for the data) into folders that did not exist: exit 2, and no folder (before: an empty log.txt in a new one)."""
+    fresh = tmp_path / "eval_here"
+    refused = subprocess.run([PY, "-m", "distribuuuu", "eval", "--cfg", TINY, "OUT_DIR", str(fresh), *SHORT],
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    check(refused, 2)
+    assert not fresh.exists(), _hashes(fresh)
+    fresh = tmp_path / "train_here"
+    refused = subprocess.run([PY, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(fresh), *SHORT,
+                              "TRAIN.ACCUM_STEPS", "8"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                             timeout=240)
+    check(refused, 2)
+    assert "no step" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert not fresh.exists(), _hashes(fresh)
