@@ -27,11 +27,12 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, engine, inference, preflight, run_folder
+from distribuuuu.data.batches import stop_workers
 from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
-from distribuuuu.logger import LOGGER_NAME, setup_logging
+from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "LoadedModel"]
 
@@ -75,16 +76,36 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
     """
     if command not in ("train", "eval"):
         raise ValueError(f"command must be 'train' or 'eval', not {command!r}")
+    new_folder = not os.path.lexists(cfg.OUT_DIR)  # made for this command: a refusal takes it away again
+    try:
+        return _run_checked(command, cfg, hooks)
+    except UserError:
+        if new_folder:
+            run_folder.remove_if_empty(cfg.OUT_DIR)
+        raise
+
+
+def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
     info = launch.detect()
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
-        setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
+        # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
+        # (engine.fit: summary.write_run_record): a refused command leaves OUT_DIR as it was.
+        setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank, hold=True)
         run_folder.log_notes(notes)  # a stale lock taken over, debris removed
-        if command == "eval":
-            return engine.run_eval(cfg, ctx)
-        if ctx.is_main:
-            config.dump_to_run_folder(cfg, cfg.OUT_DIR)
-        return _fit(cfg, ctx, hooks)
+        refused = False
+        try:
+            if command == "eval":
+                return engine.run_eval(cfg, ctx)
+            return _fit(cfg, ctx, hooks)
+        except UserError:
+            refused = True
+            discard_log()
+            raise
+        finally:  # however the run ended: its loader workers ignore stop signals (data.batches)
+            stop_workers()
+            if not refused:  # a crash or a stop: its lines are kept
+                release_log()
 
 
 def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from yacs.config import CfgNode
 
 from distribuuuu.files import atomic_write_bytes
+from distribuuuu.log_file import HeldFileHandler
 
 LOGGER_NAME = "distribuuuu"
 PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
@@ -58,11 +59,26 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0) -> logging.Logger:
+def release_log() -> None:
+    """Write the log lines held so far to log.txt, and the later ones as they come (setup_logging(hold=True))."""
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        if isinstance(handler, HeldFileHandler):
+            handler.write_held()
+
+
+def discard_log() -> None:
+    """A refused command: forget the held log lines (log.txt is left as it was, or not made)."""
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        if isinstance(handler, HeldFileHandler) and handler.file is None:
+            handler.held = []
+
+
+def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool = False) -> logging.Logger:
     """Configure the "distribuuuu" logger for this process; safe to call again.
 
     Rank 0 logs INFO to the console and OUT_DIR/log.txt; every other rank logs warnings and
-    errors to stderr and, tagged with its rank, to the same log.txt (appends of whole lines)."""
+    errors to stderr and, tagged with its rank, to the same log.txt (appends of whole lines).
+    hold: log.txt gets nothing (is not even made) until release_log(), after the command's checks."""
     log = logging.getLogger(LOGGER_NAME)
     for handler in list(log.handlers):
         log.removeHandler(handler)
@@ -75,8 +91,12 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0) -> logging.
     console.addFilter(_to_console)
     log.addHandler(console)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        file_handler = logging.FileHandler(os.path.join(out_dir, "log.txt"))
+        file_handler: logging.Handler
+        if hold:
+            file_handler = HeldFileHandler(os.path.join(out_dir, "log.txt"))
+        else:
+            os.makedirs(out_dir, exist_ok=True)
+            file_handler = logging.FileHandler(os.path.join(out_dir, "log.txt"))
         file_handler.setFormatter(fmt if is_main else logging.Formatter(
             f"[%(asctime)s] [rank {rank}] %(message)s", datefmt="%H:%M:%S"))
         log.addHandler(file_handler)

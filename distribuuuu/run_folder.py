@@ -176,6 +176,15 @@ def ensure_folder(out_dir: str) -> None:
     probe_writable(out_dir, "OUT_DIR")
 
 
+def remove_if_empty(folder: str) -> None:
+    """The folder a refused command made (preflight), if nothing was written into it: a refused
+    command makes no folder. A folder with anything in it stays."""
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
 def preflight(cfg: Any, command: str, all_ranks_here: bool) -> None:
     """The run folder's checks that need no process group (see the module docstring)."""
     out_dir = cfg.OUT_DIR

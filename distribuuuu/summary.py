@@ -6,7 +6,8 @@ object, as before: tools read it). env_history.jsonl gets the same object as one
 start, so a resumed run keeps the record of each of its starts. model.txt: a per-parameter table (name, shape,
 count), the totals, the size in MB and the FLOPs of one image at TRAIN.IM_SIZE.
 
-``write_run_record`` gathers every rank's host name, so ALL ranks must call it; rank 0 writes.
+``prepare_run_record`` gathers every rank's host name, so ALL ranks must call it; ``write_run_record``
+writes it (rank 0) once the run has passed every check, so that a refused run changes nothing.
 """
 
 from __future__ import annotations
@@ -182,37 +183,34 @@ def previous_seed(cfg: CfgNode) -> int | None:
     return seed if isinstance(seed, int) else None
 
 
-def correct_seed(out_dir: str, seed: int) -> None:
-    """Rank 0, on resume: this start's env.json and last env_history.jsonl line name the seed the
-    run goes on with (the checkpoint's, when env.json did not hand it over before the data was built)."""
-    path, history = os.path.join(out_dir, "env.json"), os.path.join(out_dir, ENV_HISTORY)
-    with open(path) as f:
-        record = json.load(f)
-    record["seed"] = seed
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    with open(history) as f:
-        lines = f.read().splitlines()
-    lines[-1] = json.dumps(record)  # this start's line: written by write_run_record moments ago
-    with open(history, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def write_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module, seed: int | None = None) -> None:
-    """Write OUT_DIR/env.json, append to env_history.jsonl, write model.txt. Call on ALL ranks
-    (host names are gathered); model is the bare module (models.unwrap)."""
+def prepare_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> dict[str, Any] | None:
+    """What write_run_record writes, taken now and written nothing yet: a run refused later (resume
+    checks) leaves OUT_DIR as it was. Call on ALL ranks (host names are gathered); model is the bare
+    module, before sharding (models.unwrap). Rank 0 gets the record, the others None."""
     placements = gather_placements(ctx)
     if not ctx.is_main:
-        return
-    os.makedirs(cfg.OUT_DIR, exist_ok=True)
-    record = env_record(cfg, ctx, placements, seed)
-    with open(os.path.join(cfg.OUT_DIR, "env.json"), "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(cfg.OUT_DIR, ENV_HISTORY), "a") as f:  # one line per start, never rewritten
-        f.write(json.dumps(record) + "\n")
-    table = model_table(model, cfg)
-    with open(os.path.join(cfg.OUT_DIR, "model.txt"), "w") as f:
-        f.write(table)
-    log.info("run record: env.json, model.txt (%s)", table.rstrip().splitlines()[-1].strip())
+        return None
+    return {"env": env_record(cfg, ctx, placements, None), "model": model_table(model, cfg)}
+
+
+def write_run_record(cfg: CfgNode, prepared: dict[str, Any] | None, seed: int | None = None) -> None:
+    """Once every check has passed: config.yaml and config_diff.yaml, env.json, a line appended to
+    env_history.jsonl, model.txt, and log.txt with the lines held so far (logger.release_log).
+    prepared: prepare_run_record's (None on ranks other than 0, which write log.txt only)."""
+    from distribuuuu import config  # config imports the model registry, which imports this module's users
+    from distribuuuu.logger import release_log
+
+    if prepared is not None:
+        os.makedirs(cfg.OUT_DIR, exist_ok=True)
+        config.dump_to_run_folder(cfg, cfg.OUT_DIR)
+        record = {**prepared["env"], "seed": seed}
+        with open(os.path.join(cfg.OUT_DIR, "env.json"), "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        with open(os.path.join(cfg.OUT_DIR, ENV_HISTORY), "a") as f:  # one line per start, never rewritten
+            f.write(json.dumps(record) + "\n")
+        table = prepared["model"]
+        with open(os.path.join(cfg.OUT_DIR, "model.txt"), "w") as f:
+            f.write(table)
+        log.info("run record: env.json, model.txt (%s)", table.rstrip().splitlines()[-1].strip())
+    release_log()

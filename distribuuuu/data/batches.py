@@ -5,6 +5,8 @@ Each wrapper has the DataLoader's len() and passes every other attribute (datase
 from __future__ import annotations
 
 import random
+import signal
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -14,9 +16,46 @@ from torch.utils.data import DataLoader, default_collate
 from distribuuuu.data import transforms
 
 
+# Signals a loader worker never acts on: a stop or preemption sent to the whole process group
+# (Slurm, systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main
+# process would fail reading its next batch and could not write its step checkpoint. The main
+# process stops, checkpoints, then ends its workers (stop_workers); a worker whose main process
+# is gone ends by itself (torch's watchdog checks the parent every 5 s).
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_loaders: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()  # loaders with worker processes
+
+
+def quiet_worker(worker_id: int) -> None:
+    """worker_init_fn of every loader with workers: the stop signals are the main process's business."""
+    for signum in WORKER_IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def track_workers(loader: DataLoader) -> DataLoader:
+    """Remember loader (if it has workers) so that stop_workers() can end them; returns it."""
+    if loader.num_workers > 0:
+        _loaders.add(loader)
+    return loader
+
+
+def stop_workers() -> None:
+    """End the worker processes of every tracked loader now, while the interpreter still runs.
+
+    Needed on a stop: the workers ignore SIGTERM (quiet_worker), persistent workers live as long
+    as their loader, and a traceback can keep the loader alive until exit, where torch skips its
+    own shutdown and multiprocessing would wait on workers that ignore its SIGTERM."""
+    for loader in list(_loaders):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        loader._iterator = None
+        _loaders.discard(loader)
+
+
 def seed_worker(worker_id: int) -> None:
     """torch seeds each worker itself (base seed + worker id); numpy and random need it too.
-    From torch's reproducibility notes."""
+    From torch's reproducibility notes. Also quiet_worker: stop signals are left to the main process."""
+    quiet_worker(worker_id)
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)

@@ -34,7 +34,7 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import registry, sources, split, transforms
-from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker
+from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker, track_workers
 from distribuuuu.data.memory import MemoryLoader
 from distribuuuu.data.recipe import log_recipe, recipe_of
 from distribuuuu.data.registry import TensorSource
@@ -196,12 +196,12 @@ def _loader(cfg: CfgNode, dataset: Dataset, sampler: Sampler, batch_size: int, d
     base = cfg.RNG_SEED if cfg.RNG_SEED is not None else torch.initial_seed()
     generator = torch.Generator()
     generator.manual_seed(int(np.random.SeedSequence([base % 2**64, rank, stream]).generate_state(1)[0]))
-    return DataLoader(
+    return track_workers(DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
         num_workers=workers, persistent_workers=workers > 0,
         pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
         worker_init_fn=seed_worker, generator=generator, collate_fn=collate_fn,
-    )
+    ))
 
 
 def data_pipeline(cfg: CfgNode, key: str) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, model_card, models, resume_check, summary
+from distribuuuu import checkpoint, model_card, models, resume_check
 from distribuuuu.dist import comm
 from distribuuuu.errors import UserError
 
@@ -143,9 +143,7 @@ def _keep_seed(trainer: Trainer, seed: int | None) -> None:
         return
     log.warning("resume: the checkpoint's run used seed %d, not %d: its shuffle continues", seed, trainer.seed)
     trainer.seed = seed
-    trainer.train_loader.sampler.seed = seed
-    if trainer.ctx.is_main:
-        summary.correct_seed(trainer.cfg.OUT_DIR, seed)
+    trainer.train_loader.sampler.seed = seed  # env.json is written after the resume, with this seed
 
 
 def resume_run(trainer: Trainer) -> dict[str, Any] | None:

@@ -32,7 +32,7 @@ from distribuuuu.engine.stepper import MicroStep, Stepper
 from distribuuuu.errors import RunNotSaved, UserError
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
-from distribuuuu.summary import previous_seed, write_run_record
+from distribuuuu.summary import prepare_run_record, previous_seed, write_run_record
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -123,12 +123,13 @@ class Trainer:
         # a run about to resume takes its weights from its checkpoint instead, so they are not read.
         resuming = cfg.TRAIN.AUTO_RESUME and bool(checkpoint.resume_candidates(cfg.OUT_DIR))
         bare = models.build_model(cfg, new_head=True, with_weights=not resuming)
-        write_run_record(cfg, self.ctx, bare, self.seed)  # env.json, model.txt (before sharding); a collective
+        record = prepare_run_record(cfg, self.ctx, bare)  # model.txt before sharding; a collective
         self.build_model(bare)
         self.build_data()
         self.log_facts()
         state.facts = resume_check.run_facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
         self.resumed = resume_run(self) is not None
+        write_run_record(cfg, record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)

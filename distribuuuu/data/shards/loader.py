@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
-from distribuuuu.data.batches import NormalizedBatches
+from distribuuuu.data.batches import NormalizedBatches, quiet_worker, track_workers
 from distribuuuu.data.recipe import recipe_of
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
@@ -114,9 +114,10 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
         workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
         label_map=_label_map(cfg, key, shard_set))
     # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
-    loader = ShardLoader(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
-                                    persistent_workers=cfg.TRAIN.WORKERS > 0,
-                                    pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda"))
+    # The workers leave stop signals to the main process (batches.quiet_worker).
+    loader = ShardLoader(track_workers(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
+                                                  persistent_workers=cfg.TRAIN.WORKERS > 0, worker_init_fn=quiet_worker,
+                                                  pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda")))
     if not batched:
         return loader
     stats = transforms.stats_for_channels(recipe_of(cfg).stats or transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
