@@ -11,26 +11,27 @@
 IMPORTS modules imported); a path to a YAML file is accepted as a shorthand for
 ``config.load_config(path)``. ``train`` and ``evaluate`` run in the calling process under any
 launcher: plain python (one process), or a process that torchrun / srun / the spawner started
-(each rank calls them; dist.launch.detect tells them apart). They take the same run-folder lock
+(each rank calls them; launch.launcher.detect tells them apart). They take the same run-folder lock
 and make the same checks as the CLI, which calls the same ``run_command``. A user error raises
 ``distribuuuu.errors.UserError`` instead of exiting with status 2; a preemption signal raises
-``distribuuuu.dist.signals.Preempted`` after the step checkpoint (and the Slurm requeue).
+``distribuuuu.launch.signals.Preempted`` after the step checkpoint (and the Slurm requeue).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, engine, inference, preflight, run_folder
-from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
+from distribuuuu.launch import group, launcher, signals
 from distribuuuu.logger import LOGGER_NAME, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "LoadedModel"]
@@ -75,7 +76,7 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
     """
     if command not in ("train", "eval"):
         raise ValueError(f"command must be 'train' or 'eval', not {command!r}")
-    info = launch.detect()
+    info = launcher.detect()
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)

@@ -33,7 +33,7 @@ def _wait_for(path: str, timeout_s: float = 30.0) -> None:
 
 def all_reduce_worker(out_dir: str) -> None:
     """Each rank contributes rank + 1 and writes the sum and its launch facts."""
-    from distribuuuu.dist import comm, group
+    from distribuuuu.launch import comm, group
 
     torch.set_num_threads(1)
     ctx = group.setup(_cfg())
@@ -79,7 +79,7 @@ def session_worker(out_dir: str) -> None:
     """The body raises (ValueError, then KeyboardInterrupt); the group must be gone each time."""
     import torch.distributed as dist
 
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     torch.set_num_threads(1)
     results = []
@@ -95,7 +95,7 @@ def session_worker(out_dir: str) -> None:
 
 def setup_worker(out_dir: str) -> None:
     """Only joins the group (used with a master port that is taken)."""
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     torch.set_num_threads(1)
     with group.session(_cfg()):

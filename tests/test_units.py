@@ -123,7 +123,7 @@ def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypat
     """Ctrl-C / SIGTERM raised inside torch.save's writes: torch's zip writer then fails closing
     ("unexpected pos"), which was reported as a failed checkpoint write (a traceback, in CI). The
     stop must come out, the previous checkpoint stay, and no temporary file be left."""
-    from distribuuuu.dist.signals import Terminated
+    from distribuuuu.launch.signals import Terminated
 
     stop = Terminated if stop == "Terminated" else stop
     out = str(tmp_path)
@@ -159,7 +159,7 @@ def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, 
     CheckpointException, a BaseException that the CLI neither reported nor treated as a stop (a raw
     traceback, exit 1). A stop inside its writes (here: in fsync) comes out as the stop; any other
     failure (here: the folder's parent is a file) as an OSError naming the folder."""
-    from distribuuuu.dist.signals import Terminated
+    from distribuuuu.launch.signals import Terminated
     from distribuuuu.strategies import fsdp
 
     model = torch.nn.Linear(4, 2)

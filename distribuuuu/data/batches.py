@@ -5,7 +5,8 @@ Each wrapper has the DataLoader's len() and passes every other attribute (datase
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,19 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, data, model_card, models, optim, resume_check, strategies
-from distribuuuu.dist import comm
-from distribuuuu.dist.group import DistContext
-from distribuuuu.engine import evaluation, hooks as hooks_
+from distribuuuu.engine import evaluation
+from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
 from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm
+from distribuuuu.launch.group import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
 from distribuuuu.summary import previous_seed, write_run_record

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +130,7 @@ class Strategy:
         return [self.ctx.device] if self.ctx.device.type == "cuda" else []
 
     # -- one step ---------------------------------------------------------------------------------
-    def no_sync(self, sync: bool) -> ContextManager:
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """The context of a micro-step's forward and backward; ``sync`` False: accumulate locally."""
         return contextlib.nullcontext()
 

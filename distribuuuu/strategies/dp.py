@@ -15,7 +15,7 @@ class _AutocastReplica(nn.Module):
         super().__init__()
         self.module, self.dtype = module, dtype
 
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the replica's own signature
+    def forward(self, *args, **kwargs):
         for device_type in ("cuda", "cpu"):
             if torch.is_autocast_enabled(device_type):
                 with torch.autocast(device_type, dtype=self.dtype):
@@ -36,7 +36,7 @@ class AutocastDataParallel(nn.DataParallel):
         super().__init__(module)
         self.amp_dtype = amp_dtype
 
-    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - DataParallel's signature
+    def parallel_apply(self, replicas, inputs, kwargs):
         if self.amp_dtype is not None:
             replicas = [_AutocastReplica(r, self.amp_dtype) for r in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)

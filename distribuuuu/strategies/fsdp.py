@@ -17,18 +17,23 @@ import contextlib
 import logging
 import os
 import shutil
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import models
-from distribuuuu.dist import comm, signals
+from distribuuuu.launch import comm, signals
 from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
 
 log = logging.getLogger("distribuuuu")
@@ -167,7 +172,7 @@ class FSDP(Strategy):
         self.sharded = shard(model, units, d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
         return self.sharded
 
-    def no_sync(self, sync: bool) -> ContextManager:
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.
         self.sharded.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()

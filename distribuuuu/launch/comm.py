@@ -1,13 +1,14 @@
 """Rank helpers and small collectives: they all work without a process group (rank 0 of 1).
 
 Every collective must be called by every rank, in the same order; with nccl, tensors must be on
-this rank's GPU. ``any_rank`` runs on a gloo side group under nccl (set by dist.group.setup), so
+this rank's GPU. ``any_rank`` runs on a gloo side group under nccl (set by launch.group.setup), so
 a per-step vote costs no host-device sync.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ _control_group: Any = None
 
 
 def set_control_group(group: Any) -> None:
-    """The group any_rank() votes on (None: the default group). Set by dist.group.setup/teardown."""
+    """The group any_rank() votes on (None: the default group). Set by launch.group.setup/teardown."""
     global _control_group
     _control_group = group
 

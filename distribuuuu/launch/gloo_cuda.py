@@ -19,7 +19,8 @@ on every rank at the same point, as one UserError line (exit 2), before any mode
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
