@@ -41,7 +41,7 @@ def all_reduce_worker(out_dir: str) -> None:
     obj = comm.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
     comm.barrier()
     facts = (f"{t.item()} {ctx.info.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
-             f"{comm.get_rank()} {comm.get_world_size()} {int(comm.is_main_process())} {obj['from']} {ctx.backend}")
+             f"{torch.distributed.get_rank()} {comm.get_world_size()} {int(ctx.is_main)} {obj['from']} {ctx.backend}")
     group.teardown()
     group.teardown()  # safe twice
     _write(out_dir, f"rank{ctx.rank}.txt", facts)

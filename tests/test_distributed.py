@@ -264,7 +264,7 @@ def test_setup_plain_single_process(plain_env, capsys):
 
 def test_helpers_without_process_group():
     assert not dist.is_initialized()
-    assert (comm.get_rank(), comm.get_world_size(), comm.is_main_process()) == (0, 1, True)
+    assert comm.get_world_size() == 1
     comm.barrier()
     t = torch.tensor([2.0])
     assert comm.all_reduce_sum(t) is t and t.item() == 2.0

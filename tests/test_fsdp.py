@@ -16,6 +16,8 @@ def _strategy_worker(out_dir):
     """In each of 2 spawned processes: 3 steps (with accumulation 2 and clipping) from the same
     start under ddp, fsdp, fsdp + CPU offload and ddp + activation checkpointing; saves the whole
     weights and the optimizer-state bytes this rank holds."""
+    from torch.distributed.fsdp import FSDPModule
+
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
     from distribuuuu.engine.stepper import Stepper
@@ -41,9 +43,10 @@ def _strategy_worker(out_dir):
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
                 stepper.micro_step(x, y)
             net = models.unwrap(model)
-            weights = fsdp.full_state(net, None)[0] if fsdp.is_sharded(net) else net.state_dict()
-            results[name] = ({k: v.detach().clone() for k, v in weights.items()},
-                             base.optimizer_state_bytes(opt))
+            weights = fsdp.full_state(net, None)[0] if isinstance(net, FSDPModule) else net.state_dict()
+            held = sum(base.local_tensor(t).numel() * t.element_size() for s in opt.state.values()
+                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)  # this rank's shards only
+            results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
 
 

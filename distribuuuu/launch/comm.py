@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["get_rank", "get_world_size", "is_main_process", "barrier", "all_reduce_sum", "average_buffers",
+__all__ = ["get_world_size", "barrier", "all_reduce_sum", "average_buffers",
            "broadcast_object", "all_gather_object", "any_rank", "set_control_group"]
 
 # A gloo group beside an nccl one, for any_rank(): its CPU all-reduce does not wait for the GPU
@@ -31,19 +31,9 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank() -> int:
-    """This process's rank in the default group (0 without one)."""
-    return dist.get_rank() if _initialized() else 0
-
-
 def get_world_size() -> int:
     """Processes in the default group (1 without one)."""
     return dist.get_world_size() if _initialized() else 1
-
-
-def is_main_process() -> bool:
-    """Rank 0: the one that writes files and logs to the console."""
-    return get_rank() == 0
 
 
 def barrier() -> None:

@@ -80,13 +80,6 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> int:
     return count
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state held by THIS rank (shards only, under FSDP or ZeRO)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
-    return sum(local_tensor(t).numel() * t.element_size() for s in inner.state.values()
-               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-
-
 class Strategy:
     """One process, one device, no wrapper: the defaults every strategy starts from."""
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import models
@@ -53,10 +53,6 @@ def shard(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool,
     log.info("FSDP: %d blocks sharded over the process group (reshard after forward %s, CPU offload %s)",
              len(units), reshard_after_forward, cpu_offload)
     return model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
