@@ -335,10 +335,11 @@ def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     from distribuuuu.launch import group
 
     offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
-    assert group._group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
-    assert group._group_backend(offload, "gloo") == "gloo"
-    assert group._group_backend(_cfg("DIST.STRATEGY", "fsdp"), "nccl") == "nccl"
-    assert group._group_backend(_cfg(), "nccl") == "nccl"
+    assert group._strategy_class(offload).group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
+    assert group._strategy_class(offload).group_backend(offload, "gloo") == "gloo"
+    fsdp = _cfg("DIST.STRATEGY", "fsdp")
+    assert group._strategy_class(fsdp).group_backend(fsdp, "nccl") == "nccl"
+    assert group._strategy_class(_cfg()).group_backend(_cfg(), "nccl") == "nccl"
 
 
 @pytest.mark.e2e

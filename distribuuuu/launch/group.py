@@ -168,13 +168,11 @@ def gloo_side_group(timeout: datetime.timedelta) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _group_backend(cfg: Any, backend: str) -> str:
-    """The backend string of the default group: under nccl with FSDP CPU offload the gradients,
-    their norm (clipping) and the non-finite vote are CPU tensors, which nccl cannot reduce
-    ("No backend type associated with device type cpu"): gloo takes the CPU tensors then."""
-    if backend == "nccl" and cfg.DIST.STRATEGY == "fsdp" and cfg.DIST.CPU_OFFLOAD:
-        return "cpu:gloo,cuda:nccl"
-    return backend
+def _strategy_class(cfg: Any) -> Any:
+    """The class of DIST.STRATEGY: it says which backend string its default group needs."""
+    from distribuuuu import strategies  # the strategy owns its needs; imported here, when a group is made
+
+    return strategies.strategy_class(cfg.DIST.STRATEGY)
 
 
 def _export_launch_env(info: LaunchInfo) -> None:
@@ -254,7 +252,7 @@ def setup(cfg: Any) -> DistContext:
         torch.set_num_threads(threads)
     _set_cudnn(cfg)
     if info.world_size > 1:
-        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _group_backend(cfg, backend))
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _strategy_class(cfg).group_backend(cfg, backend))
         if backend == "gloo" and device.type == "cuda":
             _check_gloo_cuda(cfg, device)
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"

@@ -11,6 +11,12 @@ name. The defaults here are those of one plain process; a subclass overrides wha
   grads_finite     whether every gradient is finite (FSDP: combine the ranks' shards)
   checkpoint_state / load_checkpoint   the model and optimizer entries of a checkpoint
   eval_model / release_eval / test_model   the module that evaluation runs
+
+and, asked of the class before any process group or model exists (preflight, launch.group):
+
+  check_config     the settings this strategy cannot train: a UserError naming the way out
+  group_backend    the default process group's backend string for this strategy
+  collectives      the collectives it runs on device tensors (checked under gloo on CUDA)
 """
 
 from __future__ import annotations
@@ -87,6 +93,25 @@ class Strategy:
 
     def __init__(self, cfg: CfgNode, ctx: Any) -> None:
         self.cfg, self.ctx = cfg, ctx
+
+    # -- asked before the run: config, process group ---------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: CfgNode, world_size: int) -> None:
+        """Raise a UserError for a setting this strategy cannot train with ``world_size`` processes."""
+        if cfg.DIST.CPU_OFFLOAD:
+            raise UserError(f"DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp (got {cfg.DIST.STRATEGY!r}); "
+                            "ddp and zero1 keep everything on the device")
+
+    @classmethod
+    def group_backend(cls, cfg: CfgNode, backend: str) -> str:
+        """The default group's backend string, given the run's ("nccl" or "gloo")."""
+        return backend
+
+    @classmethod
+    def collectives(cls, cfg: CfgNode) -> list[str]:
+        """What the run calls on device tensors (names of launch.gloo_cuda.PROBES): DDP's buckets,
+        exact eval counters and clipping all-reduce; DDP and ZeRO broadcast; SyncBN all-gathers."""
+        return ["all_reduce", "broadcast"] + (["all_gather"] if cfg.MODEL.SYNCBN else [])
 
     # -- the model and the optimizer ------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:

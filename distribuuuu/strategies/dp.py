@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from distribuuuu.errors import UserError
 from distribuuuu.strategies.base import AMP_DTYPES, Strategy
 
 
@@ -45,6 +48,13 @@ class AutocastDataParallel(nn.DataParallel):
 class DP(Strategy):
     name = "dp"
     dp: AutocastDataParallel | None = None
+
+    @classmethod
+    def check_config(cls, cfg: Any, world_size: int) -> None:
+        super().check_config(cfg, world_size)
+        if world_size > 1:
+            raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
+                            "were started; run it with plain python, or use DIST.STRATEGY ddp")
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         if torch.cuda.device_count() > 1:  # its replicas keep TRAIN.AMP's dtype
