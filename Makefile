@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Two processes: the demo's config is the CPU speedrun (DEVICE cpu), also on a machine with GPUs.
 NPROC  ?= 2
 
-.PHONY: demo test test-fast venv clean images readme
+.PHONY: demo test test-fast lint venv clean images readme
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ test: $(STAMP)
 # spawner), in one process: about 50 s on a 2-core machine (the budget is 2 minutes).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" tests
+
+# ruff (its rules are in pyproject.toml): every package module, tests, benchmarks and scripts; CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 images: $(STAMP)
 	scripts/make_readme_images.sh

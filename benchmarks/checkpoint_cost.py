@@ -18,10 +18,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torchvision  # noqa: E402
+import torch
+import torchvision
 
-from distribuuuu import checkpoint  # noqa: E402
+from distribuuuu import checkpoint
 
 
 def _state(arch: str) -> dict:

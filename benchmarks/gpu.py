@@ -29,7 +29,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -41,7 +42,7 @@ class Job:
     """One subprocess (or a few in a row: steps) with a timeout and a parser of what it wrote."""
 
     def __init__(self, name: str, kind: str, steps: list[list[str]], timeout: float,
-                 parse: Callable[["Job"], dict] | None = None, env: dict[str, str] | None = None) -> None:
+                 parse: Callable[[Job], dict] | None = None, env: dict[str, str] | None = None) -> None:
         self.name, self.kind, self.steps, self.timeout = name, kind, steps, timeout
         self.parse, self.env = parse, env or {}
         self.out = ""  # the job's folder, set by run_job
@@ -346,7 +347,7 @@ def inner_overhead(a: argparse.Namespace) -> dict:
 
     from benchmarks.overhead import _Batches, interleaved, make_cfg, med, quiet_metrics
     from distribuuuu import engine, models
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     size, batch, steps, reps = (32, 16, 4, 2) if a.small else (224, 256, 15, 5)
     opts = {"MODEL.ARCH": "resnet18" if a.small else "resnet50", "MODEL.NUM_CLASSES": 1000,
@@ -362,7 +363,8 @@ def inner_overhead(a: argparse.Namespace) -> dict:
                for _ in range(steps)]
     torch.manual_seed(0)
     base = models.build_model(cfg)
-    variants = {"minimal loop": (lambda run=_minimal_loop(cfg, copy.deepcopy(base), dev): run(batches))}
+    minimal = _minimal_loop(cfg, copy.deepcopy(base), dev)
+    variants = {"minimal loop": (lambda: minimal(batches))}
     for mode in ("off", "skip"):
         c = make_cfg({**opts, "TRAIN.NONFINITE": mode})
         trainer = engine.Trainer(c, ctx)
@@ -472,7 +474,7 @@ def run_job(job: Job, root: str) -> dict:
         try:
             rec["result"] = job.parse(job)
             rec["ok"] = "problem" not in rec["result"]
-        except Exception as exc:  # a parser failure is the job's failure, not the script's
+        except Exception as exc:  # noqa: BLE001 -- a parser failure is the job's failure, not the script's
             rec["ok"], rec["result"] = False, {"parse_error": repr(exc)}
     if not rec["ok"]:
         rec["tail"] = open(os.path.join(job.out, "out.txt")).read()[-3000:]

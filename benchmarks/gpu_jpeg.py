@@ -15,7 +15,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PY = sys.executable
 D = [PY, "-m", "distribuuuu"]

@@ -1,6 +1,6 @@
 """benchmarks/gpu.py's multi-rank jobs (issue #26): 2 ranks sharing one GPU under gloo, against 1 rank.
 
-NCCL refuses two ranks on one GPU; gloo serves them (through host memory, dist/gloo_cuda.py), so on a
+NCCL refuses two ranks on one GPU; gloo serves them (through host memory, launch/gloo_cuda.py), so on a
 one-GPU machine these jobs run every multi-rank code path on CUDA tensors: DDP with device_ids,
 gradient bucket views and no_sync accumulation, exact evaluation counters on the device (1 rank and
 2 ranks must agree exactly), the step votes, ZeRO-1, FSDP2 (full and sharded checkpoints), SyncBN,
@@ -16,7 +16,8 @@ import json
 import os
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PY = sys.executable
 D = [PY, "-m", "distribuuuu"]

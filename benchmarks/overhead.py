@@ -32,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -62,7 +63,7 @@ def machine() -> dict[str, Any]:
 
 
 def load() -> str:
-    return "load %.2f %.2f %.2f" % os.getloadavg()
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[Any]]:
@@ -177,7 +178,7 @@ def _minimal(cfg: Any, model: torch.nn.Module) -> Callable[[list], float]:
 
 def section_overhead(args: argparse.Namespace) -> None:
     from distribuuuu import models
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     print(f"\n[overhead] ResNet-18, 32 px, batch 32, CPU, 1 thread ({load()})", flush=True)
     torch.set_num_threads(1)
@@ -234,7 +235,7 @@ def _ddp_worker(rank: int, world: int, port: int, reps: int, steps: int, out: st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distribuuuu import models
-    from distribuuuu.dist import comm, group
+    from distribuuuu.launch import comm, group
 
     cfg = make_cfg({**OVERHEAD_CFG, "TRAIN.NONFINITE": "off"})
     ctx = group.setup(cfg)
@@ -337,7 +338,7 @@ def _throughput(loader: Any, n_batches: int) -> float:
     if hasattr(loader, "sampler") and hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(0)
     start, seen = time.perf_counter(), 0
-    for i, (x, y) in enumerate(loader):
+    for i, (x, _) in enumerate(loader):
         seen += x.shape[0]
         if i + 1 == n_batches:
             break
@@ -437,9 +438,9 @@ def section_jpeg(args: argparse.Namespace) -> None:
             fast = data.build_train_loader(make_cfg({**base, "TRAIN.IMAGE_DECODE": "fast"}), 0, 1, cpu)
             pil = data.build_train_loader(make_cfg({**base, "TRAIN.IMAGE_DECODE": "pil"}), 0, 1, cpu)
             ref = torch.utils.data.DataLoader(_reference_folder(tmp, size), batch_size=32, shuffle=True, num_workers=0)
-            variants = {"torchvision default ImageFolder pipeline": lambda: _cpu_throughput(ref, n_batches),
-                        "distribuuuu IMAGE_DECODE pil": lambda: _cpu_throughput(pil, n_batches),
-                        "distribuuuu IMAGE_DECODE fast": lambda: _cpu_throughput(fast, n_batches)}
+            variants = {"torchvision default ImageFolder pipeline": lambda ref=ref: _cpu_throughput(ref, n_batches),
+                        "distribuuuu IMAGE_DECODE pil": lambda pil=pil: _cpu_throughput(pil, n_batches),
+                        "distribuuuu IMAGE_DECODE fast": lambda fast=fast: _cpu_throughput(fast, n_batches)}
             _cpu_throughput(fast, 2)
             _cpu_throughput(ref, 2)
             res = interleaved(variants, reps)
@@ -478,8 +479,8 @@ def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
 def _jpeg_distribution(root: str, size: int, dtf: Any) -> None:
     """Same crop and flip draws in both pipelines (same seed, same RNG calls in the same order),
     so each output pair can be compared pixel by pixel; and the statistics over all images."""
-    from PIL import Image
     import torchvision.transforms as T
+    from PIL import Image
 
     ref_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
     fast = dtf.FastTrainDecode(size, "RGB")

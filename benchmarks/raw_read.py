@@ -17,7 +17,7 @@ import random
 import sys
 import tarfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 IMAGE_EXTS = (b".jpg", b".jpeg", b".png")
 

@@ -11,17 +11,18 @@
 IMPORTS modules imported); a path to a YAML file is accepted as a shorthand for
 ``config.load_config(path)``. ``train`` and ``evaluate`` run in the calling process under any
 launcher: plain python (one process), or a process that torchrun / srun / the spawner started
-(each rank calls them; dist.launch.detect tells them apart). They take the same run-folder lock
+(each rank calls them; launch.launcher.detect tells them apart). They take the same run-folder lock
 and make the same checks as the CLI, which calls the same ``run_command``. A user error raises
 ``distribuuuu.errors.UserError`` instead of exiting with status 2; a preemption signal raises
-``distribuuuu.dist.signals.Preempted`` after the step checkpoint (and the Slurm requeue).
+``distribuuuu.launch.signals.Preempted`` after the step checkpoint (and the Slurm requeue).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from yacs.config import CfgNode

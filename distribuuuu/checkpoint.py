@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from distribuuuu import files
-from distribuuuu.dist import signals
 from distribuuuu.errors import UserError
+from distribuuuu.launch import signals
 
 log = logging.getLogger("distribuuuu")
 

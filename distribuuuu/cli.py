@@ -30,7 +30,8 @@ import importlib.metadata
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from distribuuuu import data_cli  # light: argparse only; the data code is imported when a command runs
 from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
@@ -77,7 +78,7 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool, stored: boo
                             help="with --nproc-per-node: the rendezvous port (default: MASTER_PORT if "
                                  "set, else a free one); a port in use is replaced by a free one")
     # torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
-    # environment instead (see dist.launch.detect), so the value is accepted and ignored here.
+    # environment instead (see launch.launcher.detect), so the value is accepted and ignored here.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--import", dest="imports", action="append", default=None, metavar="MODULE",
@@ -279,7 +280,7 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     The work is api.run_command's (the Python API runs the same); here only the statuses: 0, or
     128 + signal after a preemption checkpoint. UserError and stop signals: see _guarded.
     """
-    from distribuuuu.dist.signals import Preempted
+    from distribuuuu.launch.signals import Preempted
 
     cfg = command_config(command, cfg_file, opts)  # before torch is imported: a bad key is a 0.2 s exit 2
     from distribuuuu import api
@@ -363,9 +364,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return run(args.command, args.cfg_file, opts)
 
     from distribuuuu import preflight
-    from distribuuuu.dist import launch, spawn
+    from distribuuuu.launch import launcher, spawn
 
-    if launch.detect().launcher != "plain":
+    if launcher.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
     cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts

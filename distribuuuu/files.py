@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from typing import BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 
 def temporary_name(path: str) -> str:

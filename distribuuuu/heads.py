@@ -18,7 +18,7 @@ is the backbone.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch.nn as nn
 

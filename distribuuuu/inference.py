@@ -14,16 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, config, models
 from distribuuuu.config.reading import parse_literal
-from distribuuuu.model_card import ModelCard, describe, from_checkpoint
 from distribuuuu.errors import UserError
+from distribuuuu.model_card import ModelCard, describe, from_checkpoint
 
 log = logging.getLogger("distribuuuu")
 

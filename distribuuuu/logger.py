@@ -19,7 +19,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from yacs.config import CfgNode
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from distribuuuu.dist import comm
+from distribuuuu.launch import comm
 
 
 def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
@@ -53,7 +53,7 @@ class Counter:
         self.sums += self.sums.new_tensor([*sums_with_n[:3], counted])
         self.n += int(sums_with_n[3])
 
-    def reduce(self) -> "Counter":
+    def reduce(self) -> Counter:
         """Sum over all ranks with one all-reduce; returns self."""
         both = comm.all_reduce_sum(self.sums_with_n())
         self.sums, self.n = both[[0, 1, 2, 4]], int(both[3].item())

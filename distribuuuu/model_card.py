@@ -33,8 +33,8 @@ from yacs.config import CfgNode
 
 from distribuuuu import models
 from distribuuuu.data import sources, transforms
-from distribuuuu.data.shards.reader import ShardDataset
 from distribuuuu.data.recipe import INTERPOLATIONS, recipe_of
+from distribuuuu.data.shards.reader import ShardDataset
 from distribuuuu.errors import UserError
 
 CARD_KEY = "card"  # the checkpoint entry

@@ -25,7 +25,8 @@ from timm.models.resnet import ResNet as TimmResNet
 from distribuuuu import weights
 from distribuuuu.config import import_user_modules
 from distribuuuu.errors import UserError
-from distribuuuu.weights import first_conv as _first_conv, strip_wrapper_prefixes  # noqa: F401 - re-exported
+from distribuuuu.weights import first_conv as _first_conv
+from distribuuuu.weights import strip_wrapper_prefixes  # noqa: F401 -- models.strip_wrapper_prefixes, as callers write it
 
 log = logging.getLogger("distribuuuu")
 
@@ -52,12 +53,12 @@ TINY_WIDTHS: dict[str, tuple[int, int, int, int]] = {
 # ---------------------------------------------------------------------------------------------
 # Names
 # ---------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchvision_names() -> frozenset[str]:
     return frozenset(torchvision.models.list_models(module=torchvision.models))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _timm_names() -> frozenset[str]:
     return frozenset(timm.list_models())
 

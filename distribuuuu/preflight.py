@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distribuuuu import data, models, resume_check, run_folder
+from distribuuuu import data, models, resume_check, run_folder, strategies
 from distribuuuu.errors import UserError
 
 
@@ -52,9 +52,7 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     _check_batch_fits(command, cfg)
     if command == "train":
         _check_cfg_dest(cfg)
-    if cfg.DIST.STRATEGY == "dp" and world_size > 1:
-        raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
-                        "were started; run it with plain python, or use DIST.STRATEGY ddp")
+    strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
     if command == "eval":
         if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")

@@ -24,7 +24,8 @@ launching process, before config.yaml or any checkpoint is written; ``check`` ru
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import yaml

@@ -23,12 +23,13 @@ import logging
 import os
 import re
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from distribuuuu.dist import comm
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm
 from distribuuuu.run_lock import Holder, acquire, check_not_busy, lock_path, release, this_process
 
 log = logging.getLogger("distribuuuu")

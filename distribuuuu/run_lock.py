@@ -23,8 +23,9 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from distribuuuu.dist import launch
+
 from distribuuuu.errors import UserError
+from distribuuuu.launch import launcher
 
 log = logging.getLogger("distribuuuu")
 
@@ -75,7 +76,7 @@ def _boot_id() -> str:
 def this_process() -> Holder:
     """A Holder describing the calling process."""
     pid = os.getpid()
-    job, attempt = launch.job_and_attempt()
+    job, attempt = launcher.job_and_attempt()
     return Holder(host=socket.gethostname(), pid=pid, pid_start=process_start(pid),
                   started=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z"),
                   command=shlex.join([sys.executable, *sys.argv]), boot_id=_boot_id(), job=job, attempt=attempt)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu.dist import comm
-from distribuuuu.dist.group import DistContext
+from distribuuuu.launch import comm
+from distribuuuu.launch.group import DistContext
 
 log = logging.getLogger("distribuuuu")
 

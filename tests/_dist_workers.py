@@ -33,7 +33,7 @@ def _wait_for(path: str, timeout_s: float = 30.0) -> None:
 
 def all_reduce_worker(out_dir: str) -> None:
     """Each rank contributes rank + 1 and writes the sum and its launch facts."""
-    from distribuuuu.dist import comm, group
+    from distribuuuu.launch import comm, group
 
     torch.set_num_threads(1)
     ctx = group.setup(_cfg())
@@ -41,7 +41,7 @@ def all_reduce_worker(out_dir: str) -> None:
     obj = comm.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
     comm.barrier()
     facts = (f"{t.item()} {ctx.info.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
-             f"{comm.get_rank()} {comm.get_world_size()} {int(comm.is_main_process())} {obj['from']} {ctx.backend}")
+             f"{torch.distributed.get_rank()} {comm.get_world_size()} {int(ctx.is_main)} {obj['from']} {ctx.backend}")
     group.teardown()
     group.teardown()  # safe twice
     _write(out_dir, f"rank{ctx.rank}.txt", facts)
@@ -79,7 +79,7 @@ def session_worker(out_dir: str) -> None:
     """The body raises (ValueError, then KeyboardInterrupt); the group must be gone each time."""
     import torch.distributed as dist
 
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     torch.set_num_threads(1)
     results = []
@@ -95,7 +95,7 @@ def session_worker(out_dir: str) -> None:
 
 def setup_worker(out_dir: str) -> None:
     """Only joins the group (used with a master port that is taken)."""
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     torch.set_num_threads(1)
     with group.session(_cfg()):

@@ -12,8 +12,8 @@ import time
 def stuck_save_worker(out_dir: str) -> None:
     """Behave like a rank whose step checkpoint hangs: the first SIGTERM is only recorded (as
     TRAIN.PREEMPT_SIGNALS does), then the rank never reaches a step boundary. Only a second
-    SIGTERM gets it out (dist.signals escalates it to Terminated)."""
-    from distribuuuu.dist import signals
+    SIGTERM gets it out (launch.signals escalates it to Terminated)."""
+    from distribuuuu.launch import signals
 
     signals.handle_stop_signals()
     rank = os.environ["RANK"]

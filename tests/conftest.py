@@ -342,7 +342,7 @@ def _out(args: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def slurm_available() -> tuple[bool, str]:
     """(True, "") when srun exists, the controller answers and a node can take jobs; else (False, why)."""
     missing = [c for c in ("srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel") if not shutil.which(c)]
@@ -362,7 +362,7 @@ def slurm_available() -> tuple[bool, str]:
     return True, ""
 
 
-@functools.lru_cache(maxsize=None)  # once per reason
+@functools.cache  # once per reason
 def _announce(reason: str) -> None:
     print(f"\nSKIP (Slurm): {reason}", file=sys.__stderr__, flush=True)
 
@@ -377,7 +377,7 @@ def require_slurm() -> None:
 
 
 def hostnames(nodelist: str) -> list[str]:
-    """Slurm's own expansion of a hostlist (independent of dist.hostlist.parse_hostlist)."""
+    """Slurm's own expansion of a hostlist (independent of launch.hostlist.parse_hostlist)."""
     return _out(["scontrol", "show", "hostnames", nodelist]).stdout.split()
 
 

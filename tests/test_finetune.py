@@ -18,8 +18,8 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, engine, heads, models, optim
 from distribuuuu.config import get_defaults, load_config, merge_text
-from distribuuuu.dist import group
 from distribuuuu.errors import UserError
+from distribuuuu.launch import group
 from tests.conftest import ROOT, TINY, check, cli_main, env
 
 torch.set_num_threads(1)
@@ -204,6 +204,7 @@ def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
 
 def test_zero1_takes_the_groups_and_keeps_their_ratio(tmp_path):
     import torch.distributed as dist
+
     from distribuuuu.strategies import zero1
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -16,10 +16,12 @@ def _strategy_worker(out_dir):
     """In each of 2 spawned processes: 3 steps (with accumulation 2 and clipping) from the same
     start under ddp, fsdp, fsdp + CPU offload and ddp + activation checkpointing; saves the whole
     weights and the optimizer-state bytes this rank holds."""
+    from torch.distributed.fsdp import FSDPModule
+
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.dist import group
     from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.launch import group
     from distribuuuu.strategies import base, fsdp
 
     variants = {"ddp": [], "fsdp": ["DIST.STRATEGY", "fsdp"],
@@ -41,15 +43,16 @@ def _strategy_worker(out_dir):
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
                 stepper.micro_step(x, y)
             net = models.unwrap(model)
-            weights = fsdp.full_state(net, None)[0] if fsdp.is_sharded(net) else net.state_dict()
-            results[name] = ({k: v.detach().clone() for k, v in weights.items()},
-                             base.optimizer_state_bytes(opt))
+            weights = fsdp.full_state(net, None)[0] if isinstance(net, FSDPModule) else net.state_dict()
+            held = sum(base.local_tensor(t).numel() * t.element_size() for s in opt.state.values()
+                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)  # this rank's shards only
+            results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
 
 
 @pytest.mark.e2e
 def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimizer_state(tmp_path):
-    from distribuuuu.dist import spawn
+    from distribuuuu.launch import spawn
 
     assert spawn.spawn(_strategy_worker, 2, args=(str(tmp_path),)) == 0
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
@@ -67,7 +70,7 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
             # whose gradient is near 0 can differ by a rounding-sized fraction of lr: atol 2e-5
             # (0.2% of one step; measured 5e-6 at most); rtol 1e-5 elsewhere.
             torch.testing.assert_close(weights[k], ddp_w[k], rtol=1e-5, atol=2e-5,
-                                       msg=lambda m, k=k: f"{name} {k}: {m}")
+                                       msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
     # Under FSDP every parameter is split on dim 0: each rank holds about half of AdamW's state.
     for name in ("fsdp", "fsdp_offload"):
         b0, b1 = r0[name][1], r1[name][1]

@@ -154,14 +154,14 @@ def _fake_gpus(monkeypatch, count: int) -> None:
 
 
 def _slurm_info(local_rank: int, local_world: int):
-    from distribuuuu.dist.launch import LaunchInfo
+    from distribuuuu.launch.launcher import LaunchInfo
 
     return LaunchInfo("slurm", local_rank, local_rank, local_world, local_world, 0, "n1", 12345)
 
 
 def test_slurm_more_tasks_than_gpus_is_a_user_error(monkeypatch):
-    from distribuuuu.dist import group
     from distribuuuu.errors import UserError
+    from distribuuuu.launch import group
 
     _fake_gpus(monkeypatch, 4)
     monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
@@ -267,7 +267,7 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
 def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monkeypatch):
     """bench._synchronize is the one place bench waits for the GPU; counting its calls on the CPU
     shows where a GPU run would wait (the code runs unpatched otherwise)."""
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
     from distribuuuu.tools import bench
 
     calls = []
@@ -292,8 +292,8 @@ def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monk
 def _replica_worker(out_dir: str) -> None:
     """2 gloo ranks: an FSDP model (with CPU offload), one step, then the evaluation replica."""
     from distribuuuu import models, strategies
-    from distribuuuu.dist import group
     from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.launch import group
     from distribuuuu.strategies import fsdp
 
     cfg = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", "TRAIN.CLIP_GRAD_NORM", "1.0")
@@ -316,7 +316,7 @@ def _replica_worker(out_dir: str) -> None:
 
 @pytest.mark.e2e
 def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
-    from distribuuuu.dist import spawn
+    from distribuuuu.launch import spawn
 
     assert spawn.spawn(_replica_worker, 2, args=(str(tmp_path),)) == 0
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt", weights_only=True) for r in (0, 1))
@@ -332,13 +332,14 @@ def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
 def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     """The default group's backend: NCCL cannot reduce the CPU tensors of FSDP's CPU offload (the
     clipping norm, the non-finite vote). The run below does those CPU collectives for real (gloo)."""
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
-    assert group._group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
-    assert group._group_backend(offload, "gloo") == "gloo"
-    assert group._group_backend(_cfg("DIST.STRATEGY", "fsdp"), "nccl") == "nccl"
-    assert group._group_backend(_cfg(), "nccl") == "nccl"
+    assert group._strategy_class(offload).group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
+    assert group._strategy_class(offload).group_backend(offload, "gloo") == "gloo"
+    fsdp = _cfg("DIST.STRATEGY", "fsdp")
+    assert group._strategy_class(fsdp).group_backend(fsdp, "nccl") == "nccl"
+    assert group._strategy_class(_cfg()).group_backend(_cfg(), "nccl") == "nccl"
 
 
 @pytest.mark.e2e
@@ -355,7 +356,7 @@ def test_fsdp_cpu_offload_clipping_and_nonfinite_skip_train_and_evaluate(tmp_pat
 
 def _timeout_worker(out_dir: str) -> None:
     """Rank 0 votes on a gloo side group made with a 3 s timeout; rank 1 does not join for 8 s."""
-    from distribuuuu.dist import comm, group
+    from distribuuuu.launch import comm, group
 
     with group.session(_cfg()) as ctx:
         comm.set_control_group(group.gloo_side_group(datetime.timedelta(seconds=3)))
@@ -375,7 +376,7 @@ def _timeout_worker(out_dir: str) -> None:
 
 @pytest.mark.e2e
 def test_gloo_side_group_uses_the_run_timeout(tmp_path):
-    from distribuuuu.dist import spawn
+    from distribuuuu.launch import spawn
 
     spawn.spawn(_timeout_worker, 2, args=(str(tmp_path),))
     outcome, seconds = (tmp_path / "r0.txt").read_text().rsplit(" ", 1)
@@ -414,7 +415,7 @@ def test_vote_period_auto_and_explicit():
 def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
     """Both APIs read back consistently: dynamo reads the legacy cuBLAS flag (raises after the new
     setters), inductor the new fp32_precision."""
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     try:
         for value, on in (("False", False), ("True", True)):
@@ -507,7 +508,7 @@ def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, mon
     monkeypatch.setenv("DISTRIBUUUU_PROGRESS", "lines")  # overhead.py sets it when unset
     from benchmarks.overhead import _Batches, quiet_metrics
     from distribuuuu import engine
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     cfg = _cfg("OUT_DIR", str(tmp_path), "TRAIN.PRINT_FREQ", "1000", "TRAIN.BATCH_SIZE", "8")
     ctx = group.setup(cfg)

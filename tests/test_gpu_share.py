@@ -1,7 +1,7 @@
 """Several ranks on one GPU under gloo (issue #26), on what a CPU can exercise.
 
 No GPU exists here: the device choice runs with torch.cuda reporting GPUs (monkeypatch, only where
-CUDA itself is missing), and the check of gloo's collectives (dist.gloo_cuda) runs for real on a gloo
+CUDA itself is missing), and the check of gloo's collectives (launch.gloo_cuda) runs for real on a gloo
 group with CPU tensors, a collective gloo really refuses standing in for one it refuses on CUDA.
 benchmarks/gpu.py's mr_* jobs run the same paths with 2 ranks on a real GPU.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu.config import load_config
-from distribuuuu.dist import gloo_cuda, group
-from distribuuuu.dist.launch import LaunchInfo
 from distribuuuu.errors import UserError
+from distribuuuu.launch import gloo_cuda, group
+from distribuuuu.launch.launcher import LaunchInfo
 from tests.conftest import TINY, free_port
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from distribuuuu import engine
 from distribuuuu.config import load_config
-from distribuuuu.dist import group
 from distribuuuu.errors import UserError
+from distribuuuu.launch import group
 from tests.conftest import ROOT, TINY, read_metrics
 
 STEPS_PER_EPOCH = 8  # synthetic_tiny: 128 samples, batch 16, one process

@@ -17,10 +17,9 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY, check, env, read_metrics
-
 from distribuuuu import run_lock
 from distribuuuu.errors import UserError
+from tests.conftest import ROOT, TINY, check, env, read_metrics
 
 KILL_IN_SAVE = os.path.join(ROOT, "tests", "scripts", "kill_in_save.py")
 AS_NOBODY = os.path.join(ROOT, "tests", "scripts", "as_nobody.py")

@@ -148,7 +148,7 @@ def test_a_second_signal_to_the_spawner_reaches_a_stuck_rank(tmp_path):
     once, long before the spawner's 30 s grace period and its SIGKILL."""
     script = textwrap.dedent(f"""
         import sys
-        from distribuuuu.dist import spawn
+        from distribuuuu.launch import spawn
         from tests import _signal_workers as w
         sys.exit(spawn.spawn(w.stuck_save_worker, 2, ({str(tmp_path)!r},)))
     """)

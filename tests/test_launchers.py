@@ -20,8 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import (ROOT, TINY, check, env, free_port, kill_tree, process_tree, read_metrics, run,
-                            wait_gone)
+from tests.conftest import ROOT, TINY, check, env, free_port, kill_tree, process_tree, read_metrics, run, wait_gone
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 

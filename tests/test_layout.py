@@ -279,7 +279,7 @@ def test_the_allowlist_names_only_what_exists_and_is_long():
 
 # ---- The tests' tiers: a test that starts a process is marked e2e ----------------------------------
 # Calls that start one: the conftest helpers by name, and these attributes (subprocess.run, mp.spawn,
-# dist.spawn.spawn, ...). A module's own helpers and fixtures, and those it imports from another
+# launch.spawn.spawn, ...). A module's own helpers and fixtures, and those it imports from another
 # test module, pass it on to their callers.
 _STARTERS = {"distribuuuu", "torchrun", "run"}
 _STARTER_ATTRS = {"run", "Popen", "call", "check_call", "check_output", "spawn", "start_processes"}
@@ -368,3 +368,35 @@ def test_no_merge_conflict_markers_in_the_sources():
                 found += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1)
                           if line.startswith(CONFLICT_MARKERS) and (line != "=======\n" or name.endswith(".py"))]
     assert not found, f"merge conflict markers: {found}"
+
+
+# ---- Names tools skip, and the old name of launch/ -------------------------------------------------
+def test_no_package_folder_has_a_name_that_tools_skip():
+    """ruff, black and pytest skip folders named dist or build by default: none of ours is one."""
+    skipped = {"dist", "build"}
+    found = [os.path.relpath(os.path.join(d, n), ROOT) for d, dirs, _ in os.walk(os.path.join(ROOT, "distribuuuu")) for n in dirs if n in skipped]
+    assert not found, f"package folders that linters and pytest skip by default: {found}"
+
+
+def test_the_old_dist_names_still_import_for_one_release():
+    import importlib
+    import sys
+    import warnings
+
+    from distribuuuu.launch import comm, launcher, signals
+
+    saved = {k: v for k, v in sys.modules.items() if k == "distribuuuu.dist" or k.startswith("distribuuuu.dist.")}
+    for k in saved:
+        del sys.modules[k]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = importlib.import_module("distribuuuu.dist")
+            old_signals = importlib.import_module("distribuuuu.dist.signals")
+        assert any("distribuuuu.dist is now distribuuuu.launch" in str(w.message) for w in caught)
+        assert old_signals.Preempted is signals.Preempted  # what `except Preempted` in user code names
+        assert old.launch.detect is launcher.detect and old.comm is comm
+    finally:
+        for k in [k for k in sys.modules if k == "distribuuuu.dist" or k.startswith("distribuuuu.dist.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)

@@ -100,7 +100,7 @@ def test_env_json_records_versions_commit_and_every_rank(run2):
         rec = json.load(f)
     v = rec["versions"]
     assert (v["torch"], v["torchvision"], v["timm"]) == (torch.__version__, torchvision.__version__, timm.__version__)
-    assert v["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert v["python"] == "{}.{}.{}".format(*sys.version_info[:3])
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:  # CI may test an exported tree without .git
         assert rec["git"]["commit"] == head.stdout.strip()

@@ -21,8 +21,7 @@ import torch
 from PIL import Image
 
 from distribuuuu import api, config, data, model_card
-from distribuuuu.data import transforms
-from distribuuuu.data import shards
+from distribuuuu.data import shards, transforms
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
 from distribuuuu.data.shards.reader import BadRecordError

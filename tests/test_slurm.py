@@ -90,7 +90,7 @@ def expected_dist_line(rank: int, world: int, master: str, launcher: str) -> str
 
 
 def slurm_master(job: dict[str, str]) -> str:
-    """What dist.launch.detect should derive: first host of the node list, 10000 + job id % 20000."""
+    """What launch.launcher.detect should derive: first host of the node list, 10000 + job id % 20000."""
     return f"{su.hostnames(job['nodes'])[0]}:{10000 + int(job['id']) % 20000}"
 
 

@@ -134,8 +134,8 @@ def _zero_vs_ddp_worker(out_dir):
 
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.dist import group
     from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.launch import group
 
     results = {}
     base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
@@ -164,7 +164,7 @@ def _zero_vs_ddp_worker(out_dir):
 
 @pytest.mark.e2e
 def test_zero1_matches_ddp_and_shards_the_optimizer_state(tmp_path):
-    from distribuuuu.dist import spawn
+    from distribuuuu.launch import spawn
 
     assert spawn.spawn(_zero_vs_ddp_worker, 2, args=(str(tmp_path),)) == 0
     r0 = torch.load(tmp_path / "zero_rank0.pt", weights_only=True)

@@ -10,6 +10,7 @@ from distribuuuu import checkpoint, optim
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 from distribuuuu.metrics import Counter, topk_hits
+from tests.conftest import TINY
 
 
 def test_topk_hits_counts_and_clips_k_to_the_number_of_classes():
@@ -123,7 +124,7 @@ def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypat
     """Ctrl-C / SIGTERM raised inside torch.save's writes: torch's zip writer then fails closing
     ("unexpected pos"), which was reported as a failed checkpoint write (a traceback, in CI). The
     stop must come out, the previous checkpoint stay, and no temporary file be left."""
-    from distribuuuu.dist.signals import Terminated
+    from distribuuuu.launch.signals import Terminated
 
     stop = Terminated if stop == "Terminated" else stop
     out = str(tmp_path)
@@ -159,7 +160,7 @@ def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, 
     CheckpointException, a BaseException that the CLI neither reported nor treated as a stop (a raw
     traceback, exit 1). A stop inside its writes (here: in fsync) comes out as the stop; any other
     failure (here: the folder's parent is a file) as an OSError naming the folder."""
-    from distribuuuu.dist.signals import Terminated
+    from distribuuuu.launch.signals import Terminated
     from distribuuuu.strategies import fsdp
 
     model = torch.nn.Linear(4, 2)
@@ -181,3 +182,30 @@ def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, 
     with pytest.raises(stop):
         fsdp.save_sharded(model, optimizer, str(tmp_path / "epoch_0001.dcp"))
     assert not (tmp_path / "epoch_0001.dcp").exists()  # the half-written folder is gone
+
+
+# ---- Each strategy states its own rules (strategies/), asked before any process starts -------------
+@pytest.mark.parametrize("opts, world, message", [
+    (["DIST.STRATEGY", "fsdp", "TRAIN.EMA_DECAY", "0.9"], 2, "TRAIN.EMA_DECAY needs whole parameters"),
+    (["DIST.STRATEGY", "fsdp", "TRAIN.AMP", "fp16"], 2, "fsdp supports TRAIN.AMP off or bf16"),
+    (["DIST.STRATEGY", "fsdp", "TRAIN.FREEZE_BACKBONE_EPOCHS", "1"], 2, "not fsdp (its shards"),
+    (["DIST.STRATEGY", "ddp", "DIST.CPU_OFFLOAD", "True"], 2, "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp"),
+    (["DIST.STRATEGY", "dp"], 2, "dp is ONE process driving all local GPUs, but 2 processes"),
+])
+def test_a_strategy_refuses_what_it_cannot_train(opts, world, message):
+    from distribuuuu import strategies
+
+    cfg = load_config(TINY, opts)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
+
+
+def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
+    from distribuuuu import strategies
+
+    for opts, world in ((["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True"], 2), (["DIST.STRATEGY", "dp"], 1),
+                        (["DIST.STRATEGY", "zero1", "TRAIN.EMA_DECAY", "0.9"], 2)):
+        cfg = load_config(TINY, opts)
+        strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
+    assert [strategies.resolve(n, False) for n in ("ddp", "fsdp", "dp")] == ["single", "single", "dp"]
+    assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]

@@ -13,8 +13,16 @@ from distribuuuu.data import sources, split, transforms
 from distribuuuu.data.loaders import SplitPart
 from distribuuuu.errors import UserError
 from distribuuuu.logger import read_jsonl
-from tests.conftest import (TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, write_fake_cifar10,
-                            write_image_tree)
+from tests.conftest import (
+    TINY,
+    check,
+    cli_main,
+    distribuuuu,
+    make_cfg,
+    read_metrics,
+    write_fake_cifar10,
+    write_image_tree,
+)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

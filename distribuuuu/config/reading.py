@@ -7,7 +7,8 @@ import ast
 import codecs
 import difflib
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import yaml
 from yacs.config import CfgNode as CN

@@ -13,8 +13,8 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import Iterable, Iterator
 
 from distribuuuu.errors import UserError
 

@@ -74,7 +74,6 @@ def validate(cfg: CN) -> None:
     _check_train(cfg)
     _check_recipe(cfg)
     _check_finetune(cfg)
-    _check_dist(cfg)
     _check_data_modes(cfg)
     _check_run(cfg)
 
@@ -190,21 +189,8 @@ def _check_finetune(cfg: CN) -> None:
     _need(cfg.OPTIM.BACKBONE_LR_SCALE > 0, "OPTIM.BACKBONE_LR_SCALE is the backbone's fraction of the LR and must "
           f"be positive (e.g. 0.1), got {cfg.OPTIM.BACKBONE_LR_SCALE}; to keep the backbone fixed use "
           "TRAIN.FREEZE_BACKBONE_EPOCHS -1")
-    _need(not freeze or cfg.DIST.STRATEGY != "fsdp", "TRAIN.FREEZE_BACKBONE_EPOCHS works with DIST.STRATEGY ddp, "
-          "zero1 or dp, not fsdp (its shards are made for the parameters that train at the start)")
     _need(freeze <= 0 or not cfg.DIST.STATIC_GRAPH, f"TRAIN.FREEZE_BACKBONE_EPOCHS {freeze} changes the parameters "
           f"that get gradients after epoch {freeze}, which DIST.STATIC_GRAPH True forbids; set DIST.STATIC_GRAPH False")
-
-
-def _check_dist(cfg: CN) -> None:
-    """What the data-parallel strategy allows."""
-    fsdp = cfg.DIST.STRATEGY == "fsdp"
-    _need(not cfg.DIST.CPU_OFFLOAD or fsdp, "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp "
-          f"(got {cfg.DIST.STRATEGY!r}); ddp and zero1 keep everything on the device")
-    _need(not fsdp or cfg.TRAIN.EMA_DECAY == 0, "TRAIN.EMA_DECAY needs whole parameters on every rank, which "
-          "DIST.STRATEGY fsdp does not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0")
-    _need(not fsdp or cfg.TRAIN.AMP != "fp16", "DIST.STRATEGY fsdp supports TRAIN.AMP off or bf16 "
-          "(fp16 needs a sharded gradient scaler); use TRAIN.AMP bf16")
 
 
 def _check_data_modes(cfg: CN) -> None:

@@ -35,9 +35,14 @@ each rank.
 """
 
 from distribuuuu.data.check import check_datasets
+from distribuuuu.data.loaders import (
+                                      build_dataset,
+                                      build_test_loader,
+                                      build_train_loader,
+                                      build_val_loader,
+                                      take_bad_image_count,
+)
 from distribuuuu.data.mnist5k import export_mnist5k
-from distribuuuu.data.loaders import (build_dataset, build_test_loader, build_train_loader, build_val_loader,
-                                      take_bad_image_count)
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
 from distribuuuu.data.samplers import ShardedEvalSampler
 

@@ -25,7 +25,8 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Callable, Sized
+from collections.abc import Callable, Sized
+from typing import Any
 
 import numpy as np
 import torch

@@ -24,7 +24,7 @@ on mnist5k with one CPU thread the path fell from ~178,000 to ~2,400 img/s with 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,6 @@ from typing import Any
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION ('' = the default)
 DEFAULT_INTERPOLATION = "bilinear"  # torchvision's, what every path used before the key existed
 

@@ -29,8 +29,9 @@ IMPORTS / ``--import`` does in every process before the data is built::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Union
 
 import torch
 from torch.utils.data import Dataset
@@ -54,7 +55,7 @@ class TensorSource:
     flip: bool = False
 
 
-SourceData = Union[TensorSource, Dataset]
+SourceData = Union[TensorSource, Dataset]  # noqa: UP007 -- a runtime alias: `|` needs Python 3.10's types on both sides
 Builder = Callable[[str, CfgNode, str], SourceData]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import pickle
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

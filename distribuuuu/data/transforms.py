@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

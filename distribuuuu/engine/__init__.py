@@ -4,11 +4,11 @@
 ``fit(cfg, ctx, hooks=())`` trains; ``run_eval(cfg, ctx)`` is the ``eval`` command.
 """
 
-from distribuuuu.dist.signals import Preempted  # raised by the CheckpointHook; importable here as before
 from distribuuuu.engine.evaluation import evaluate, run_eval
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, vote_period
 from distribuuuu.engine.state import TrainState, seed_everything
 from distribuuuu.engine.trainer import Trainer, fit
+from distribuuuu.launch.signals import Preempted  # raised by the CheckpointHook; importable here as before
 
 __all__ = ["HookBase", "NonFiniteLoss", "Preempted", "Trainer", "TrainState", "evaluate", "fit", "run_eval",
            "seed_everything", "vote_period"]

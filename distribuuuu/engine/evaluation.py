@@ -18,11 +18,11 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, data, models
-from distribuuuu.dist import comm
-from distribuuuu.dist.group import DistContext
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm
+from distribuuuu.launch.group import DistContext
 from distribuuuu.logger import write_eval_record
 from distribuuuu.metrics import Counter
 

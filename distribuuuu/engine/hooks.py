@@ -42,11 +42,11 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import heads, models, run_folder
-from distribuuuu.dist import comm, signals
-from distribuuuu.dist.signals import Preempted
 from distribuuuu.engine import evaluation
 from distribuuuu.engine.state import CheckpointTimer, save_run
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm, signals
+from distribuuuu.launch.signals import Preempted
 from distribuuuu.logger import MetricsWriter, format_seconds
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint, model_card, models, resume_check
 from distribuuuu.dist import comm
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer

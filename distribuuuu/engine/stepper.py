@@ -36,7 +36,7 @@ from timm.utils import ModelEmaV3
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.dist import comm
+from distribuuuu.launch import comm
 from distribuuuu.strategies.base import AMP_DTYPES, Strategy, local_tensor
 
 log = logging.getLogger("distribuuuu")

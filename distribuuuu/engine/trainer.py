@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, data, model_card, models, optim, resume_check, strategies
-from distribuuuu.dist import comm
-from distribuuuu.dist.group import DistContext
-from distribuuuu.engine import evaluation, hooks as hooks_
+from distribuuuu.engine import evaluation
+from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
 from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper

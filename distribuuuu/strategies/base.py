@@ -11,13 +11,19 @@ name. The defaults here are those of one plain process; a subclass overrides wha
   grads_finite     whether every gradient is finite (FSDP: combine the ranks' shards)
   checkpoint_state / load_checkpoint   the model and optimizer entries of a checkpoint
   eval_model / release_eval / test_model   the module that evaluation runs
+
+and, asked of the class before any process group or model exists (preflight, launch.group):
+
+  check_config     the settings this strategy cannot train: a UserError naming the way out
+  group_backend    the default process group's backend string for this strategy
+  collectives      the collectives it runs on device tensors (checked under gloo on CUDA)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,13 +86,6 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> int:
     return count
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state held by THIS rank (shards only, under FSDP or ZeRO)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
-    return sum(local_tensor(t).numel() * t.element_size() for s in inner.state.values()
-               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-
-
 class Strategy:
     """One process, one device, no wrapper: the defaults every strategy starts from."""
 
@@ -94,6 +93,25 @@ class Strategy:
 
     def __init__(self, cfg: CfgNode, ctx: Any) -> None:
         self.cfg, self.ctx = cfg, ctx
+
+    # -- asked before the run: config, process group ---------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: CfgNode, world_size: int) -> None:
+        """Raise a UserError for a setting this strategy cannot train with ``world_size`` processes."""
+        if cfg.DIST.CPU_OFFLOAD:
+            raise UserError(f"DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp (got {cfg.DIST.STRATEGY!r}); "
+                            "ddp and zero1 keep everything on the device")
+
+    @classmethod
+    def group_backend(cls, cfg: CfgNode, backend: str) -> str:
+        """The default group's backend string, given the run's ("nccl" or "gloo")."""
+        return backend
+
+    @classmethod
+    def collectives(cls, cfg: CfgNode) -> list[str]:
+        """What the run calls on device tensors (names of launch.gloo_cuda.PROBES): DDP's buckets,
+        exact eval counters and clipping all-reduce; DDP and ZeRO broadcast; SyncBN all-gathers."""
+        return ["all_reduce", "broadcast"] + (["all_gather"] if cfg.MODEL.SYNCBN else [])
 
     # -- the model and the optimizer ------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -130,7 +148,7 @@ class Strategy:
         return [self.ctx.device] if self.ctx.device.type == "cuda" else []
 
     # -- one step ---------------------------------------------------------------------------------
-    def no_sync(self, sync: bool) -> ContextManager:
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """The context of a micro-step's forward and backward; ``sync`` False: accumulate locally."""
         return contextlib.nullcontext()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import ContextManager
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,7 +33,7 @@ class DDPStrategy(Strategy):
                        find_unused_parameters=find_unused)
         return self.ddp
 
-    def no_sync(self, sync: bool) -> ContextManager:
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         # Gradients are all-reduced only on the last micro-batch; before that they just add up.
         # The DDP module itself, also when torch.compile wraps it.
         return contextlib.nullcontext() if sync else self.ddp.no_sync()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from distribuuuu.errors import UserError
 from distribuuuu.strategies.base import AMP_DTYPES, Strategy
 
 
@@ -15,7 +18,7 @@ class _AutocastReplica(nn.Module):
         super().__init__()
         self.module, self.dtype = module, dtype
 
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the replica's own signature
+    def forward(self, *args, **kwargs):
         for device_type in ("cuda", "cpu"):
             if torch.is_autocast_enabled(device_type):
                 with torch.autocast(device_type, dtype=self.dtype):
@@ -36,7 +39,7 @@ class AutocastDataParallel(nn.DataParallel):
         super().__init__(module)
         self.amp_dtype = amp_dtype
 
-    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: ANN001, ANN201 - DataParallel's signature
+    def parallel_apply(self, replicas, inputs, kwargs):
         if self.amp_dtype is not None:
             replicas = [_AutocastReplica(r, self.amp_dtype) for r in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
@@ -45,6 +48,13 @@ class AutocastDataParallel(nn.DataParallel):
 class DP(Strategy):
     name = "dp"
     dp: AutocastDataParallel | None = None
+
+    @classmethod
+    def check_config(cls, cfg: Any, world_size: int) -> None:
+        super().check_config(cfg, world_size)
+        if world_size > 1:
+            raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
+                            "were started; run it with plain python, or use DIST.STRATEGY ddp")
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         if torch.cuda.device_count() > 1:  # its replicas keep TRAIN.AMP's dtype

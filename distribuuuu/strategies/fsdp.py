@@ -17,14 +17,19 @@ import contextlib
 import logging
 import os
 import shutil
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import models, optim
@@ -48,10 +53,6 @@ def shard(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool,
     log.info("FSDP: %d blocks sharded over the process group (reshard after forward %s, CPU offload %s)",
              len(units), reshard_after_forward, cpu_offload)
     return model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
@@ -161,6 +162,30 @@ class FSDP(Strategy):
         # The architecture only: the replica takes the trained weights.
         self.replica = EvalReplica(lambda: models.build_model(cfg, with_weights=False), ctx.device)
         self.sharded: nn.Module | None = None
+
+    @classmethod
+    def check_config(cls, cfg: Any, world_size: int) -> None:
+        if cfg.TRAIN.EMA_DECAY != 0:
+            raise UserError("TRAIN.EMA_DECAY needs whole parameters on every rank, which DIST.STRATEGY fsdp does "
+                            "not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0")
+        if cfg.TRAIN.AMP == "fp16":
+            raise UserError("DIST.STRATEGY fsdp supports TRAIN.AMP off or bf16 (fp16 needs a sharded gradient "
+                            "scaler); use TRAIN.AMP bf16")
+        if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS:
+            raise UserError("TRAIN.FREEZE_BACKBONE_EPOCHS works with DIST.STRATEGY ddp, zero1 or dp, not fsdp "
+                            "(its shards are made for the parameters that train at the start)")
+
+    @classmethod
+    def group_backend(cls, cfg: Any, backend: str) -> str:
+        """Under nccl with CPU offload the gradients, their norm (clipping) and the non-finite vote are
+        CPU tensors, which nccl cannot reduce ("No backend type associated with device type cpu"): gloo
+        takes the CPU tensors then."""
+        return "cpu:gloo,cuda:nccl" if backend == "nccl" and cfg.DIST.CPU_OFFLOAD else backend
+
+    @classmethod
+    def collectives(cls, cfg: Any) -> list[str]:
+        # with CPU offload too: FSDP copies the shards to the GPU to gather them
+        return [*super().collectives(cfg), "all_gather_single", "reduce_scatter_single (AVG)"]
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
         d = self.cfg.DIST

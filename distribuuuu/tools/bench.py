@@ -18,15 +18,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.benchmark import Measurement, Timer
 
 from distribuuuu import config, data, models, optim, strategies
-from distribuuuu.dist import group, launch
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
+from distribuuuu.launch import group, launcher
 from distribuuuu.logger import setup_logging
 
 MIN_RUN_S = 0.2  # torch's Timer default: enough blocks for a median and an IQR
@@ -214,7 +215,7 @@ def print_table(cfg: Any, result: dict[str, Any]) -> None:
 
 def run_local(cfg: Any, iters: int, warmup: int, out_dir: str) -> dict[str, Any]:
     """(a), (b) and (c) in this process; prints a table and writes out_dir/bench.json."""
-    if launch.detect().launcher != "plain":
+    if launcher.detect().launcher != "plain":
         raise UserError("`distribuuuu bench` measures one process; start it without a launcher, and use "
                         "--scaling 1,2,4 to measure several processes")
     with group.session(cfg) as ctx:

@@ -29,15 +29,16 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from distribuuuu import config, data
 from distribuuuu.data import shards, sources
-from distribuuuu.dist import group, launch
 from distribuuuu.errors import UserError
+from distribuuuu.launch import group, launcher
 from distribuuuu.logger import setup_logging
 from distribuuuu.tools.bench import _clock
 from distribuuuu.tools.plot import pyplot
@@ -301,7 +302,7 @@ def _formats(cfg: Any, io_shards: str | None, out_dir: str) -> tuple[list[tuple[
 def run_io(cfg: Any, workers: list[int], timing: tuple[int, int, int], io_shards: str | None,
            out_dir: str) -> list[IoRow]:
     """Time each format at each worker count; print the table, write io.csv and io.png."""
-    if launch.detect().launcher != "plain":
+    if launcher.detect().launcher != "plain":
         raise UserError("`distribuuuu bench --io` measures one process; start it without a launcher")
     os.makedirs(out_dir, exist_ok=True)
     formats, tmp = _formats(cfg, io_shards, out_dir)

@@ -39,12 +39,13 @@ import math
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from distribuuuu import config
-from distribuuuu.dist import launch
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
+from distribuuuu.launch import launcher
 from distribuuuu.tools import runner
 from distribuuuu.tools.plot import pyplot, read_metrics
 
@@ -267,7 +268,7 @@ def run_compare(cfg_file: str | None, opts: list[str], methods_text: str, epochs
         raise UserError(f"--epochs must be at least 1, got {epochs}")
     if amp not in AMP_CHOICES:
         raise UserError(f"--amp must be one of {', '.join(AMP_CHOICES)}, got {amp!r}")
-    if launch.detect().launcher != "plain":
+    if launcher.detect().launcher != "plain":
         raise UserError("`distribuuuu bench --compare` starts its own processes; run it without a launcher")
     cfg = config.load_config(cfg_file, opts)
     out_dir = out_dir or os.path.join(cfg.OUT_DIR, "bench")

@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from distribuuuu.errors import UserError
 from distribuuuu.tools.predict import resolve_weights

@@ -10,7 +10,8 @@ one colour per run) and one PNG per panel (top1.png, topk.png, loss.png, lr.png)
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from distribuuuu.errors import UserError
 from distribuuuu.logger import read_jsonl

@@ -11,7 +11,8 @@ import csv
 import glob
 import json
 import os
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from distribuuuu.errors import UserError
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import distribuuuu
-from distribuuuu.dist import signals
+from distribuuuu.launch import signals
 
 STOP_GRACE_S = 60.0  # a stopped child checkpoints first; the spawner itself waits 30 s for its children
 TAIL_CHARS = 3000  # of a failed run's log, shown on stderr

@@ -16,7 +16,8 @@ import csv
 import os
 import shutil
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from distribuuuu import config
 from distribuuuu.errors import UserError

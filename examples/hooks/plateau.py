@@ -27,7 +27,7 @@ class StopOnPlateau(HookBase):
         self.patience, self.min_delta = patience, min_delta
         self.best, self.bad = math.inf, 0
 
-    def after_eval(self, trainer) -> None:  # noqa: ANN001 - a distribuuuu.engine.Trainer
+    def after_eval(self, trainer) -> None:
         if trainer.eval_split != "val":  # the one test evaluation after the run: nothing to decide
             return
         loss = next(r["loss"] for r in trainer.eval_records if r["split"] == "val")

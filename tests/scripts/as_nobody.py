@@ -11,14 +11,14 @@ import sys
 
 import torchvision  # noqa: F401 - loaded while the files are readable
 
-import distribuuuu.api  # noqa: F401
+import distribuuuu.api
 import distribuuuu.cli
-import distribuuuu.config  # noqa: F401
-import distribuuuu.data  # noqa: F401
-import distribuuuu.dist.spawn  # noqa: F401
-import distribuuuu.engine  # noqa: F401
-import distribuuuu.models  # noqa: F401
-import distribuuuu.run_folder  # noqa: F401
+import distribuuuu.config
+import distribuuuu.data
+import distribuuuu.engine
+import distribuuuu.launch.spawn
+import distribuuuu.models
+import distribuuuu.run_folder
 
 NOBODY = 65534
 

@@ -12,7 +12,8 @@ every sample once, in equal step counts on every rank (plan.py), dropping none.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader

@@ -16,7 +16,8 @@ path component, webdataset's rule); its fields are the rest of the name (``jpg``
 from __future__ import annotations
 
 import os
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from distribuuuu.errors import UserError
 

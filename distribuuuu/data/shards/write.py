@@ -14,13 +14,14 @@ shards. A shard is written to a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import pathlib
 import sys
 import tarfile
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def _splits_of(src: str) -> dict[str, Callable[[], tuple[list[str], list[Sample]
                         "(<class>/<image>), a dataset root holding train/ val/, or mnist5k")
     roots = [s for s in SPLIT_NAMES if os.path.isdir(os.path.join(src, s))]
     if roots:  # a dataset root, laid out like TRAIN.DATASET
-        return {s: (lambda d=os.path.join(src, s): _folder_samples(d)) for s in roots}
+        return {s: functools.partial(_folder_samples, os.path.join(src, s)) for s in roots}
     name = os.path.basename(os.path.normpath(src))
     return {name: lambda: _folder_samples(src)}
 

@@ -1,6 +1,6 @@
 """The process group of a run: setup, teardown, and what each process chooses once.
 
-What ``setup(cfg)`` chooses, once per process (the launch itself comes from dist.launch.detect):
+What ``setup(cfg)`` chooses, once per process (the launch itself comes from launch.launcher.detect):
 
 - device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
   visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
@@ -13,10 +13,10 @@ What ``setup(cfg)`` chooses, once per process (the launch itself comes from dist
   ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
   convolutions as ``CUDNN.TF32`` says (on by default).
 - the process group (``env://``), only with more than one process, and under nccl a gloo side
-  group for dist.comm.any_rank; under gloo on CUDA, a check that gloo serves the collectives the
-  run needs on CUDA tensors (dist.gloo_cuda), before any work.
+  group for launch.comm.any_rank; under gloo on CUDA, a check that gloo serves the collectives the
+  run needs on CUDA tensors (launch.gloo_cuda), before any work.
 - stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
-  with 130 / 143 (dist.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
+  with 130 / 143 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from distribuuuu.dist import comm, gloo_cuda, launch, signals
-from distribuuuu.dist.launch import LaunchInfo
 from distribuuuu.errors import UserError
+from distribuuuu.launch import comm, gloo_cuda, launcher, signals
+from distribuuuu.launch.launcher import LaunchInfo
 
 __all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use"]
 
@@ -83,7 +84,7 @@ def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
     # Fewer visible GPUs than processes on the node is right only when srun gave each task its
     # own GPUs (--gpus-per-task: CUDA_VISIBLE_DEVICES differs per task); otherwise two processes
     # would share a GPU and NCCL stops with "Duplicate GPU detected".
-    if info.launcher == "slurm" and launch.slurm_gpus_per_task():
+    if info.launcher == "slurm" and launcher.slurm_gpus_per_task():
         return torch.device("cuda", 0)  # the first of this task's own GPUs
     if cfg.DIST.BACKEND == "gloo":
         # gloo copies CUDA tensors through host memory, so several ranks may share a GPU (NCCL refuses
@@ -121,7 +122,7 @@ def _num_threads(cfg: Any, info: LaunchInfo) -> int | None:
         return None
     # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    slurm_cpus = launch.slurm_cpus_per_task() if info.launcher == "slurm" else None
+    slurm_cpus = launcher.slurm_cpus_per_task() if info.launcher == "slurm" else None
     if slurm_cpus is not None:
         return max(1, min(cores, slurm_cpus))
     return max(1, cores // info.local_world_size)
@@ -167,13 +168,11 @@ def gloo_side_group(timeout: datetime.timedelta) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _group_backend(cfg: Any, backend: str) -> str:
-    """The backend string of the default group: under nccl with FSDP CPU offload the gradients,
-    their norm (clipping) and the non-finite vote are CPU tensors, which nccl cannot reduce
-    ("No backend type associated with device type cpu"): gloo takes the CPU tensors then."""
-    if backend == "nccl" and cfg.DIST.STRATEGY == "fsdp" and cfg.DIST.CPU_OFFLOAD:
-        return "cpu:gloo,cuda:nccl"
-    return backend
+def _strategy_class(cfg: Any) -> Any:
+    """The class of DIST.STRATEGY: it says which backend string its default group needs."""
+    from distribuuuu import strategies  # the strategy owns its needs; imported here, when a group is made
+
+    return strategies.strategy_class(cfg.DIST.STRATEGY)
 
 
 def _export_launch_env(info: LaunchInfo) -> None:
@@ -196,7 +195,7 @@ def _private_store(info: LaunchInfo, timeout: datetime.timedelta) -> Any:
     """
     global _groups_made
     store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
-    prefix = f"distribuuuu/restart{launch.restart_count()}/group{_groups_made}"
+    prefix = f"distribuuuu/restart{launcher.restart_count()}/group{_groups_made}"
     _groups_made += 1
     return dist.PrefixStore(prefix, store)
 
@@ -206,7 +205,7 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; run a single process")
     if dist.is_initialized():
-        raise RuntimeError("a process group already exists; call dist.group.teardown() before setup() again")
+        raise RuntimeError("a process group already exists; call launch.group.teardown() before setup() again")
     _export_launch_env(info)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -228,7 +227,7 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
 
 def _check_gloo_cuda(cfg: Any, device: torch.device) -> None:
     """Collective: gloo on CUDA tensors serves every collective this run needs, or every rank stops
-    here with the same UserError (dist.gloo_cuda), its process group destroyed."""
+    here with the same UserError (launch.gloo_cuda), its process group destroyed."""
     try:
         gloo_cuda.check(cfg, device)
     except UserError:
@@ -243,7 +242,7 @@ def setup(cfg: Any) -> DistContext:
     per process. With Slurm and spawn it exports MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
     to os.environ first (init_method env:// reads them).
     """
-    info = launch.detect()
+    info = launcher.detect()
     device = _choose_device(cfg, info)
     backend = _choose_backend(cfg, device)
     if device.type == "cuda":
@@ -253,7 +252,7 @@ def setup(cfg: Any) -> DistContext:
         torch.set_num_threads(threads)
     _set_cudnn(cfg)
     if info.world_size > 1:
-        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _group_backend(cfg, backend))
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _strategy_class(cfg).group_backend(cfg, backend))
         if backend == "gloo" and device.type == "cuda":
             _check_gloo_cuda(cfg, device)
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"

@@ -3,11 +3,11 @@
 Two policies, both here:
 
 - Stop signals (``handle_stop_signals``): SIGINT and SIGTERM unwind the process cleanly and end
-  it with 130 / 143. Installed by ``dist.group.setup`` and ``dist.spawn.spawn``.
+  it with 130 / 143. Installed by ``launch.group.setup`` and ``launch.spawn.spawn``.
 - Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
   signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
   SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
-  (``stop_signal``); the loop agrees with the other ranks (``dist.comm.any_rank``), writes a step
+  (``stop_signal``); the loop agrees with the other ranks (``launch.comm.any_rank``), writes a step
   checkpoint, and raises ``Preempted``; the run ends with 128 + signal number, after
   ``slurm_requeue`` when TRAIN.REQUEUE asks for it. The same signal a second time runs the
   handler that was there before (usually: stop at once), as a way out of a stuck save.
@@ -18,10 +18,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from distribuuuu.dist import launch
+from distribuuuu.launch import launcher
 
 __all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers",
            "stop_status", "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
@@ -194,7 +195,7 @@ def slurm_requeue() -> bool:
     The requeued job starts the same batch script again, and TRAIN.AUTO_RESUME picks up the
     checkpoint. The sbatch script needs --requeue (and --signal=USR1@90 for an early warning).
     """
-    job = launch.slurm_job_id()
+    job = launcher.slurm_job_id()
     if not job:
         print("[preempt] TRAIN.REQUEUE is set but this is not a Slurm job: nothing requeued", flush=True)
         return False

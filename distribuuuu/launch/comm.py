@@ -1,18 +1,19 @@
 """Rank helpers and small collectives: they all work without a process group (rank 0 of 1).
 
 Every collective must be called by every rank, in the same order; with nccl, tensors must be on
-this rank's GPU. ``any_rank`` runs on a gloo side group under nccl (set by dist.group.setup), so
+this rank's GPU. ``any_rank`` runs on a gloo side group under nccl (set by launch.group.setup), so
 a per-step vote costs no host-device sync.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["get_rank", "get_world_size", "is_main_process", "barrier", "all_reduce_sum", "average_buffers",
+__all__ = ["get_world_size", "barrier", "all_reduce_sum", "average_buffers",
            "broadcast_object", "all_gather_object", "any_rank", "set_control_group"]
 
 # A gloo group beside an nccl one, for any_rank(): its CPU all-reduce does not wait for the GPU
@@ -21,7 +22,7 @@ _control_group: Any = None
 
 
 def set_control_group(group: Any) -> None:
-    """The group any_rank() votes on (None: the default group). Set by dist.group.setup/teardown."""
+    """The group any_rank() votes on (None: the default group). Set by launch.group.setup/teardown."""
     global _control_group
     _control_group = group
 
@@ -30,19 +31,9 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank() -> int:
-    """This process's rank in the default group (0 without one)."""
-    return dist.get_rank() if _initialized() else 0
-
-
 def get_world_size() -> int:
     """Processes in the default group (1 without one)."""
     return dist.get_world_size() if _initialized() else 1
-
-
-def is_main_process() -> bool:
-    """Rank 0: the one that writes files and logs to the console."""
-    return get_rank() == 0
 
 
 def barrier() -> None:

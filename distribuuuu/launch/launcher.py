@@ -10,7 +10,7 @@ How ``detect()`` decides who started us (first match wins):
    holds ``RANK`` and ``WORLD_SIZE``: the legacy ``python -m torch.distributed.launch``. It passes
    the local rank on the command line; ``LOCAL_RANK`` may be missing from the environment (no
    ``--use-env``), so the argv value is used. A ``--local-rank`` without ``RANK`` is ignored.
-2. ``spawn``: ``DISTRIBUUUU_LAUNCHER=spawn``, set with the other variables by ``dist.spawn``.
+2. ``spawn``: ``DISTRIBUUUU_LAUNCHER=spawn``, set with the other variables by ``launch.spawn``.
 3. ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun also sets ``LOCAL_RANK``,
    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). This wins over Slurm:
    ``srun torchrun ...`` runs one agent per node and the workers must follow torchrun.
@@ -30,7 +30,7 @@ How ``detect()`` decides who started us (first match wins):
 Every value read is checked: a non-integer or inconsistent value (``RANK=4`` with
 ``WORLD_SIZE=4``) raises ``UserError`` naming the variable. The legacy launcher appends
 ``--local-rank=N`` to the script's arguments: argument parsers drop it with ``strip_local_rank_args``.
-Slurm's host list and tasks-per-node notations are parsed in dist/hostlist.py.
+Slurm's host list and tasks-per-node notations are parsed in launch/hostlist.py.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
-from distribuuuu.dist.hostlist import parse_hostlist, parse_tasks_per_node
 from distribuuuu.errors import UserError
+from distribuuuu.launch.hostlist import parse_hostlist, parse_tasks_per_node
 
 __all__ = ["LAUNCHERS", "LOCAL_RANK_FLAGS", "SPAWN_MASTER_ADDR", "LaunchInfo", "detect", "strip_local_rank_args",
            "parse_hostlist", "parse_tasks_per_node", "rank_label", "master_port", "slurm_gpus_per_task",

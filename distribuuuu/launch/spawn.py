@@ -13,16 +13,17 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distribuuuu.dist import launch, signals
-from distribuuuu.dist.group import is_addr_in_use
-from distribuuuu.dist.launch import SPAWN_MASTER_ADDR
 from distribuuuu.errors import USER_ERROR_EXIT, UserError
+from distribuuuu.launch import launcher, signals
+from distribuuuu.launch.group import is_addr_in_use
+from distribuuuu.launch.launcher import SPAWN_MASTER_ADDR
 
 __all__ = ["spawn", "STOP_GRACE_S", "FAILURE_GRACE_S"]
 
@@ -80,7 +81,7 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
         sys.exit(USER_ERROR_EXIT)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
         sys.exit(signals.stop_status(e))
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any crash: its traceback here, then exit 1 for the spawner
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
@@ -101,7 +102,7 @@ def _relaying(processes: Sequence[Any]) -> Iterator[None]:
     """While the children wind down, pass every further SIGINT/SIGTERM on to them.
 
     A second Ctrl-C or SIGTERM then does in the children what it does when they receive it
-    directly: it cuts a stuck step checkpoint short (dist/signals.py). The spawner itself keeps
+    directly: it cuts a stuck step checkpoint short (launch/signals.py). The spawner itself keeps
     waiting.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -153,14 +154,14 @@ def _check_spawn(nprocs: int, port: int | None) -> int:
     """Refuse a spawn that cannot work (before anything starts); return the port to use."""
     if nprocs < 1:
         raise UserError(f"--nproc-per-node must be >= 1, got {nprocs}")
-    outer = launch.detect()
+    outer = launcher.detect()
     if outer.launcher != "plain" and not (outer.launcher == "slurm" and outer.world_size == 1):
         raise UserError(
             f"this process was already started by {outer.launcher} ({outer.world_size} processes); "
             f"drop --nproc-per-node, or let {outer.launcher} start the processes"
         )
     if port is None:
-        port = launch.master_port()
+        port = launcher.master_port()
     if not 0 <= port < 65536:
         raise UserError(f"master port {port} must be in [0, 65535]")
     return port

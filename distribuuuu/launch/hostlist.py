@@ -1,6 +1,6 @@
 """Slurm's compact notations: host lists ("node[01-04,07],gpu2") and tasks per node ("2(x3),1").
 
-Pure string functions, used by dist.launch to find the master host and the processes per node.
+Pure string functions, used by launch.launcher to find the master host and the processes per node.
 """
 
 from __future__ import annotations

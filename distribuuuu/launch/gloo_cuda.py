@@ -19,7 +19,8 @@ on every rank at the same point, as one UserError line (exit 2), before any mode
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,13 +73,10 @@ PROBES: dict[str, tuple[Callable[[torch.device, int], bool], str]] = {
 
 
 def needed(cfg: Any) -> list[str]:
-    """The PROBES names this config's run calls on device tensors (see the module docstring)."""
-    names = ["all_reduce", "broadcast"]
-    if cfg.MODEL.SYNCBN:
-        names.append("all_gather")
-    if cfg.DIST.STRATEGY == "fsdp":  # with CPU offload too: FSDP copies the shards to the GPU to gather them
-        names += ["all_gather_single", "reduce_scatter_single (AVG)"]
-    return names
+    """The PROBES names this config's run calls on device tensors: the strategy says (collectives)."""
+    from distribuuuu import strategies  # the strategy owns what it runs; imported when asked
+
+    return strategies.strategy_class(cfg.DIST.STRATEGY).collectives(cfg)
 
 
 def check(cfg: Any, device: torch.device, probes: dict[str, tuple[Callable, str]] | None = None) -> None:

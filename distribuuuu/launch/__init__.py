@@ -1,0 +1,13 @@
+"""Launchers, process groups, collectives, the spawner and signals: one module per job.
+
+- ``launch.launcher``: who started this process (``detect() -> LaunchInfo``); the only reader of the
+  launchers' variables (RANK, WORLD_SIZE, LOCAL_RANK, SLURM_*, ...). Slurm notations: ``launch.hostlist``.
+- ``launch.group``: ``setup(cfg) -> DistContext`` / ``teardown()`` / ``session(cfg)``: device,
+  backend, threads, cuDNN flags, the process group.
+- ``launch.comm``: rank helpers and small collectives that also work without a process group.
+- ``launch.spawn``: ``spawn(worker, nprocs)``, the ``--nproc-per-node`` spawner.
+- ``launch.signals``: Ctrl-C/SIGTERM handling, preemption signals, ``Preempted``, Slurm requeue.
+
+Import the submodule you need (``from distribuuuu.launch import comm``); this package module
+imports nothing, so that importing one job does not load the others.
+"""
