@@ -251,7 +251,7 @@ def inner_sync_debug(a: argparse.Namespace) -> dict:
 
     from benchmarks.overhead import _Batches, make_cfg, quiet_metrics
     from distribuuuu import engine
-    from distribuuuu.dist import group
+    from distribuuuu.launch import group
 
     size, batch, steps = (16, 4, 20) if a.small else (32, 64, 300)
     cfg = make_cfg({"MODEL.ARCH": "resnet18", "MODEL.NUM_CLASSES": 10, "TRAIN.IM_SIZE": size, "TEST.IM_SIZE": size,

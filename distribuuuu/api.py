@@ -11,7 +11,7 @@
 IMPORTS modules imported); a path to a YAML file is accepted as a shorthand for
 ``config.load_config(path)``. ``train`` and ``evaluate`` run in the calling process under any
 launcher: plain python (one process), or a process that torchrun / srun / the spawner started
-(each rank calls them; launch.launcher.detect tells them apart). They take the same run-folder lock
+(each rank calls them; launcher.launcher.detect tells them apart). They take the same run-folder lock
 and make the same checks as the CLI, which calls the same ``run_command``. A user error raises
 ``distribuuuu.errors.UserError`` instead of exiting with status 2; a preemption signal raises
 ``distribuuuu.launch.signals.Preempted`` after the step checkpoint (and the Slurm requeue).
@@ -29,10 +29,10 @@ from yacs.config import CfgNode
 
 from distribuuuu import config, engine, inference, preflight, run_folder
 from distribuuuu.data.batches import stop_workers
-from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
+from distribuuuu.launch import group, launcher, signals
 from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "LoadedModel"]
@@ -87,7 +87,7 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
 
 
 def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
-    info = launch.detect()
+    info = launcher.detect()
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import data_cli  # light: argparse only; the data code is imported when a command runs
-from distribuuuu.dist.launch import rank_label  # light: no torch; the rank for message prefixes
 from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError
+from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -326,7 +326,7 @@ def _guarded(fn: Callable[[], int]) -> int:
         sys.stderr.write(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}\n")
         sys.stderr.flush()
         return NOT_SAVED_EXIT
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (dist.signals.Terminated): see handle_stop_signals
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (launch.signals.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))
         rank = rank_label()
         who = "" if rank == "0" else f" (rank {rank})"

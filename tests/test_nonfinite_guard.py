@@ -3,7 +3,6 @@ no host sync per step, and a run that could not save is not "done" (issue 24). I
 
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import os
@@ -18,9 +17,9 @@ from torch.overrides import TorchFunctionMode
 from distribuuuu import engine, optim
 from distribuuuu.config import load_config
 from distribuuuu.data import register_source, unregister_source
-from distribuuuu.dist import group
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
+from distribuuuu.launch import group
 from tests.conftest import ROOT, TINY, env, read_metrics
 
 CPU = torch.device("cpu")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 import signal
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,14 +16,13 @@ from torch.utils.data import DataLoader, default_collate
 
 from distribuuuu.data import transforms
 
-
 # Signals a loader worker never acts on: a stop or preemption sent to the whole process group
 # (Slurm, systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main
 # process would fail reading its next batch and could not write its step checkpoint. The main
 # process stops, checkpoints, then ends its workers (stop_workers); a worker whose main process
 # is gone ends by itself (torch's watchdog checks the parent every 5 s).
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-_loaders: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()  # loaders with worker processes
+_loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders with worker processes
 
 
 def quiet_worker(worker_id: int) -> None:

@@ -24,7 +24,6 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, model_card, models, resume_check
-from distribuuuu.dist import comm
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 

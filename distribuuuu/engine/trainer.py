@@ -30,6 +30,8 @@ from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
 from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper
 from distribuuuu.errors import RunNotSaved, UserError
+from distribuuuu.launch import comm
+from distribuuuu.launch.group import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
 from distribuuuu.summary import prepare_run_record, previous_seed, write_run_record

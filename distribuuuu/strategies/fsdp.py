@@ -33,7 +33,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu import models, optim
-from distribuuuu.dist import comm, signals
+from distribuuuu.errors import UserError
+from distribuuuu.launch import comm, signals
 from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
 
 log = logging.getLogger("distribuuuu")
@@ -197,7 +198,7 @@ class FSDP(Strategy):
         # the synced non-finite check; fused Adam/AdamW have one and skip on the device.
         return optim.build_optimizer(self.cfg, model, fused_sgd=False)
 
-    def no_sync(self, sync: bool) -> ContextManager:
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.
         self.sharded.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
