@@ -188,7 +188,11 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
 
         print(shipped.listing(), end="")
         return 0
-    print(config.to_yaml(config.load_config(args.cfg_file, opts)), end="")
+    cfg = config.load_config(args.cfg_file, opts)
+    from distribuuuu import strategies  # its rules too (they import torch: only here, after the keys passed)
+
+    strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size=1)
+    print(config.to_yaml(cfg), end="")
     return 0
 
 
