@@ -241,8 +241,8 @@ def test_a_run_that_could_not_save_raises_not_saved(tmp_path):
 @pytest.mark.e2e
 def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
-                           "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
+    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out),
+                           "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
                            "['tests.test_nonfinite_guard:PoisonBuffersAtTheEnd']"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == NOT_SAVED_EXIT == 3, proc.stderr[-3000:]
