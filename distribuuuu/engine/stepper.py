@@ -107,6 +107,8 @@ class Stepper:
         # Since the host last read it (take_skips): skipped steps, the current run of them, the longest
         # run, steps tried, steps taken before the run first went past max_skips, and whether it did.
         self.skips = torch.zeros(len(SKIP_FIELDS), dtype=torch.int64, device=device)
+        # The kernels optim built (fused or multi-tensor): a checkpoint's param groups bring theirs back.
+        self.kernels = [(g.get("fused"), g.get("foreach")) for opt in self._optimizers() for g in opt.param_groups]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -274,6 +276,12 @@ class Stepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """After the optimizer's state: the kernels stay those built now (a checkpoint from before
+        the fused kernels would bring 'foreach' back, which takes no found_inf)."""
+        groups = [g for opt in self._optimizers() for g in opt.param_groups]
+        if len(groups) == len(self.kernels):
+            for g, (fused, foreach) in zip(groups, self.kernels):
+                g["fused"], g["foreach"] = fused, foreach
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "ema" in state:
