@@ -240,8 +240,8 @@ def test_a_run_that_could_not_save_raises_not_saved(tmp_path):
 @pytest.mark.e2e
 def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
-                           "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
+    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out),
+                           "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
                            "['tests.test_nonfinite_guard:PoisonBuffersAtTheEnd']"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == NOT_SAVED_EXIT == 3, proc.stderr[-3000:]
@@ -294,3 +294,19 @@ def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
     off = Counter(CPU, 2)  # TRAIN.NONFINITE off: the epoch's loss must show the NaN (NonFiniteEpochCheck)
     off.update(logits, target, torch.tensor(float("nan")))
     assert off.result()["n"] == 2 and off.result()["loss"] != off.result()["loss"]
+
+
+def test_a_checkpoint_from_before_the_fused_kernels_resumes_on_them():
+    """Optimizer state saved with foreach SGD (before issue 24) loads its param groups' kernel keys;
+    the stepper puts back the fused kernel its device-side skip needs."""
+    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    model = _net()
+    opt = optim.build_optimizer(cfg, model)
+    stepper = Stepper(cfg, CPU, model, opt, global_batch=16)
+    old = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    opt.load_state_dict(old.state_dict())
+    stepper.load_state_dict({})
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    assert stepper.micro_step(x, y).stepped and stepper.micro_step(x.flip(0), y).skipped is not None

@@ -107,6 +107,8 @@ class Stepper:
         # Since the host last read it (take_skips): skipped steps, the current run of them, the longest
         # run, steps tried, steps taken before the run first went past max_skips, and whether it did.
         self.skips = torch.zeros(len(SKIP_FIELDS), dtype=torch.int64, device=device)
+        # The kernels optim built (fused or multi-tensor): a checkpoint's param groups bring theirs back.
+        self.kernels = [(g.get("fused"), g.get("foreach")) for opt in self._optimizers() for g in opt.param_groups]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -153,15 +155,22 @@ class Stepper:
     def _momentum_unborn(self) -> bool:
         """SGD with momentum before its buffers exist: the fused kernel would make them from this
         step's gradients even when found_inf skips it, so this step is checked on the host."""
-        return any(group.get("momentum", 0) and p.grad is not None and "momentum_buffer" not in self.optimizer.state[p]
-                   for group in self.optimizer.param_groups if "dampening" in group for p in group["params"])
+        opt = self._optimizers()[-1]  # ZeRO: the local optimizer holds the state
+        return any(group.get("momentum", 0) and p.grad is not None and "momentum_buffer" not in (opt.state.get(p) or {})
+                   for group in opt.param_groups if "dampening" in group for p in group["params"])
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer, and the local one ZeroRedundancyOptimizer wraps (it copies its groups' keys in)."""
+        inner = getattr(self.optimizer, "optim", None)
+        return [self.optimizer, *([inner] if isinstance(inner, torch.optim.Optimizer) else [])]
 
     @contextlib.contextmanager
     def _kernel_for_new_buffers(self) -> Iterator[None]:
         """Fused SGD makes momentum buffers only when no parameter has one: a step that gives some
         parameters their first (an unfrozen backbone, a parameter without a gradient so far) runs the
         multi-tensor kernel, which makes them from the gradients, and GradScaler's synced path."""
-        groups = [g for g in self.optimizer.param_groups if g.get("fused")] if self._momentum_unborn() else []
+        unborn = self._momentum_unborn()
+        groups = [g for opt in self._optimizers() for g in opt.param_groups if g.get("fused")] if unborn else []
         saved = [(g["fused"], g["foreach"]) for g in groups]
         amp = getattr(self.optimizer, "_step_supports_amp_scaling", None)
         for g in groups:
@@ -267,6 +276,12 @@ class Stepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """After the optimizer's state: the kernels stay those built now (a checkpoint from before
+        the fused kernels would bring 'foreach' back, which takes no found_inf)."""
+        groups = [g for opt in self._optimizers() for g in opt.param_groups]
+        if len(groups) == len(self.kernels):
+            for g, (fused, foreach) in zip(groups, self.kernels):
+                g["fused"], g["foreach"] = fused, foreach
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "ema" in state:
