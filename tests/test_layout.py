@@ -400,3 +400,36 @@ def test_the_old_dist_names_still_import_for_one_release():
         for k in [k for k in sys.modules if k == "distribuuuu.dist" or k.startswith("distribuuuu.dist.")]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+# ---- docs/reading-guide.md: the files of one DDP step and one evaluation, true to the tree ---------
+def _defined_names(path: str) -> set[str]:
+    """Top-level functions and classes, and Class.method for each method."""
+    tree = ast.parse(open(path).read())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
+    return names
+
+
+def test_the_reading_guide_names_files_and_functions_that_exist_with_their_sizes():
+    rows = [line.split("|")[1:-1] for line in open(os.path.join(ROOT, "docs", "reading-guide.md"))
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert len(rows) >= 10
+    problems = []
+    for _, path, read, lines in (map(str.strip, r) for r in rows):
+        full = os.path.join(ROOT, path)
+        if not os.path.isfile(full):
+            problems.append(f"{path}: no such file")
+            continue
+        wanted = [] if read == "(all)" else [n.strip() for n in read.split(",")]
+        missing = [n for n in wanted if n not in _defined_names(full)]
+        actual = sum(1 for _ in open(full))
+        if missing:
+            problems.append(f"{path}: {missing} not defined there")
+        if abs(actual - int(lines)) > max(5, 0.15 * actual):
+            problems.append(f"{path}: the guide says {lines} lines, the file has {actual}")
+    assert not problems, "docs/reading-guide.md is out of date:\n" + "\n".join(problems)
