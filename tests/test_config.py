@@ -104,3 +104,16 @@ def test_run_folder_gets_full_config_and_diff(tmp_path):
     assert diff == {"MODEL": {"ARCH": "resnet50"}, "OUT_DIR": str(tmp_path)}
     # The dumped file loads back to the same config.
     assert config.load_config(str(tmp_path / "config.yaml")) == cfg
+
+
+def test_yaml_exponent_numbers_are_floats_where_the_key_is_a_float(tmp_path):
+    """YAML 1.1 reads 1e-3 (no dot) as text; a float key takes it as the number (#27)."""
+    path = tmp_path / "lr.yaml"
+    path.write_text("OPTIM:\n  BASE_LR: 1e-3\n  WEIGHT_DECAY: 5E-5\n  MOMENTUM: +9.5e-1\n")
+    cfg = config.load_config(str(path))
+    assert (cfg.OPTIM.BASE_LR, cfg.OPTIM.WEIGHT_DECAY, cfg.OPTIM.MOMENTUM) == (1e-3, 5e-5, 0.95)
+    path.write_text("OPTIM:\n  BASE_LR: 1e-3x\n")
+    with pytest.raises(UserError, match="OPTIM.BASE_LR expects a float, got '1e-3x'"):
+        config.load_config(str(path))
+    path.write_text("OUT_DIR: 1e-3\n")  # a text key keeps the text
+    assert config.load_config(str(path)).OUT_DIR == "1e-3"

@@ -7,6 +7,7 @@ import ast
 import codecs
 import difflib
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,6 +65,8 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
     ok = isinstance(value, expected)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True  # 1 is a fine float
+    if expected is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        value, ok = float(value), True  # YAML 1.1 reads 1e-3 (no dot) as text; people mean the number
     if expected is int and isinstance(value, bool):
         ok = False  # True is not a count
     if expected is str and key in NULLABLE_TYPES and isinstance(value, str) and value.lower() in ("none", "null", ""):
@@ -74,6 +77,9 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
             f"({_type_name(type(value))}) from {source}"
         )
     return value
+
+
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _a(noun: str) -> str:
