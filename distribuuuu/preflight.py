@@ -55,6 +55,9 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     if cfg.DIST.STRATEGY == "dp" and world_size > 1:
         raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
                         "were started; run it with plain python, or use DIST.STRATEGY ddp")
+    if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
+        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
+                        f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
     if command == "eval":
         if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
