@@ -74,8 +74,9 @@ def _atomic_save(obj: Any, path: str) -> None:
         raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {_what_is_kept(path)}") from e
 
 
-class DiskFull(UserError):
-    """A checkpoint could not be written for lack of space: one line, exit 2 (docs/reliability.md)."""
+class DiskFull(UserError, OSError):
+    """A checkpoint could not be written for lack of space: one line, exit 2 (docs/reliability.md).
+    An OSError too, for callers that catch failed writes."""
 
 
 def _disk_full(error: BaseException) -> bool:
