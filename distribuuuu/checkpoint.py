@@ -31,6 +31,7 @@ Sharded .dcp folders are not covered (torch.distributed.checkpoint has its own m
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import logging
@@ -66,8 +67,44 @@ def _atomic_save(obj: Any, path: str) -> None:
         interrupt = signals.interruption(e)
         if interrupt is not None:  # a stop signal mid-write; torch's zip writer then failed closing
             raise interrupt from None  # a stop (exit 130/143), not a write error
-        raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); "
-                      "the previous checkpoint is intact") from e
+        if _disk_full(e):  # one line (exit 2): the cause, where, and what the run can go on from
+            raise DiskFull(f"No space left on device writing checkpoint {os.path.basename(path)} in "
+                           f"{os.path.dirname(path)}; {_what_is_kept(path)}; free space there (or give "
+                           "another OUT_DIR) and run the same command again") from None
+        raise OSError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {_what_is_kept(path)}") from e
+
+
+class DiskFull(UserError, OSError):
+    """A checkpoint could not be written for lack of space: one line, exit 2 (docs/reliability.md).
+    An OSError too, for callers that catch failed writes."""
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ENOSPC is anywhere in error's chain: torch's zip writer reports it as a RuntimeError
+    ("unexpected pos ...") whose context holds the real OSError, or only in its message."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "errno", None) == errno.ENOSPC or "No space left on device" in str(current):
+            return True
+        todo += [current.__cause__, current.__context__]
+    return False
+
+
+def _what_is_kept(path: str) -> str:
+    """What a failed write of path leaves to resume from: the checkpoint last.pth names, or nothing."""
+    folder = os.path.dirname(path)
+    last = os.path.join(folder, "last.pth")
+    others = [p for p in glob.glob(os.path.join(folder, "*_*.pth")) if p != path and _NUMBERED.search(p)]
+    if os.path.isfile(last):
+        return "last.pth, the previous checkpoint, is intact"
+    if others:
+        return f"{len(others)} earlier checkpoint(s) are intact (the newest: {os.path.basename(max(others))})"
+    return "no checkpoint of this run is kept yet (a re-run starts from the beginning)"
 
 
 _atomic_link = files.atomic_link

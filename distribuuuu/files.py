@@ -54,3 +54,30 @@ def atomic_link(src: str, dst: str) -> None:
         except OSError:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
+
+
+def _nearest_existing(path: str) -> str:
+    """path, or the nearest of its parents that exists (where a new folder would be made)."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def output_problem(path: str, folder: bool) -> str | None:
+    """Why path cannot take a tool's output (folder: a folder made if needed; else a file whose
+    folder must exist), or None. Checked before any work, so that a long export or plot does not
+    end in a traceback at its first write."""
+    what = "a folder" if folder else "a file"
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file, not a folder; give a folder path"
+    if not folder and os.path.isdir(path):
+        return f"{path} is a folder; give a file path"
+    base = _nearest_existing(path if folder else os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(base):
+        return f"{path} cannot be {what}: {base} is a file, not a folder"
+    if not folder and base != os.path.dirname(os.path.abspath(path)):
+        return f"{path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist; create it first"
+    if not os.access(base, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{path} is not writable ({base} is read-only for this user); give a path you can write to"
+    return None

@@ -122,6 +122,11 @@ class MetricsWriter:
         self.tb_dir = os.path.join(out_dir, "tb")
         self.enabled, self.tensorboard = enabled, tensorboard
         self._tb: Any = None  # the SummaryWriter, made at the first epoch record (eval runs make none)
+        # On resume: the first global step the run writes again. TensorBoard drops every event of
+        # the earlier files from this step on (a SessionLog START): the steps written after the
+        # checkpoint, before a crash, are not shown twice. Epoch-numbered records are safe from it
+        # (an epoch number is never above the global step); metrics.jsonl is repaired (repair()).
+        self.purge_step: int | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -162,7 +167,7 @@ class MetricsWriter:
                 logging.getLogger(LOGGER_NAME).warning("no TensorBoard events: %s", e)
                 self.tensorboard = False
                 return None
-            self._tb = SummaryWriter(self.tb_dir)
+            self._tb = SummaryWriter(self.tb_dir, purge_step=self.purge_step)
         return self._tb
 
     def tag(self, split: str, key: str) -> str:

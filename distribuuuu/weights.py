@@ -49,6 +49,8 @@ def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
 
 def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
     """The state dict in a file (see the module docstring for the forms accepted)."""
+    if os.path.isdir(path):
+        raise UserError(f"{label} {path} is a folder; give a weights file in it (e.g. {path}/checkpoints/best.pth)")
     if not os.path.isfile(path):
         raise UserError(f"{label} {path} does not exist; give the path of a weights file "
                         "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, or .safetensors)")

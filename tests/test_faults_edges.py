@@ -138,3 +138,53 @@ def test_a_refused_command_makes_no_folder(tmp_path):
     check(refused, 2)
     assert "no step" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     assert not fresh.exists(), _hashes(fresh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records after a resume: each step and epoch once
+# ---------------------------------------------------------------------------------------------
+
+# 128 samples / 16 = 8 steps an epoch, a TensorBoard step line at each, a step checkpoint every 4 steps
+RECORDED = [*SHORT, "OPTIM.MAX_EPOCH", "2", "TRAIN.SYNTHETIC_SAMPLES", "128", "TRAIN.PRINT_FREQ", "1",
+            "TRAIN.CKPT_PERIOD_STEPS", "4"]
+
+
+def _scalars(tb) -> dict[str, list[int]]:
+    """Every scalar tag of the run's TensorBoard folder -> its steps, as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_after_kill_9_mid_epoch_each_step_and_epoch_is_recorded_once(tmp_path):
+    """kill -9 after step 15 (mid epoch 2, the step checkpoint of step 12 on disk), then the same
+    command: TensorBoard (read by EventAccumulator) and metrics.jsonl hold each step / epoch once.
+    Before: the steps after 12 that reached the events file before the kill appeared twice."""
+    out = tmp_path / "run"
+    cmd = [PY, "tests/scripts/fault_run.py", "--cfg", TINY, "OUT_DIR", str(out), *RECORDED]
+    killed = subprocess.run(cmd, cwd=ROOT, env={**env(), "SIGNAL_AT": "15:0:SIGKILL"}, capture_output=True,
+                            text=True, timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (out / "checkpoints" / "step_00000012.pth").is_file(), os.listdir(out / "checkpoints")
+    assert _scalars(out / "tb")["train_step/loss"][-1] > 12  # steps the re-run writes again
+    check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    scalars = _scalars(out / "tb")
+    assert scalars["train_step/loss"] == list(range(1, 17)), scalars
+    assert scalars["train/loss"] == [1, 2] and scalars["val/top1"] == [1, 2], scalars
+    rows = [(m["split"], m["epoch"]) for m in read_metrics(str(out))]
+    assert rows == [("train", 1), ("val", 1), ("train", 2), ("val", 2)], rows
+
+
+def test_rerunning_a_finished_val_split_run_writes_no_new_record(tmp_path):
+    """A finished TRAIN.VAL_SPLIT run, its command again: the test split is not evaluated and
+    recorded again (before: one more "test" row in metrics.jsonl and TensorBoard per re-run)."""
+    out = tmp_path / "run"
+    cmd = [PY, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out), *SHORT, "TRAIN.VAL_SPLIT", "0.25"]
+    check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    before = {k: v for k, v in _hashes(out).items() if k.startswith(("metrics", "tb/", "checkpoints/"))}
+    assert [m["split"] for m in read_metrics(str(out))].count("test") == 1
+    again = check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    after = {k: v for k, v in _hashes(out).items() if k.startswith(("metrics", "tb/", "checkpoints/"))}
+    assert after == before, (sorted(before), sorted(after), again.stdout[-2000:])

@@ -9,6 +9,7 @@ numbers of batches (the strategy gives a whole replica for evaluation: Strategy.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -88,6 +89,10 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
     then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
     that checkpoint are tested."""
     cfg, ctx = trainer.cfg, trainer.ctx
+    if trainer.resumed and (done := _recorded_test(cfg.OUT_DIR, ctx)) is not None:
+        log.info("[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was finished)",
+                 done.get("epoch"), done.get("top1") or 0.0)
+        return done
     folder = checkpoint.checkpoint_dir(cfg.OUT_DIR)
     path = next((p for p in (os.path.join(folder, n) for n in ("best.pth", "last.pth")) if os.path.isfile(p)), None)
     if path is None:
@@ -103,6 +108,22 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
     trainer.eval_split, trainer.eval_records = "test", [record]
     trainer.call("after_eval")
     return record
+
+
+def _recorded_test(out_dir: str, ctx: DistContext) -> dict[str, Any] | None:
+    """The test record that ends metrics.jsonl, if it does: the run was finished and this start
+    trained nothing more (a resume moves records after its checkpoint away), so testing the same
+    checkpoint again would only add the same row. Rank 0 reads, every rank gets it."""
+    found = None
+    if ctx.is_main:
+        try:
+            with open(os.path.join(out_dir, "metrics.jsonl"), "rb") as f:
+                lines = [line for line in f.read().splitlines() if line.strip()]
+            last = json.loads(lines[-1]) if lines else None
+            found = last if isinstance(last, dict) and last.get("split") == "test" else None
+        except (OSError, ValueError):
+            found = None
+    return comm.broadcast_object(found)
 
 
 def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:

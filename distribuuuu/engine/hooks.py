@@ -170,6 +170,7 @@ class MetricsHook(HookBase):
         self.writer = MetricsWriter(out_dir, trainer.ctx.is_main, topk=trainer.cfg.TRAIN.TOPK)
         if trainer.resumed:  # a torn last line, and records of epochs the checkpoint does not hold: moved
             self.writer.repair(trainer.state.epoch)
+            self.writer.purge_step = trainer.state.global_step + 1  # TensorBoard: steps after it are written again
 
     def after_step(self, trainer: Trainer) -> None:
         if trainer.step_scalars is not None:  # a print step of rank 0

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distribuuuu.errors import UserError
+from distribuuuu.files import output_problem
 from distribuuuu.tools.predict import resolve_weights
 
 # torch and models are imported inside the functions, after the checks of the arguments (see
@@ -153,11 +154,16 @@ def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, bat
     """`distribuuuu export`: print each file and its difference from the eager model."""
     if batch < 1 or not tol > 0:
         raise UserError(f"--batch must be at least 1 and --tol above 0, got {batch} and {tol}")
+    if out and (problem := output_problem(out, folder=True)):  # before the checkpoint is read
+        raise UserError(f"--out {problem}")
     from distribuuuu import inference  # imports torch: after the checks of the arguments
 
     cfg = resolve_weights(inference.load_config(cfg_file, opts), "export")
     card = inference.card_for(cfg, cfg_file, opts)
-    record = export(cfg, out or os.path.join(cfg.OUT_DIR, "export"), tol, batch, card)
+    out = out or os.path.join(cfg.OUT_DIR, "export")
+    if problem := output_problem(out, folder=True):  # before the export's work
+        raise UserError(f"--out {problem}")
+    record = export(cfg, out, tol, batch, card)
     print(f"exported {record['arch']} ({record['weights']}), input {'x'.join(map(str, record['input_shape']))}; "
           f"max |exported - eager| on batches of {batch} and {batch + 1} (tolerance {tol:g}):")
     failed = []

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distribuuuu.errors import UserError
+from distribuuuu.files import output_problem
 from distribuuuu.logger import read_jsonl
 
 Series = tuple[list[int], list[float]]
@@ -134,6 +135,8 @@ def plot_runs(run_dirs: Sequence[str], out_dir: str) -> dict[str, Any]:
 def main(run_dirs: Sequence[str], out_dir: str | None) -> int:
     """`distribuuuu plot`: every folder is read (and checked) before any file is written."""
     out = out_dir or (os.path.join(run_dirs[0], "plots") if len(run_dirs) == 1 else "plots")
+    if problem := output_problem(out, folder=True):
+        raise UserError(f"--out {problem}")
     result = plot_runs(run_dirs, out)
     print("wrote " + ", ".join(result["files"]))
     return 0

@@ -25,6 +25,7 @@ from PIL import Image
 
 from distribuuuu import config
 from distribuuuu.errors import UserError
+from distribuuuu.files import output_problem
 from distribuuuu.tools import predict_io as outputs
 
 # torch, and the modules that import it (checkpoint, data, models), are imported inside the
@@ -65,6 +66,9 @@ def split_opts_and_images(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
 def resolve_weights(cfg: Any, command: str) -> Any:
     """cfg with MODEL.WEIGHTS set: as given, else OUT_DIR/checkpoints/best.pth or last.pth."""
     if cfg.MODEL.WEIGHTS:
+        if os.path.isdir(cfg.MODEL.WEIGHTS):
+            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
+                            f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
         if not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a checkpoint "
                             "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
@@ -168,6 +172,8 @@ def main(cfg_file: str | None, tokens: Sequence[str], topk: int, output: str | N
     if topk < 1:
         raise UserError(f"--topk must be at least 1, got {topk}")
     fmt = outputs.output_format(output, fmt)
+    if output is not None and (problem := output_problem(output, folder=False)):  # before the model is loaded
+        raise UserError(f"--output {problem}")
     images = outputs.expand_inputs(inputs)
     _check_images(images)  # before torch starts: a wrong path is reported at once
     from distribuuuu import inference
