@@ -4,6 +4,8 @@ Each wrapper has the DataLoader's len() and passes every other attribute (datase
 
 from __future__ import annotations
 
+import multiprocessing.util
+import os
 import random
 import signal
 import weakref
@@ -50,6 +52,33 @@ def stop_workers() -> None:
             iterator._shutdown_workers()
         loader._iterator = None
         _loaders.discard(loader)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether process pid ignores SIGTERM (Linux: /proc/PID/status, SigIgn); False if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next((line.split()[1] for line in f if line.startswith("SigIgn:")), "0")
+    except OSError:
+        return False
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _end_left_workers(owner: int) -> None:
+    """At exit, before multiprocessing ends its daemonic children with SIGTERM and waits for them:
+    a loader worker still running (its iterator kept alive by a traceback, an API user's loader)
+    ignores that SIGTERM (quiet_worker), so the wait would never end. torch skips its own shutdown
+    by then; such a worker holds nothing that needs a clean end: SIGKILL."""
+    if os.getpid() != owner:
+        return
+    for child in multiprocessing.active_children():
+        if child.daemon and child.pid and _ignores_sigterm(child.pid):
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(5)
+
+
+# Run by multiprocessing's exit function (also in processes it started) before it terminates children.
+multiprocessing.util.Finalize(None, _end_left_workers, args=(os.getpid(),), exitpriority=100)
 
 
 def seed_worker(worker_id: int) -> None:

@@ -99,9 +99,17 @@ class ShardDataset(IterableDataset):
         i, offset = plan.locate(self.counts[order], position)
         for k in order[i:]:
             shard, got = self.shard_set.shards[k], offset
-            for sample in tar.samples(shard.path, skip=offset):
+            records = tar.samples(shard.path, skip=offset)
+            for sample in records:
                 got += 1
+                if got == shard.num_samples and next(records, None) is not None:
+                    # The index's last sample must end the shard: read one ahead, or the extra
+                    # samples of the epoch's last shard would go unnoticed (the plan stops pulling).
+                    got += 1 + sum(1 for _ in records)
+                    break
                 yield sample
+                if got == shard.num_samples:
+                    break
             if got != shard.num_samples:
                 raise tar.ShardError(f"shard {shard.path} holds {got} samples, but its index "
                                      f"{self.shard_set.index_path} records {shard.num_samples}; "
