@@ -26,7 +26,7 @@ from typing import Any, Sequence, Union
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import config, engine, inference, preflight, run_folder
+from distribuuuu import config, engine, inference, inferred, preflight, run_folder
 from distribuuuu.dist import group, launch, signals
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
@@ -76,10 +76,13 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
     if command not in ("train", "eval"):
         raise ValueError(f"command must be 'train' or 'eval', not {command!r}")
     info = launch.detect()
+    cfg = inferred.resolve(cfg, info.local_world_size)  # a no-op for load_config's: resolved there
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank)
         run_folder.log_notes(notes)  # a stale lock taken over, debris removed
+        if ctx.is_main:
+            inferred.log_facts(cfg)  # the values decided from the data, with their origins
         if command == "eval":
             return engine.run_eval(cfg, ctx)
         if ctx.is_main:
