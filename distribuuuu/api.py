@@ -27,7 +27,7 @@ from typing import Any, Union
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import config, engine, inference, preflight, run_folder
+from distribuuuu import config, engine, inference, inferred, preflight, run_folder
 from distribuuuu.data.batches import stop_workers
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
@@ -88,6 +88,7 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
 
 def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
     info = launcher.detect()
+    cfg = inferred.resolve(cfg, info.local_world_size)  # a no-op for load_config's: resolved there
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
@@ -96,6 +97,8 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
         run_folder.log_notes(notes)  # a stale lock taken over, debris removed
         refused = False
         try:
+            if ctx.is_main:
+                inferred.log_facts(cfg)  # the values decided from the data, with their origins
             if command == "eval":
                 return engine.run_eval(cfg, ctx)
             return _fit(cfg, ctx, hooks)

@@ -34,10 +34,12 @@ def test_counter_means_and_percentages():
 def test_cosine_schedule_with_warmup():
     cfg = load_config(None, ["OPTIM.MAX_EPOCH", "10", "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1",
                              "OPTIM.MIN_LR", "0.01"])
-    cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * e / 10)) + 0.01  # noqa: E731
+    # The decay runs over the 8 epochs after the warmup (#27: every run reaches its peak LR).
+    cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * (e - 2) / 8)) + 0.01  # noqa: E731
     assert optim.lr_factor(cfg, 0.0) == pytest.approx(0.1)  # warmup starts at WARMUP_FACTOR
-    assert optim.lr_factor(cfg, 1.0) == pytest.approx(cos(1.0) * 0.55)  # halfway through warmup
-    assert optim.lr_factor(cfg, 2.0) == pytest.approx(cos(2.0))  # warmup over
+    assert optim.lr_factor(cfg, 1.0) == pytest.approx(0.55)  # halfway through warmup
+    assert optim.lr_factor(cfg, 2.0) == pytest.approx(1.0)  # warmup over: the peak itself
+    assert optim.lr_factor(cfg, 6.0) == pytest.approx(cos(6.0))
     assert optim.lr_factor(cfg, 10.0) == pytest.approx(0.01)  # ends at MIN_LR
     # Monotone after warmup.
     values = [optim.lr_factor(cfg, 2 + i / 10) for i in range(80)]

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from yacs.config import CfgNode as CN
 
+from distribuuuu import inferred
 from distribuuuu.config.defaults import get_defaults
 from distribuuuu.config.reading import flatten, merge_file, merge_opts, merge_text, parse_literal
 from distribuuuu.config.user_modules import import_user_modules
@@ -25,7 +26,8 @@ __all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts"
 
 def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> CN:
     """Defaults, then the file, then the overrides; validated and frozen. The IMPORTS modules are
-    imported last, so whatever builds the model or the data afterwards finds what they register."""
+    imported next, so whatever builds the model or the data afterwards finds what they register;
+    last the keys left unset are decided from the data (inferred.py)."""
     cfg = get_defaults()
     if cfg_file:
         merge_file(cfg, cfg_file)
@@ -33,7 +35,7 @@ def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> C
     validate(cfg)
     cfg.freeze()
     import_user_modules(cfg.IMPORTS)
-    return cfg
+    return inferred.resolve(cfg)  # the unset keys from the data, once (after IMPORTS: a user's source counts)
 
 
 def with_imports(cfg_file: str | None, opts: list[str], modules: list[str]) -> list[str]:

@@ -16,8 +16,9 @@ _C = CN()
 _C.MODEL = CN()
 # Architecture name: a torchvision model, a timm model, or one of the aliases in models.py
 _C.MODEL.ARCH = "resnet18"
-# Number of output classes (the size of the classifier head)
-_C.MODEL.NUM_CLASSES = 1000
+# Number of output classes (the size of the classifier head); 0 = the training data's class count (folders,
+# CIFAR, shard sets, registered sources; 1000 for synthetic or dummy data); a value that differs is refused
+_C.MODEL.NUM_CLASSES = 0
 # Start from pretrained weights (never downloaded): True = MODEL.ARCH's file in torch.hub.get_dir()/checkpoints,
 # or the path of a weights file; a head of another class count is re-initialised, the stem adapted (docs/recipes.md)
 _C.MODEL.PRETRAINED = False
@@ -32,6 +33,9 @@ _C.MODEL.DUMMY_INPUT = False
 _C.MODEL.IN_CHANS = 3
 # Replace the stride-4 ImageNet stem by a stride-1 3x3 conv for 28-32 px images (ResNet family)
 _C.MODEL.SMALL_STEM = False
+# Residual networks start with the last BatchNorm weight of each residual block at zero, so each block
+# starts as the identity (Goyal et al., 2017; timm's zero_init_last); False: every BatchNorm weight at 1
+_C.MODEL.ZERO_INIT_RESIDUAL = True
 
 # ---------------------------------------------------------------------------------------------
 # Training
@@ -54,8 +58,9 @@ _C.TRAIN.AUTO_RESUME = True
 _C.TRAIN.RESUME_ALLOW = []
 # On resume, also restore the optimizer state (False: weights, epoch and schedule only)
 _C.TRAIN.LOAD_OPT = True
-# DataLoader worker processes per training process
-_C.TRAIN.WORKERS = 4
+# DataLoader worker processes per training process; -1 = what this process's cores allow (its CPU
+# affinity / processes on this node, one core left to the process itself, at most 8)
+_C.TRAIN.WORKERS = -1
 # Shard sets: each loader worker reads this many consecutive samples at a time and yields them in a
 # random order (per epoch; memory: this x the mean record size per worker); 1 = stream order only
 _C.TRAIN.SHARD_SHUFFLE = 1000
@@ -63,7 +68,7 @@ _C.TRAIN.SHARD_SHUFFLE = 1000
 _C.TRAIN.PIN_MEMORY = True
 # Print a progress line every PRINT_FREQ iterations (rank 0 only)
 _C.TRAIN.PRINT_FREQ = 30
-# The k of the top-k accuracy reported next to top-1 (clipped to the number of classes)
+# The k of the top-k accuracy reported next to top-1 (clamped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
 # Unreadable image files: 'skip' (log, count, use the next readable one) or 'fail' (stop the run)
 _C.TRAIN.BAD_IMAGES = "skip"
@@ -159,14 +164,15 @@ _C.TRAIN.STD = []
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 _C.TEST = CN()
-# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic
-_C.TEST.DATASET = "./data/ILSVRC/"
+# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET
+_C.TEST.DATASET = ""
 # Sub-folder (or split name) of DATASET used for validation
 _C.TEST.SPLIT = "val"
 # Mini-batch size per process for evaluation
 _C.TEST.BATCH_SIZE = 200
-# Resize the shorter side to IM_SIZE, then center-crop TRAIN.IM_SIZE (folders only; TEST.CROP_PCT overrides)
-_C.TEST.IM_SIZE = 256
+# Resize the shorter side to IM_SIZE, then center-crop TRAIN.IM_SIZE (folders, shards; TEST.CROP_PCT overrides);
+# 0 = follow TRAIN.IM_SIZE: TRAIN.IM_SIZE / 0.875 (256 for 224)
+_C.TEST.IM_SIZE = 0
 # Eval center-crop fraction: resize the shorter side to TRAIN.IM_SIZE / CROP_PCT (folders); 0 = use TEST.IM_SIZE
 _C.TEST.CROP_PCT = 0.0
 # Print an evaluation progress line every PRINT_FREQ iterations (rank 0 only)
@@ -215,7 +221,8 @@ _C.OPTIM.DAMPENING = 0.0
 _C.OPTIM.NESTEROV = True
 # The LR starts at WARMUP_FACTOR x LR and rises linearly to LR over WARMUP_EPOCHS
 _C.OPTIM.WARMUP_FACTOR = 0.1
-# Length of the linear warmup in epochs (may be fractional; 0 disables it)
+# Length of the linear warmup in epochs (may be fractional; 0 disables it); the LR reaches its peak at its
+# end. A warmup over half of OPTIM.MAX_EPOCH is shortened to a fifth of the run, with a line saying so
 _C.OPTIM.WARMUP_EPOCHS = 5
 # L2 weight decay
 _C.OPTIM.WEIGHT_DECAY = 5e-5

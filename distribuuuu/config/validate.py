@@ -35,13 +35,13 @@ RUN_FOLDER_NAMES = ("checkpoints", "log.txt", "metrics.jsonl", "metrics.csv", "t
                     "env.json", "env_history.jsonl", "eval.jsonl", "metrics_dropped.jsonl", "model.txt", "run.lock",
                     "plots", "bench", "export")
 
-_POSITIVE = ("MODEL.NUM_CLASSES", "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE",
-             "TEST.IM_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
-             "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
+_POSITIVE = ("TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ",
+             "TRAIN.TOPK", "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
              "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD", "OPTIM.REF_BATCH_SIZE", "DIST.TIMEOUT_S",
              "TRAIN.REPEATED_AUG", "TRAIN.SHARD_SHUFFLE")
-_NON_NEGATIVE = ("TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN", "TRAIN.NONFINITE_MAX_SKIPS",
-                 "TRAIN.WORKERS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
+# 0 means "infer" for the first two (inferred.py)
+_NON_NEGATIVE = ("MODEL.NUM_CLASSES", "TEST.IM_SIZE", "TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN",
+                 "TRAIN.NONFINITE_MAX_SKIPS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY",
                  "OPTIM.WARMUP_EPOCHS", "OPTIM.DAMPENING", "DIST.BUCKET_CAP_MB", "TRAIN.VAL_SPLIT",
                  "DIST.VOTE_PERIOD_STEPS")
 # Checked after the recipe keys (their order decides which of two problems is reported first)
@@ -85,8 +85,9 @@ def _check_counts(cfg: CN) -> None:
     for key in _NON_NEGATIVE:
         value = _get(cfg, key)
         _need(value >= 0, f"config key {key} must be >= 0, got {value}")
-    _need(cfg.TRAIN.TOPK <= cfg.MODEL.NUM_CLASSES,
-          f"TRAIN.TOPK ({cfg.TRAIN.TOPK}) must be <= MODEL.NUM_CLASSES ({cfg.MODEL.NUM_CLASSES})")
+    # TRAIN.TOPK above MODEL.NUM_CLASSES is clamped to it (inferred.py), not refused
+    _need(cfg.TRAIN.WORKERS >= -1, f"config key TRAIN.WORKERS must be >= 0, or -1 for what the cores allow, "
+          f"got {cfg.TRAIN.WORKERS}")
 
 
 def _check_optim(cfg: CN) -> None:
@@ -220,7 +221,8 @@ def _check_run(cfg: CN) -> None:
     _need(cfg.CFG_DEST not in RUN_FOLDER_NAMES,
           f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
           "use a name such as config.yaml")
-    for key in ("TRAIN.DATASET", "TEST.DATASET"):
-        _need(_get(cfg, key).strip() != "", f"{key} must be a folder path or one of mnist5k, synthetic")
+    _need(cfg.TRAIN.DATASET.strip() != "", "TRAIN.DATASET must be a folder path or one of mnist5k, synthetic")
+    _need(cfg.TEST.DATASET == "" or cfg.TEST.DATASET.strip() != "",
+          "TEST.DATASET must be a folder path, one of mnist5k, synthetic, or '' for TRAIN.DATASET")
     bad = [m for m in cfg.IMPORTS if not isinstance(m, str) or not m.strip()]
     _need(not bad, f"IMPORTS holds module names or .py file paths (e.g. ['mypkg.models']), got {bad}")

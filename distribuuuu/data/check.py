@@ -138,9 +138,7 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
         if cfg.TRAIN.DATA_PIPELINE == "memory":  # refused here, before any process starts, if impossible
             data_pipeline(cfg, key)
         n_classes, n, folder_counts = _scan(cfg, key)
-        if n_classes > cfg.MODEL.NUM_CLASSES:
-            raise UserError(f"{key}.DATASET {cfg[key].DATASET!r} has {n_classes} classes but "
-                            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES}; set MODEL.NUM_CLASSES {n_classes}")
+        _require_class_count(cfg, key, n_classes)
         if key == "TRAIN" and cfg.TRAIN.VAL_SPLIT and sources.source_kind(cfg.TRAIN.DATASET) == "shards":
             raise UserError("TRAIN.VAL_SPLIT holds out random samples, which a shard set (read as a stream) cannot "
                             "give; shard a val split too (`distribuuuu data shard` writes one per folder) and set "
@@ -159,6 +157,19 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
         _require_one_step(cfg, train_n, train_kept, world_size)
         if sources.source_kind(cfg.TRAIN.DATASET) == "shards":
             _require_no_empty_step(cfg, train_n, world_size)
+
+
+def _require_class_count(cfg: CfgNode, key: str, n_classes: int) -> None:
+    """The model has one output per training class: MODEL.NUM_CLASSES must be the TRAIN data's count
+    (outputs without a class would appear in the model card as made-up names), and the TEST data may
+    hold no more classes than that."""
+    num = cfg.MODEL.NUM_CLASSES
+    if n_classes == num or (key == "TEST" and n_classes < num):
+        return
+    fix = "leave MODEL.NUM_CLASSES unset (0) to follow the data" if key == "TRAIN" else \
+        f"evaluate on data of at most {num} classes"
+    raise UserError(f"{key}.DATASET {cfg[key].DATASET!r} has {n_classes} classes but MODEL.NUM_CLASSES is {num}; "
+                    f"{fix}, or set MODEL.NUM_CLASSES {n_classes}")
 
 
 def _require_no_empty_step(cfg: CfgNode, n: int, world_size: int) -> None:

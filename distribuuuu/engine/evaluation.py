@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, models
+from distribuuuu import checkpoint, data, inferred, models
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
@@ -144,7 +144,12 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
         cfg.freeze()
     seed_everything(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
-    loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
+    if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(cfg):  # a folder of class folders: its held-out part
+        log.info("[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g held out",
+                 cfg.TRAIN.VAL_SPLIT)
+        loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+    else:
+        loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
     start = time.perf_counter()
     result = evaluate(model, loader, cfg, ctx)
     log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,

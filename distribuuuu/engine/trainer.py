@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, model_card, models, optim, resume_check, strategies
+from distribuuuu import checkpoint, data, inferred, model_card, models, optim, resume_check, strategies
 from distribuuuu.engine import evaluation
 from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
@@ -91,7 +91,7 @@ class Trainer:
         cfg, ctx = seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
-        if cfg.TRAIN.VAL_SPLIT:
+        if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set
             self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         # What every checkpoint says about the model: class names of the data trained on, preprocessing
         self.card = model_card.describe(self.cfg, self.train_loader.dataset)
