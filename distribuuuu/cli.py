@@ -1,8 +1,9 @@
 """The `distribuuuu` command: train, eval, config, data, plot, bench, predict, export.
 
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
-    distribuuuu eval   [--cfg FILE] [--nproc-per-node N] [MODEL.WEIGHTS PATH] [KEY VALUE ...]
+    distribuuuu eval   [--cfg FILE] [--nproc-per-node N] --checkpoint PATH [KEY VALUE ...]
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
+    distribuuuu config --explain KEY                     a key's comment, type and default
     distribuuuu config --list                            the shipped configs, each with its first comment line
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
     distribuuuu data shard SRC DEST [--shard-size 256MB]  an image folder (or mnist5k) as tar shards + index.json
@@ -10,8 +11,10 @@
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
     distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]   loader img/s: folder vs shards
-    distribuuuu predict [--cfg FILE] MODEL.WEIGHTS PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ... [--output F.csv|F.json]
-    distribuuuu export [--cfg FILE] [--out DIR] MODEL.WEIGHTS PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
+    distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ... [--output F.csv|F.json]
+    distribuuuu export [--cfg FILE] [--out DIR] --checkpoint PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
+
+--checkpoint PATH is the same as MODEL.WEIGHTS PATH. Options may also follow the KEY VALUE pairs.
 
 eval, predict and export need no --cfg for a checkpoint of `distribuuuu train`: its stored config,
 class names and preprocessing are used (distribuuuu/inference.py); --cfg and KEY VALUE still win.
@@ -33,14 +36,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distribuuuu import data_cli  # light: argparse only; the data code is imported when a command runs
+from distribuuuu import cli_help, data_cli  # light: argparse only; the data code is imported when a command runs
 from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already says what the default is
-    (an option whose default is None must say it in words: "None" tells the user nothing)."""
+    (an option whose default is None must say it in words: "None" tells the user nothing); the
+    examples that end each --help keep their lines."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -69,6 +73,10 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool, stored: boo
     parser.add_argument("--cfg", dest="cfg_file", default=None,
                         help="YAML config file, or a shipped config's name (`distribuuuu config --list`); "
                              f"default: none, {default}")
+    if stored:
+        parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                            help="the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH "
+                                 "(default: none, MODEL.WEIGHTS, else OUT_DIR's checkpoints/best.pth)")
     if with_nproc:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
@@ -92,12 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distribuuuu", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"distribuuuu {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser = _with_examples(sub.add_parser)  # type: ignore[method-assign]
     _add_cfg_args(sub.add_parser("train", help="train a model"), with_nproc=True)
-    _add_cfg_args(sub.add_parser("eval", help="evaluate MODEL.WEIGHTS on the val split (without --cfg: with "
-                                 "the config stored in the checkpoint)"), with_nproc=True, stored=True)
+    _add_cfg_args(sub.add_parser("eval", help="evaluate a checkpoint (--checkpoint PATH) on the val split "
+                                 "(without --cfg: with the config stored in the checkpoint)"), with_nproc=True, stored=True)
     config_parser = sub.add_parser("config", help="print the merged, validated config as YAML")
     config_parser.add_argument("--list", dest="list_shipped", action="store_true",
                                help="list the shipped configs (usable as --cfg NAME) instead")
+    config_parser.add_argument("--explain", default=None, metavar="KEY",
+                               help="print KEY's comment, type and default instead (default: none)")
     _add_cfg_args(config_parser, with_nproc=False)
     data_cli.add_parser(sub, _Parser)
     _add_tool_parsers(sub)
@@ -162,7 +173,15 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 TOOLS = ("plot", "bench", "predict", "export")
-TOOL_FLAGS = ("--io", "--help")  # the tools' options that take no value
+
+
+def _with_examples(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    """sub.add_parser that ends each subcommand's --help with its examples (cli_help.EXAMPLES)."""
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("epilog", cli_help.EXAMPLES.get(name))
+        return add_parser(name, **kwargs)
+
+    return add
 
 
 def package_version() -> str:
@@ -180,6 +199,9 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
     """`distribuuuu config`: the merged config as YAML, or with --list the shipped configs."""
     from distribuuuu import config
 
+    if args.explain is not None:
+        print(cli_help.explain(args.explain), end="")
+        return 0
     if args.list_shipped:
         if args.cfg_file or opts:
             raise UserError("config --list lists the shipped configs; it takes no --cfg or KEY VALUE "
@@ -196,20 +218,15 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
     return 0
 
 
-def _options_first(tokens: list[str]) -> list[str]:
-    """The tools' --options may also follow the KEY VALUE pairs and paths (argparse's REMAINDER
-    would take them as config keys): move each, with its value, to the front."""
-    front: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(tokens):
-        take = (1 if "=" in tokens[i] or tokens[i] in TOOL_FLAGS else 2) if tokens[i].startswith("--") else 0
-        if take:
-            front += tokens[i:i + take]
-        else:
-            rest.append(tokens[i])
-        i += take or 1
-    return front + rest
+def arrange(argv: list[str]) -> list[str]:
+    """argv with each command's --options in front of its KEY VALUE pairs (and paths), where they may
+    also be typed: `train KEY VALUE --nproc-per-node 2` (argparse's REMAINDER would take them as keys)."""
+    if argv and argv[0] != "data":  # data's subcommands take plain positionals, parsed as usual
+        return [argv[0], *cli_help.options_first(argv[1:])]
+    return argv
+
+
+_options_first = cli_help.options_first  # the former name
 
 
 def _run_tool(args: argparse.Namespace) -> int:
@@ -343,8 +360,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv[:1] == ["--version"]:  # here rather than argparse's action, which exits the process
         print(f"distribuuuu {package_version()}")
         return 0
-    if argv and argv[0] in TOOLS:
-        argv = [argv[0], *_options_first(argv[1:])]
+    argv = arrange(argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (bad arguments raise UserError): printed; main returns the status
@@ -353,6 +369,8 @@ def _main(argv: Sequence[str] | None) -> int:
         from distribuuuu import config
 
         args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
+    if getattr(args, "checkpoint", None) is not None or args.command in ("eval", "export"):
+        args.opts = cli_help.with_checkpoint(args.command, getattr(args, "checkpoint", None), list(args.opts or []))
     if args.command in TOOLS:
         return _run_tool(args)
     if args.command == "data":

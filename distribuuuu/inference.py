@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, config, models
+from distribuuuu import checkpoint, config, inferred, models
 from distribuuuu.config.reading import parse_literal
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import ModelCard, describe, from_checkpoint
@@ -96,8 +96,21 @@ def config_from_text(text: str, source: str, opts: list[str]) -> CfgNode:
     config.merge_opts(cfg, opts)
     config.validate(cfg)
     cfg.freeze()
+    _require_imported_files(cfg, source)
     config.import_user_modules(cfg.IMPORTS)  # a model registered by the user's module is found by name
-    return cfg
+    return inferred.resolve(cfg)  # a stored config is resolved already: only what opts left unset
+
+
+def _require_imported_files(cfg: CfgNode, source: str) -> None:
+    """The run imported its own .py files (IMPORTS, stored as absolute paths: a registered model or
+    dataset source): one that is gone is a UserError saying so, before anything else is tried."""
+    from distribuuuu.config.user_modules import is_path
+
+    gone = [e for e in cfg.IMPORTS if is_path(e) and not os.path.isfile(e)]
+    if gone:
+        raise UserError(f"{source}: the run imported {gone[0]} (IMPORTS; it registers code the model or data need, "
+                        f"e.g. MODEL.ARCH {cfg.MODEL.ARCH!r}), and that file is gone; put it back there, or name "
+                        "the module that registers it with --import FILE (replacing IMPORTS)")
 
 
 def weights_in(opts: list[str]) -> str | None:

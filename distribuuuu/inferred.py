@@ -85,6 +85,7 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     _eval_size(out, found)
     _workers(out, found, local_world_size)
     _warmup(out, found)
+    _absolute_imports(out, found)
     out.freeze()
     out.__dict__[_FACTS] = tuple(found)
     return out
@@ -251,3 +252,30 @@ def _warmup(cfg: CfgNode, found: list[Fact]) -> None:
     found.append(Fact("OPTIM.WARMUP_EPOCHS", short, f"shortened from {o.WARMUP_EPOCHS:g}: a warmup over half of the "
                       f"{o.MAX_EPOCH}-epoch run would leave little of it at the peak LR", warn=True))
     o.WARMUP_EPOCHS = short
+
+
+def _absolute_imports(cfg: CfgNode, found: list[Fact]) -> None:
+    """IMPORTS entries that only this folder finds (a .py path, or a module beside it) as absolute
+    paths, and the file of a MODEL.ARCH registered with register_model added: the config stored in
+    the checkpoints then imports them from any folder (eval, predict, export, load_model)."""
+    import sys
+
+    from distribuuuu.config.user_modules import is_path
+
+    entries = []
+    for entry in cfg.IMPORTS:
+        if is_path(entry):
+            entry = os.path.abspath(entry)
+        elif "." not in entry and sys.modules.get(entry) is not None:
+            file = getattr(sys.modules[entry], "__file__", None) or ""
+            if os.path.dirname(os.path.abspath(file)) == os.getcwd():  # found beside us, not on sys.path
+                entry = os.path.abspath(file)
+        entries.append(entry)
+    models = sys.modules.get("distribuuuu.models")  # not imported: nothing was registered with it
+    model_file = models.user_model_file(cfg.MODEL.ARCH) if models is not None else None
+    if model_file and model_file not in entries and not any(
+            getattr(sys.modules.get(e), "__file__", None) == model_file for e in entries):
+        entries.append(model_file)
+    if entries != list(cfg.IMPORTS):
+        cfg.IMPORTS = entries
+        found.append(Fact("IMPORTS", entries, "as absolute paths: eval, predict and export find them from any folder"))

@@ -16,7 +16,8 @@ The preprocessing is the evaluation pipeline's: the image as a uint8 tensor (``r
 computed by ``describe`` from the run's data recipe (data/recipe.py) and its training data: folders
 take the recipe's mean/std (ImageNet's unless set) and eval resize (TEST.IM_SIZE, or
 TRAIN.IM_SIZE / TEST.CROP_PCT); mnist5k, CIFAR and a registered TensorSource their own mean/std,
-resized to TRAIN.IM_SIZE; synthetic data and a registered Dataset (items that are ready tensors)
+resized to TRAIN.IM_SIZE; a registered Dataset (items that are ready tensors) the mean/std its
+source states (register_source(stats=...), or the Dataset's ``stats``), else, as synthetic data,
 only the [0, 1] scaling (mean 0, std 1).
 """
 
@@ -32,7 +33,7 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.data import sources, transforms
+from distribuuuu.data import registry, sources, transforms
 from distribuuuu.data.recipe import INTERPOLATIONS, recipe_of
 from distribuuuu.data.shards.reader import ShardDataset
 from distribuuuu.errors import UserError
@@ -138,8 +139,10 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
         stats = transforms.stats_for_channels(recipe.stats or transforms.IMAGENET_STATS, chans)
         resize, crop_pct = recipe.eval_resize(size, cfg.TEST.IM_SIZE), recipe.crop_pct
         resize_on = "pil" if cfg.TRAIN.IMAGE_DECODE == "pil" else "tensor"
-    else:  # the tensor sources resize to TRAIN.IM_SIZE, no crop; ready items were only scaled
-        stats = _normalize_of(dataset) or ([0.0] * chans, [1.0] * chans)
+    else:  # the tensor sources resize to TRAIN.IM_SIZE, no crop; ready items: the stats their source states
+        stated = registry.stated_stats(cfg.TRAIN.DATASET, dataset)
+        stats = _normalize_of(dataset) or (transforms.stats_for_channels(stated, chans) if stated else
+                                           ([0.0] * chans, [1.0] * chans))
         resize, crop_pct, resize_on = size, None, "tensor"
     names = [str(c) for c in names] + [str(c) for c in range(len(names), cfg.MODEL.NUM_CLASSES)]
     interpolation = recipe.interpolation if recipe.interpolation in INTERPOLATIONS else "bilinear"

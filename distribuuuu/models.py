@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import timm
 import timm.layers
@@ -52,6 +53,61 @@ TINY_WIDTHS: dict[str, tuple[int, int, int, int]] = {
 
 
 # ---------------------------------------------------------------------------------------------
+# The user's own models: plain functions (num_classes, in_chans) -> nn.Module
+# ---------------------------------------------------------------------------------------------
+_USER_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(fn: Callable[..., nn.Module] | str | None = None, *, name: str | None = None) -> Any:
+    """Register a plain ``def my_net(num_classes, in_chans) -> nn.Module`` so that MODEL.ARCH names it.
+
+    Use ``@register_model`` (the function's name) or ``@register_model("name")``, in a module that
+    IMPORTS (or ``--import my_models.py``) names; no timm internals are involved (timm's own decorator
+    makes create_model pass pretrained_cfg and other arguments such a function does not take). The
+    function is called with keywords, and gets ``img_size`` too when it takes it. A checkpoint records
+    the file the function lives in (IMPORTS as absolute paths, inferred.py), so eval, predict, export
+    and load_model find it from any folder. Registering a name of another function, or an alias, is a
+    ValueError; the same function registered again (its module imported twice) replaces itself."""
+    if isinstance(fn, str):
+        return lambda f: register_model(f, name=fn)
+    if fn is None:
+        return lambda f: register_model(f, name=name)
+    key = name or fn.__name__
+    known = _USER_MODELS.get(key)
+    if key in ALIASES or (known is not None and _where(known) != _where(fn)):
+        owner = "an alias of distribuuuu" if key in ALIASES else f"already registered by {_where(known)}"
+        raise ValueError(f"register_model: the model name {key!r} is {owner}; pick another name")
+    _USER_MODELS[key] = fn
+    return fn
+
+
+def _where(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def user_model_file(arch: str) -> str | None:
+    """The file of the module that defines the user's model arch (None: not a registered function)."""
+    fn = _USER_MODELS.get(arch)
+    if fn is None:
+        return None
+    try:
+        return os.path.abspath(inspect.getsourcefile(fn) or "")
+    except TypeError:
+        return None
+
+
+def _build_user(name: str, num_classes: int, in_chans: int, im_size: int) -> nn.Module:
+    fn = _USER_MODELS[name]
+    kwargs: dict[str, Any] = {"num_classes": num_classes, "in_chans": in_chans}
+    if "img_size" in inspect.signature(fn).parameters:
+        kwargs["img_size"] = im_size
+    model = fn(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"MODEL.ARCH {name!r}: {_where(fn)} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
 # Names
 # ---------------------------------------------------------------------------------------------
 @functools.cache
@@ -81,6 +137,8 @@ def resolve_arch(arch: str) -> tuple[str, str]:
     """MODEL.ARCH -> (library, name): an alias first, then torchvision, then timm."""
     if arch in ALIASES:
         return ALIASES[arch]
+    if arch in _USER_MODELS:
+        return "user", arch
     if arch in _torchvision_names():
         return "torchvision", arch
     # timm also takes "name.pretrained_tag". Asked live, not from the cached list: an IMPORTS module
@@ -93,7 +151,8 @@ def resolve_arch(arch: str) -> tuple[str, str]:
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise UserError(
         f"unknown MODEL.ARCH {arch!r}{hint}; any torchvision or timm classification model name works, "
-        f"or one of {', '.join(ALIASES)}"
+        f"or one of {', '.join(ALIASES)}, or a function registered with distribuuuu.models.register_model in a "
+        "module that IMPORTS names"
     )
 
 
@@ -207,6 +266,8 @@ def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Mo
     args = (cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
     if lib == "tiny":
         model = _tiny_resnet(TINY_WIDTHS[name], *args[:2])
+    elif lib == "user":
+        model = _build_user(name, *args)
     elif lib == "timm":
         model = _create_timm(name, *args)
     else:

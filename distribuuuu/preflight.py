@@ -42,12 +42,26 @@ def _check_cfg_dest(cfg: Any) -> None:
                         "is written to that name: use a file name such as config.yaml")
 
 
+def _require_eval_weights(cfg: Any) -> None:
+    """eval without MODEL.WEIGHTS evaluates OUT_DIR's best.pth / last.pth: neither there is a UserError
+    saying how to name the checkpoint."""
+    if cfg.MODEL.WEIGHTS:
+        return
+    folder = os.path.join(cfg.OUT_DIR, "checkpoints")
+    if not any(os.path.isfile(os.path.join(folder, n)) for n in ("best.pth", "last.pth")):
+        raise UserError(f"eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
+                        f"`distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth`, or the OUT_DIR of a run "
+                        f"({folder} holds no best.pth or last.pth)")
+
+
 def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting.
 
     command: "train" or "eval". all_ranks_here: every rank runs on this host (plain, spawner,
     one-node torchrun/srun).
     """
+    if command == "eval":
+        _require_eval_weights(cfg)  # before anything about the data: what eval is missing first
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     _check_batch_fits(command, cfg)
     if command == "train":

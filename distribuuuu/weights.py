@@ -11,8 +11,9 @@ problem is a ``UserError`` (exit 2) naming the tensor. Two differences may be al
   new_head     the classifier (heads.py) has another number of classes than the model: every other
                tensor is loaded, the head keeps the model's own initialisation, and ONE line says so
                (fine-tuning onto another class count: MODEL.WEIGHTS in training, MODEL.PRETRAINED)
-  adapt_stem   the first conv has other input channels (summed / repeated, timm's rule) or another
-               kernel (MODEL.SMALL_STEM: kept as initialised): MODEL.PRETRAINED only
+  adapt_stem   the first conv has another kernel (MODEL.SMALL_STEM: kept as initialised):
+               MODEL.PRETRAINED only. Other input channels (1 <-> 3: adapt_input_channels) are
+               adapted whenever new_head or adapt_stem is allowed (training)
 
 and ``fresh_head`` never loads the classifier, whatever its size (MODEL.PRETRAINED PATH: a start for
 a new task, whose classes are not the file's even when they are as many).
@@ -28,7 +29,6 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.nn as nn
-from timm.models import adapt_input_conv
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from distribuuuu import checkpoint, heads
@@ -97,18 +97,45 @@ def _few(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else f" ({len(keys)})")
 
 
-def _adapt_stem(model: nn.Module, state: dict, own: dict, mismatched: list[str], notes: list[str]) -> set[str]:
-    """MODEL.PRETRAINED onto another stem: adapt the input channels, or keep a stem of another
-    kernel as initialised. Returns the stem tensors left as initialised."""
+def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
+    """A first conv's weight [out, c, kh, kw] made to take chans input channels, so that an image whose
+    channels are all equal (a gray image as RGB, or RGB as its gray mean) gets the same response:
+
+      to 1 channel    the sum over the c channels (a gray value g on every channel gave sum(w) * g)
+      from 1 channel  the weight repeated chans times and divided by chans
+      otherwise       the c channels repeated in turn up to chans, scaled by c / chans
+
+    Written here: timm's adapt_input_conv returns a 1-channel weight unchanged for 3 channels, which
+    then failed in load_state_dict with a size-mismatch traceback (#27)."""
+    have = weight.shape[1]
+    if have == chans:
+        return weight
+    w = weight.float()
+    if chans == 1:
+        out = w.sum(dim=1, keepdim=True)
+    else:
+        index = torch.arange(chans) % have
+        out = w[:, index] * (have / chans)
+    return out.to(weight.dtype)
+
+
+def _adapt_stem(model: nn.Module, state: dict, own: dict, mismatched: list[str], notes: list[str],
+                keep_other_kernels: bool = True) -> set[str]:
+    """Weights onto a stem of other input channels: adapted (adapt_input_channels). A stem of another
+    kernel (MODEL.SMALL_STEM) is kept as initialised when keep_other_kernels (MODEL.PRETRAINED), else
+    left to _check_shapes' error. Returns the stem tensors left as initialised."""
     stem = first_conv(model)[0] + ".weight"
     if stem not in mismatched:
         return set()
-    mismatched.remove(stem)
     w, want = state[stem], own[stem]
     if w.shape[0] == want.shape[0] and w.shape[2:] == want.shape[2:]:
-        state[stem] = adapt_input_conv(want.shape[1], w)  # timm's rule: sum or repeat RGB
+        mismatched.remove(stem)
+        state[stem] = adapt_input_channels(w, want.shape[1])
         notes.append(f"{stem} adapted from {w.shape[1]} to {want.shape[1]} input channels")
         return set()
+    if not keep_other_kernels:
+        return set()
+    mismatched.remove(stem)
     del state[stem]
     notes.append(f"{stem} kept freshly initialised (the file's {_fmt_shape(w)} does not fit "
                  f"{_fmt_shape(want)}, e.g. after MODEL.SMALL_STEM)")
@@ -129,7 +156,7 @@ def _check_shapes(model: nn.Module, where: str, state: dict, own: dict, mismatch
         k = others[0]
         more = f" (and {len(others) - 1} more tensors)" if len(others) > 1 else ""
         raise UserError(
-            f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
+            f"{where}: layer {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
             f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
             "MODEL.SMALL_STEM or TRAIN.IM_SIZE settings")
 
@@ -169,7 +196,9 @@ def load_file(model: nn.Module, path: str, label: str, new_head: bool = False, a
     own = model.state_dict()
     notes: list[str] = []
     mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
-    fresh = _adapt_stem(model, state, own, mismatched, notes) if adapt_stem and mismatched else set()
+    fresh = set()
+    if mismatched and (adapt_stem or new_head):  # training: the stem takes the data's channels (1 <-> 3)
+        fresh = _adapt_stem(model, state, own, mismatched, notes, keep_other_kernels=adapt_stem)
     _check_shapes(model, where, state, own, mismatched)
     new, head_line = _drop_head(model, where, state, own, mismatched, new_head, fresh_head)
     fresh |= new

@@ -61,29 +61,43 @@ Builder = Callable[[str, CfgNode, str], SourceData]
 
 @dataclass(frozen=True)
 class Source:
-    """A registered source: its name, its builder and the splits it has (None: any split name)."""
+    """A registered source: its name, its builder, the splits it has (None: any split name), and what
+    it states about its data: the class names (MODEL.NUM_CLASSES follows them without building it) and
+    the (mean, std) its items were normalized with (a Dataset of ready tensors: the model card records
+    them, so that predict and load_model prepare images the same way)."""
 
     name: str
     build: Builder
     splits: tuple[str, ...] | None = None
     builtin: bool = False
+    classes: tuple[str, ...] | None = None
+    stats: Stats | None = None
 
 
 _SOURCES: dict[str, Source] = {}
 
 
 def register_source(name: str, build: Builder | None = None, *, splits: tuple[str, ...] | None = None,
+                    classes: list[str] | tuple[str, ...] | None = None, stats: Stats | None = None,
                     _builtin: bool = False) -> Callable:
     """Register ``build(split, cfg, key) -> TensorSource | Dataset`` as the source ``name``.
 
     Use it as a decorator (``@register_source("tiny")``) or call it with the function
     (``register_source("tiny", build)``); either way the function is returned unchanged. ``splits``
     lists the SPLIT values it accepts (another is a UserError naming them); None accepts any.
+    ``classes`` states the class names (in label order) and ``stats`` the ((mean, ...), (std, ...))
+    per channel that a Dataset's items were normalized with (a TensorSource carries its own stats);
+    a source that states no normalization gets a warning when a run trains on it.
     A name registered twice, or a built-in name, is a ValueError: two modules would otherwise
     silently race for the same TRAIN.DATASET.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_source: the name must be a non-empty string, got {name!r}")
+    if stats is not None and not (len(stats) == 2 and len(stats[0]) == len(stats[1]) > 0):
+        raise ValueError(f"register_source({name!r}): stats must be ((mean, ...), (std, ...)), one value per channel, "
+                         f"got {stats!r}")
+    named = tuple(str(c) for c in classes) if classes is not None else None
+    known_stats = (tuple(float(m) for m in stats[0]), tuple(float(v) for v in stats[1])) if stats is not None else None
 
     def add(fn: Builder) -> Builder:
         if not callable(fn):
@@ -92,7 +106,7 @@ def register_source(name: str, build: Builder | None = None, *, splits: tuple[st
         if known is not None:
             what = "a built-in source" if known.builtin else f"already registered (by {_where(known.build)})"
             raise ValueError(f"register_source: the dataset source {name!r} is {what}; pick another name")
-        _SOURCES[name] = Source(name, fn, tuple(splits) if splits is not None else None, _builtin)
+        _SOURCES[name] = Source(name, fn, tuple(splits) if splits is not None else None, _builtin, named, known_stats)
         return fn
 
     return add if build is None else add(build)
@@ -140,7 +154,23 @@ def build_source(cfg: CfgNode, key: str) -> SourceData:
     elif not (isinstance(data, Dataset) and hasattr(data, "classes") and hasattr(data, "targets")):
         raise UserError(f"{key}.DATASET {source.name!r}: {_where(source.build)} returned {type(data).__name__}, "
                         "but a dataset source returns a TensorSource or a Dataset with .classes and .targets")
+    if source.classes is not None and tuple(str(c) for c in data.classes) != source.classes:
+        raise UserError(f"{key}.DATASET {source.name!r}: {_where(source.build)} returned the classes "
+                        f"{list(data.classes)[:5]}..., but register_source stated {list(source.classes)[:5]}...; "
+                        "make them the same (names in label order)")
     return data
+
+
+def stated_stats(name: str, data: SourceData | None = None) -> Stats | None:
+    """The normalization a registered source's items carry: a TensorSource's own stats, else what
+    register_source(stats=...) or the Dataset's ``stats`` attribute states; None when none is stated."""
+    if isinstance(data, TensorSource):
+        return data.stats
+    source = _SOURCES.get(name)
+    if source is not None and source.stats is not None:
+        return source.stats
+    stats = getattr(data, "stats", None)
+    return stats if isinstance(stats, tuple) and len(stats) == 2 else None
 
 
 def _check_tensors(data: TensorSource, source: Source, key: str) -> None:
