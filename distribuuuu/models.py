@@ -13,7 +13,8 @@ import functools
 import inspect
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import timm
 import timm.layers
