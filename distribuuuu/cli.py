@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distribuuuu", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"distribuuuu {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser = _with_examples(sub.add_parser)  # type: ignore[method-assign]
+    sub.add_parser = cli_help.with_examples(sub.add_parser)  # type: ignore[method-assign]
     _add_cfg_args(sub.add_parser("train", help="train a model"), with_nproc=True)
     _add_cfg_args(sub.add_parser("eval", help="evaluate a checkpoint (--checkpoint PATH) on the val split "
                                  "(without --cfg: with the config stored in the checkpoint)"), with_nproc=True, stored=True)
@@ -175,15 +175,6 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
 TOOLS = ("plot", "bench", "predict", "export")
 
 
-def _with_examples(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
-    """sub.add_parser that ends each subcommand's --help with its examples (cli_help.EXAMPLES)."""
-    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        kwargs.setdefault("epilog", cli_help.EXAMPLES.get(name))
-        return add_parser(name, **kwargs)
-
-    return add
-
-
 def package_version() -> str:
     """The installed distribution's version; the package's own __version__ when run from a
     checkout that is not installed."""
@@ -224,9 +215,6 @@ def arrange(argv: list[str]) -> list[str]:
     if argv and argv[0] != "data":  # data's subcommands take plain positionals, parsed as usual
         return [argv[0], *cli_help.options_first(argv[1:])]
     return argv
-
-
-_options_first = cli_help.options_first  # the former name
 
 
 def _run_tool(args: argparse.Namespace) -> int:

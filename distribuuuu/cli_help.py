@@ -6,8 +6,10 @@ Kept apart from cli.py (which parses); nothing here imports torch.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import re
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -47,6 +49,15 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data export mnist5k digits
   distribuuuu data shard digits shards/ --shard-size 64MB""",
 }
+
+def with_examples(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    """sub.add_parser that ends each subcommand's --help with its examples (EXAMPLES)."""
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("epilog", EXAMPLES.get(name))
+        return add_parser(name, **kwargs)
+
+    return add
+
 
 # Options that take no value; every other --option takes one (or is written --option=value).
 FLAGS = frozenset({"--help", "-h", "--io", "--list"})

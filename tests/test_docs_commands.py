@@ -81,8 +81,7 @@ def _parse(line: str) -> None:
     argv = shlex.split(line, comments=True)[1:]
     if argv[:1] in (["--version"], []):
         return
-    if argv[0] in cli.TOOLS:
-        argv = [argv[0], *cli._options_first(argv[1:])]
+    argv = cli.arrange(argv)  # options after the KEY VALUE pairs, as the command takes them
     try:
         args = cli.build_parser().parse_args(argv)
     except SystemExit as e:  # --help exits 0 after printing; a bad option exits 2

@@ -303,8 +303,8 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     seed = cfg.RNG_SEED if cfg.RNG_SEED is not None else 0
     part = "train" if cfg.TRAIN.VAL_SPLIT else None
     _note_unaugmented(cfg, rank)
-    _note_unstated_stats(cfg, rank)
     if rank == 0:
+        registry.warn_unstated_stats(cfg)
         log_recipe(cfg)
     pipeline = data_pipeline(cfg, "TRAIN")
     if _is_shards(cfg, "TRAIN"):
@@ -374,20 +374,6 @@ def _note_unaugmented(cfg: CfgNode, rank: int) -> None:
         what = "synthetic data" if name == "synthetic" else f"the {name} source's items"
     log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
                 "not augmented", what)
-
-
-def _note_unstated_stats(cfg: CfgNode, rank: int) -> None:
-    """A user's Dataset source that states no normalization: its model card can only record pixels in
-    [0, 1] (mean 0, std 1), which predict and load_model then apply; say so once, at train time."""
-    source = None if cfg.MODEL.DUMMY_INPUT else registry.get_source(cfg.TRAIN.DATASET)
-    if rank != 0 or source is None or source.builtin or source.stats is not None:
-        return
-    data = registered_data(cfg, "TRAIN")
-    if isinstance(data, TensorSource) or registry.stated_stats(source.name, data) is not None:
-        return
-    log.warning("TRAIN.DATASET %r states no normalization: the model card records pixels in [0, 1] (mean 0, std 1), "
-                "and predict / load_model prepare images that way; if its items are normalized, state how: "
-                "register_source(%r, stats=((mean, ...), (std, ...)))", source.name, source.name)
 
 
 def _is_shards(cfg: CfgNode, key: str) -> bool:

@@ -29,6 +29,7 @@ IMPORTS / ``--import`` does in every process before the data is built::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
@@ -171,6 +172,21 @@ def stated_stats(name: str, data: SourceData | None = None) -> Stats | None:
         return source.stats
     stats = getattr(data, "stats", None)
     return stats if isinstance(stats, tuple) and len(stats) == 2 else None
+
+
+def warn_unstated_stats(cfg: CfgNode) -> None:
+    """A user's Dataset source that states no normalization: its model card can only record pixels in
+    [0, 1] (mean 0, std 1), which predict and load_model then apply; say so once, at train time."""
+    source = None if cfg.MODEL.DUMMY_INPUT else get_source(cfg.TRAIN.DATASET)
+    if source is None or source.builtin or source.stats is not None:
+        return
+    data = build_source(cfg, "TRAIN")
+    if isinstance(data, TensorSource) or stated_stats(source.name, data) is not None:
+        return
+    logging.getLogger("distribuuuu").warning(
+        "TRAIN.DATASET %r states no normalization: the model card records pixels in [0, 1] (mean 0, std 1), "
+        "and predict / load_model prepare images that way; if its items are normalized, state how: "
+        "register_source(%r, stats=((mean, ...), (std, ...)))", source.name, source.name)
 
 
 def _check_tensors(data: TensorSource, source: Source, key: str) -> None:
