@@ -98,12 +98,12 @@ def _few(keys: list[str]) -> str:
 
 
 def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
-    """A first conv's weight [out, c, kh, kw] made to take chans input channels, so that an image whose
-    channels are all equal (a gray image as RGB, or RGB as its gray mean) gets the same response:
+    """A first conv's weight [out, c, kh, kw] made to take chans input channels. From or to 1 channel,
+    a gray image answers as before (its value g on every channel of the old stem, once on the new one):
 
       to 1 channel    the sum over the c channels (a gray value g on every channel gave sum(w) * g)
       from 1 channel  the weight repeated chans times and divided by chans
-      otherwise       the c channels repeated in turn up to chans, scaled by c / chans
+      otherwise       the c channels repeated in turn up to chans, scaled by c / chans (only roughly the same)
 
     Written here: timm's adapt_input_conv returns a 1-channel weight unchanged for 3 channels, which
     then failed in load_state_dict with a size-mismatch traceback (#27)."""

@@ -14,13 +14,16 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, engine, heads, models, optim
 from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.launch import group
-from tests.conftest import ROOT, TINY, check, cli_main, env
+from distribuuuu.model_card import from_checkpoint
+from distribuuuu.weights import adapt_input_channels
+from tests.conftest import ROOT, TINY, check, cli_main, env, write_image_tree
 
 torch.set_num_threads(1)
 
@@ -175,6 +178,97 @@ def test_cli_exits_2_on_a_bad_pretrained_value_or_file(tmp_path):
                         (["TRAIN.FREEZE_BACKBONE_EPOCHS", "1", "DIST.STATIC_GRAPH", "True"], "STATIC_GRAPH False")):
         proc = cli_main("config", "--cfg", TINY, *opts)
         assert proc.returncode == 2 and words in proc.stderr, (opts, proc.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Across channels (#27): 1-channel weights onto an RGB stem and back; any other mismatch is exit 2
+# ---------------------------------------------------------------------------------------------
+# Image folders of 8 px, one epoch; MODEL.NUM_CLASSES and TRAIN.TOPK left at their defaults.
+FOLDER_RUN = ["MODEL.ARCH", "resnet_tiny", "TRAIN.IM_SIZE", "8", "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCHS", "0",
+              "TRAIN.BATCH_SIZE", "4", "TEST.BATCH_SIZE", "4", "TRAIN.WORKERS", "0", "NUM_THREADS", "1",
+              "DEVICE", "cpu", "TRAIN.PRINT_FREQ", "100", "RNG_SEED", "0"]
+
+
+def _folder(root, mode: str, classes: list[str]) -> str:
+    write_image_tree(str(root), "train", dict.fromkeys(classes, 4), mode=mode, size=(8, 8))
+    write_image_tree(str(root), "val", dict.fromkeys(classes, 2), mode=mode, size=(8, 8))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def gray_ckpt(tmp_path_factory):
+    """A 1-channel checkpoint: 4 classes of gray images (as the mnist5k export), MODEL.IN_CHANS 1."""
+    tmp = tmp_path_factory.mktemp("gray")
+    digits = _folder(tmp / "digits", "L", ["0", "1", "2", "3"])
+    check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", digits, "MODEL.IN_CHANS", "1", "OUT_DIR", str(tmp / "run")))
+    return str(tmp / "run" / "checkpoints" / "last.pth")
+
+
+def _trained(run) -> tuple[dict, object, CfgNode]:
+    ckpt = checkpoint.load(str(run / "checkpoints" / "last.pth"))
+    cfg = get_defaults()
+    merge_text(cfg, ckpt["cfg"], "the checkpoint")
+    return models.strip_wrapper_prefixes(ckpt["model"]), from_checkpoint(ckpt), cfg
+
+
+def test_a_1_channel_checkpoint_fine_tunes_onto_3_rgb_classes_and_back(tmp_path, gray_ckpt):
+    rgb = _folder(tmp_path / "pets", "RGB", ["cat", "dog", "owl"])
+    proc = check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", rgb, "MODEL.WEIGHTS", gray_ckpt,
+                          "OUT_DIR", str(tmp_path / "rgb")))
+    out = proc.stdout + proc.stderr
+    assert "conv1.0.weight adapted from 1 to 3 input channels" in out
+    assert "the classifier fc is re-initialised (4 classes in the file, 3 in the model)" in out
+    state, card, cfg = _trained(tmp_path / "rgb")
+    assert state["conv1.0.weight"].shape[1] == 3 and state["fc.weight"].shape[0] == 3  # 3-channel stem, 3-way head
+    assert card.classes == ["cat", "dog", "owl"] and card.in_chans == 3
+    assert (cfg.MODEL.NUM_CLASSES, cfg.TRAIN.TOPK) == (3, 3)  # followed the folder; TOPK 5 clamped
+    # And back: the RGB run's weights onto the gray images, a 1-channel stem and a 4-way head again.
+    digits = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(gray_ckpt))), "digits")
+    proc = check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", digits, "MODEL.IN_CHANS", "1",
+                          "MODEL.WEIGHTS", str(tmp_path / "rgb" / "checkpoints" / "last.pth"),
+                          "OUT_DIR", str(tmp_path / "gray")))
+    assert "conv1.0.weight adapted from 3 to 1 input channels" in proc.stdout + proc.stderr
+    state, card, _ = _trained(tmp_path / "gray")
+    assert state["conv1.0.weight"].shape[1] == 1 and card.classes == ["0", "1", "2", "3"]
+
+
+def test_pretrained_file_of_1_channel_is_adapted_onto_the_rgb_stem(gray_ckpt):
+    """MODEL.PRETRAINED FILE (it used to end in a size-mismatch traceback): the stem exactly as
+    adapt_input_channels makes it, every other tensor but the head as in the file."""
+    source = _source_state(gray_ckpt)
+    model = models.build_model(_cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "3",
+                                    "MODEL.PRETRAINED", gray_ckpt))
+    got = model.state_dict()
+    assert torch.equal(got["conv1.0.weight"], adapt_input_channels(source["conv1.0.weight"], 3))
+    assert torch.equal(got["layer4.0.conv2.weight"], source["layer4.0.conv2.weight"])
+
+
+@pytest.mark.parametrize("have, want", [(1, 3), (3, 1), (1, 4), (4, 1)])
+def test_an_adapted_stem_answers_a_gray_image_as_before(have, want):
+    conv = nn.Conv2d(have, 8, 3)
+    weight = adapt_input_channels(conv.weight.detach(), want)
+    assert weight.shape == (8, want, 3, 3)
+    gray = torch.rand(2, 1, 8, 8)
+    before = F.conv2d(gray.expand(-1, have, -1, -1), conv.weight)
+    assert torch.allclose(F.conv2d(gray.expand(-1, want, -1, -1), weight), before, atol=1e-5)
+
+
+@pytest.mark.parametrize("key, name, layer, shapes", [
+    ("MODEL.WEIGHTS", "narrow", "layer4.0.bn1.weight", "(64) in the file but (128) in the model"),
+    ("MODEL.PRETRAINED", "narrow", "layer4.0.bn1.weight", "(64) in the file but (128) in the model"),
+    # 1 channel but 24 filters: not a 1 <-> 3 adaptation (MODEL.PRETRAINED keeps such a stem as initialised)
+    ("MODEL.WEIGHTS", "wide_stem", "conv1.weight", "(24, 1, 3, 3) in the file but (16, 3, 3, 3) in the model"),
+])
+def test_another_shape_mismatch_is_exit_2_naming_the_layer_and_both_shapes(tmp_path, source_ckpt, key, name, layer,
+                                                                           shapes):
+    state = _source_state(source_ckpt)
+    changed = {"narrow": {"layer4.0.bn1.weight": torch.ones(64)}, "wide_stem": {"conv1.weight": torch.ones(24, 1, 3, 3)}}
+    torch.save(dict(state, **changed[name]), tmp_path / "w.pt")
+    proc = cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "r"), "MODEL.NUM_CLASSES", "6",
+                    key, str(tmp_path / "w.pt"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"layer {layer} has shape {shapes}" in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------
