@@ -1,5 +1,7 @@
 """User code without forking: IMPORTS / --import bring the user's modules into every process before
-the model is built, so that a timm model registered there is found by MODEL.ARCH."""
+the model is built, so that a timm model registered there is found by MODEL.ARCH, and so is a plain
+function registered with distribuuuu.models.register_model (#27): its checkpoint records the file,
+so that predict and load_model work from another folder, and say so clearly when the file is gone."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import sys
 import textwrap
 
 import pytest
+import torch.nn as nn
 
-from distribuuuu import cli, config
-from tests.conftest import TINY, env, read_metrics
+from distribuuuu import cli, config, models
+from distribuuuu.errors import UserError
+from tests.conftest import TINY, check, env, read_metrics, write_image_tree
 
 # A tiny timm-registered model: a conv, global pooling and a linear head.
 MODEL_SOURCE = textwrap.dedent('''
@@ -112,3 +116,94 @@ def test_spawned_workers_import_the_module_too(tmp_path):
                           cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "last.pth")
+
+
+# ---------------------------------------------------------------------------------------------
+# register_model: a plain def my_net(num_classes, in_chans) -> nn.Module (#27)
+# ---------------------------------------------------------------------------------------------
+PLAIN_SOURCE = textwrap.dedent('''
+    import torch.nn as nn
+
+    from distribuuuu.models import register_model
+
+
+    @register_model
+    def {name}(num_classes, in_chans):
+        return nn.Sequential(nn.Conv2d(in_chans, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(8, num_classes))
+''')
+
+
+def test_register_model_takes_a_plain_function_by_its_name_or_another():
+    def h2_sized(num_classes, in_chans, img_size):  # img_size: given when the function takes it
+        return nn.Sequential(nn.Flatten(), nn.Linear(in_chans * img_size * img_size, num_classes))
+
+    assert models.register_model(h2_sized) is h2_sized
+    models.register_model("h2_other_name")(h2_sized)
+    assert models.resolve_arch("h2_sized") == ("user", "h2_sized")
+    for arch in ("h2_sized", "h2_other_name"):
+        cfg = config.load_config(None, ["MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "5", "MODEL.IN_CHANS", "1",
+                                        "TRAIN.IM_SIZE", "6", "TRAIN.TOPK", "1"])
+        model = models.build_model(cfg)
+        assert model[1].in_features == 36 and model[1].out_features == 5
+    assert models.user_model_file("h2_sized") == os.path.abspath(__file__)
+
+
+def test_register_model_refuses_a_taken_name_and_a_result_that_is_no_module():
+    with pytest.raises(ValueError, match="'resnet_tiny' is an alias of distribuuuu"):
+        models.register_model("resnet_tiny")(lambda num_classes, in_chans: nn.Identity())
+
+    def h2_taken(num_classes, in_chans):
+        return nn.Identity()
+
+    def other(num_classes, in_chans):
+        return "not a module"
+
+    models.register_model(h2_taken)
+    with pytest.raises(ValueError, match="'h2_taken' is already registered by"):
+        models.register_model("h2_taken")(other)
+    models.register_model("h2_no_module")(other)
+    cfg = config.load_config(None, ["MODEL.ARCH", "h2_no_module", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "1"])
+    with pytest.raises(UserError, match="returned str, not a torch.nn.Module"):
+        models.build_model(cfg)
+
+
+def _user_command(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """The installed `distribuuuu` command, run from cwd, with nothing of the checkout on PYTHONPATH."""
+    command = os.path.join(os.path.dirname(sys.executable), "distribuuuu")
+    return subprocess.run([command, *args], cwd=cwd, env=_plain_env(), capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.e2e
+def test_a_plain_function_in_the_users_file_trains_and_predicts_from_another_folder(tmp_path):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_image_tree(str(project / "pets"), "train", {"cat": 4, "dog": 4, "owl": 4}, size=(8, 8))
+    write_image_tree(str(project / "pets"), "val", {"cat": 2, "dog": 2, "owl": 2}, size=(8, 8))
+    (project / "my_models.py").write_text(PLAIN_SOURCE.replace("{name}", "h2_plain_net"))
+    check(_user_command(["train", "--import", "my_models.py", "MODEL.ARCH", "h2_plain_net", "TRAIN.DATASET", "pets",
+                         "TRAIN.IM_SIZE", "8", "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCHS", "0",
+                         "TRAIN.BATCH_SIZE", "4", "TEST.BATCH_SIZE", "4", "TRAIN.WORKERS", "0", "NUM_THREADS", "1",
+                         "DEVICE", "cpu", "OUT_DIR", "run"], project))
+    stored = config.load_config(str(project / "run" / "config.yaml"))
+    assert stored.IMPORTS == [str(project / "my_models.py")]  # an absolute path: found from any folder
+    ckpt, image = str(project / "run" / "checkpoints" / "last.pth"), str(project / "pets" / "val" / "dog" / "0.png")
+    proc = check(_user_command(["predict", "--checkpoint", ckpt, image, "--topk", "3"], elsewhere))
+    assert image in proc.stdout and all(f". {c} " in proc.stdout for c in ("cat", "dog", "owl")), proc.stdout
+    code = f"from distribuuuu.api import load_model\nm = load_model({ckpt!r})\nprint(type(m.model).__name__, m.classes)"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=_plain_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.stdout.strip() == "Sequential ['cat', 'dog', 'owl']", loaded.stderr[-2000:]
+    # The file gone: one clear line naming it, exit 2, no traceback.
+    os.rename(project / "my_models.py", project / "my_models.py.bak")
+    proc = _user_command(["predict", "--checkpoint", ckpt, image], elsewhere)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"the run imported {project / 'my_models.py'}" in errors[0] and "that file is gone" in errors[0]
+    assert "MODEL.ARCH 'h2_plain_net'" in errors[0] and "--import FILE" in errors[0]
+
+
+def _plain_env() -> dict[str, str]:
+    e = env()
+    e.pop("PYTHONPATH", None)
+    return e
