@@ -4,6 +4,7 @@ TRAIN.DATASET / TEST.DATASET find it by name (in process: cli.main, no new inter
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import textwrap
 
@@ -66,6 +67,19 @@ SOURCE = textwrap.dedent('''
 
 
     register_source("{name}_ready", lambda split, cfg, key: Ready(split))
+
+
+    class Normalized(Ready):
+        """Items normalized with a mean and std of its own, stated when registered (#27)."""
+
+        def __init__(self, split):
+            super().__init__(split)
+            self.images = (self.images + 0.35 - 0.4) / 0.2
+
+
+    register_source("{name}_stated", lambda split, cfg, key: Normalized(split), classes=["a", "b", "c", "d"],
+                    stats=((0.4, 0.4, 0.4), (0.2, 0.2, 0.2)))
+    register_source("{name}_misnamed", lambda split, cfg, key: Ready(split), classes=["w", "x", "y", "z"])
 ''')
 
 _count = itertools.count()
@@ -80,7 +94,7 @@ def user_source(tmp_path, monkeypatch):
     (tmp_path / f"{module}.py").write_text(SOURCE.replace("{name}", name))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield module, name
-    for source in (name, f"{name}_ready"):
+    for source in (name, f"{name}_ready", f"{name}_stated", f"{name}_misnamed"):
         unregister_source(source)
     user_modules._imported.pop(module, None)
     sys.modules.pop(module, None)
@@ -121,6 +135,47 @@ def test_a_registered_dataset_and_val_split(user_source, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["n"] for m in _records(out, "train")] == [48, 48]
     assert [m["n"] for m in _records(out, "val")] == [16, 16]
+    # It states no normalization: the card can only record [0, 1] pixels, and the run says so (#27).
+    assert f"TRAIN.DATASET '{name}_ready' states no normalization" in proc.stdout + proc.stderr
+
+
+def test_a_source_states_classes_and_normalization_that_inference_applies(user_source, tmp_path):
+    """#27: the card records the stated classes and (mean, std); load_model's transform and predict
+    prepare an image with them (they used to take pixels in [0, 1], silently)."""
+    from PIL import Image
+
+    from distribuuuu.api import load_model
+
+    module, name = user_source
+    proc = cli_main("config", "--cfg", TINY, "IMPORTS", f"['{module}']", "TRAIN.DATASET", f"{name}_stated",
+                    "MODEL.NUM_CLASSES", "0", "TRAIN.TOPK", "1")
+    assert proc.returncode == 0 and "NUM_CLASSES: 4" in proc.stdout, proc.stderr  # from the stated names
+    out = tmp_path / "run"
+    proc = _train(module, f"{name}_stated", f"{name}_stated", out, "TRAIN.VAL_SPLIT", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "states no normalization" not in proc.stdout + proc.stderr
+    ckpt = str(out / "checkpoints" / "last.pth")
+    loaded = load_model(ckpt)
+    assert loaded.classes == ["a", "b", "c", "d"]
+    assert (loaded.card.mean, loaded.card.std) == ([0.4] * 3, [0.2] * 3)
+    pixels = torch.randint(0, 256, (8, 8, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(tmp_path / "x.png")
+    x = loaded.transform(Image.open(tmp_path / "x.png"))
+    assert torch.allclose(x, (pixels.permute(2, 0, 1).float() / 255 - 0.4) / 0.2, atol=1e-5)
+    proc = cli_main("predict", "--checkpoint", ckpt, str(tmp_path / "x.png"), "--topk", "4",
+                    "--output", str(tmp_path / "p.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "p.json").read_text())[0]
+    with torch.no_grad():
+        probs = loaded.model(x[None]).softmax(1)[0]
+    assert row["probs"] == pytest.approx([probs[loaded.classes.index(c)].item() for c in row["classes"]], abs=1e-5)
+
+
+def test_stated_classes_that_the_data_does_not_have_are_a_user_error(user_source, tmp_path):
+    module, name = user_source
+    proc = _train(module, f"{name}_misnamed", f"{name}_misnamed", tmp_path / "run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "returned the classes ['a', 'b', 'c', 'd']..., but register_source stated ['w', 'x', 'y', 'z']" in proc.stderr
 
 
 def test_an_unknown_name_exits_2_listing_the_registered_sources(user_source, tmp_path):
