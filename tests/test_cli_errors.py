@@ -6,12 +6,24 @@ prove the same of the installed command and of the spawner.
 """
 
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, check, cli_main, distribuuuu, env, run
+from tests.conftest import (
+    ROOT,
+    TINY,
+    check,
+    cli_main,
+    distribuuuu,
+    env,
+    process_state_restored,
+    read_metrics,
+    run,
+    write_image,
+)
 
 
 def _user_error(proc, *fragments):
@@ -73,6 +85,91 @@ def test_bad_nproc_and_odd_override_list():
 
 
 # ---------------------------------------------------------------------------------------------
+# The command line as people type it (#27)
+# ---------------------------------------------------------------------------------------------
+SMALL = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "32", "TEST.SYNTHETIC_SAMPLES", "16"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint of synthetic_tiny, trained in this process."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    with process_state_restored():
+        check(cli_main("train", "--cfg", TINY, "OUT_DIR", str(out), *SMALL))
+    return str(out / "checkpoints" / "last.pth")
+
+
+def _eval_line(proc) -> str:
+    return next(line.split("] ", 1)[-1] for line in proc.stdout.splitlines() if "[eval]" in line)
+
+
+def test_eval_predict_and_export_take_checkpoint_as_model_weights(trained, tmp_path):
+    by_option = check(cli_main("eval", "--checkpoint", trained))
+    by_key = check(cli_main("eval", "MODEL.WEIGHTS", trained))
+    assert "top-1" in _eval_line(by_option) and _eval_line(by_option) == _eval_line(by_key)
+    write_image(str(tmp_path / "x.png"), (16, 16), "RGB", seed=0)
+    proc = check(cli_main("predict", "--checkpoint", trained, str(tmp_path / "x.png"), "--topk", "2"))
+    assert proc.stdout.splitlines()[0] == str(tmp_path / "x.png") and "  2. " in proc.stdout
+    check(cli_main("export", "--checkpoint", trained, "--out", str(tmp_path / "ex")))
+    assert {"model.torchscript.pt", "model.safetensors"} <= set(os.listdir(tmp_path / "ex"))
+    _user_error(cli_main("eval", "--checkpoint", trained, "MODEL.WEIGHTS", str(tmp_path / "other.pth")),
+                "--checkpoint", "MODEL.WEIGHTS", "name two files")
+    for command in ("eval", "export"):  # a bare checkpoint word: the option it meant
+        _user_error(cli_main(command, trained), f"distribuuuu {command} --checkpoint {trained}")
+
+
+def test_eval_without_a_checkpoint_says_that_first(tmp_path):
+    """Before the data, the model or the sizes: what eval is missing is the checkpoint."""
+    _user_error(cli_main("eval", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), "TEST.DATASET",
+                         str(tmp_path / "nowhere"), "MODEL.ARCH", "nosuchnet"),
+                "eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH)", "holds no best.pth")
+    write_image(str(tmp_path / "x.png"), (16, 16), "RGB", seed=0)
+    _user_error(cli_main("predict", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), str(tmp_path / "x.png")),
+                "predict needs trained weights: give --checkpoint PATH")
+
+
+def test_options_after_the_key_value_pairs_are_options(tmp_path):
+    # --nproc-per-node after the pairs reaches the spawner's parent (which refuses 3 processes for 2 samples).
+    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2", "--nproc-per-node", "3"),
+                "world size 3")
+    proc = check(cli_main("config", "OPTIM.BASE_LR", "0.3", "--cfg", TINY, "TRAIN.IM_SIZE", "-8"), 2)
+    assert "TRAIN.IM_SIZE must be positive" in proc.stderr  # "-8" stays a value, not an option
+    proc = check(cli_main("config", "OPTIM.BASE_LR", "0.3", "--cfg", TINY))
+    assert "ARCH: resnet_tiny" in proc.stdout and "BASE_LR: 0.3" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data"])
+def test_each_subcommands_help_ends_with_examples_that_parse(command):
+    from distribuuuu import cli
+
+    proc = check(cli_main(command, "--help"))
+    head, _, examples = proc.stdout.rpartition("\nexamples:\n")
+    lines = [line.strip() for line in examples.splitlines() if line.strip().startswith("distribuuuu ")]
+    assert head and any(line.split()[1] == command for line in lines), proc.stdout
+    for line in lines:
+        try:
+            cli.build_parser().parse_args(cli.arrange(shlex.split(line, comments=True)[1:]))
+        except SystemExit:
+            pytest.fail(f"the example `{line}` does not parse")
+
+
+def test_config_explain_prints_a_keys_comment_type_and_default():
+    from distribuuuu.config import get_defaults
+
+    defaults = get_defaults()
+    with open(os.path.join(ROOT, "distribuuuu", "config", "defaults.py"), encoding="utf-8") as f:
+        source = f.read()
+    for key, kind, value in (("OPTIM.BASE_LR", "float", defaults.OPTIM.BASE_LR),
+                             ("MODEL.WEIGHTS", "str or None", None), ("MODEL.PRETRAINED", "bool or str", False)):
+        proc = check(cli_main("config", "--explain", key))
+        first, comment = proc.stdout.splitlines()
+        assert first == f"{key}  ({kind}, default {value!r})"
+        assert comment.strip() and comment.strip()[:40] in source  # the comment above the key in defaults.py
+    _user_error(cli_main("config", "--explain", "MODEL.WEIGTHS"), "unknown config key MODEL.WEIGTHS",
+                "did you mean MODEL.WEIGHTS?")
+
+
+# ---------------------------------------------------------------------------------------------
 # End to end: the installed command and the spawner
 # ---------------------------------------------------------------------------------------------
 
@@ -88,6 +185,15 @@ def test_the_installed_command_exits_2_with_one_message():
 def test_unknown_arch_with_spawned_processes_fails_once_and_cleanly():
     _user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
                 "MODEL.ARCH")
+
+
+@pytest.mark.e2e
+def test_nproc_per_node_after_the_pairs_starts_the_processes(tmp_path):
+    """The installed command with `--nproc-per-node 2` typed last: two ranks train (#27)."""
+    command = os.path.join(os.path.dirname(sys.executable), "distribuuuu")
+    proc = check(run([command, "train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), *SMALL,
+                      "--nproc-per-node", "2"], timeout=240))
+    assert "world size 2" in proc.stdout and read_metrics(str(tmp_path / "run"))
 
 
 @pytest.mark.e2e

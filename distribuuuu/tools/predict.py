@@ -83,8 +83,8 @@ def resolve_weights(cfg: Any, command: str) -> Any:
             cfg.MODEL.WEIGHTS = candidate
             cfg.freeze()
             return cfg
-    raise UserError(f"{command} needs trained weights: pass MODEL.WEIGHTS PATH, or an OUT_DIR whose "
-                    "checkpoints/ holds best.pth or last.pth")
+    raise UserError(f"{command} needs trained weights: give --checkpoint PATH (or MODEL.WEIGHTS PATH), or an "
+                    "OUT_DIR whose checkpoints/ holds best.pth or last.pth")
 
 
 def device_for(cfg: Any) -> Any:
