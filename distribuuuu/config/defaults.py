@@ -14,7 +14,8 @@ _C = CN()
 # Model
 # ---------------------------------------------------------------------------------------------
 _C.MODEL = CN()
-# Architecture name: a torchvision model, a timm model, or one of the aliases in models.py
+# Architecture name: a torchvision model, a timm model, one of the aliases in models.py, or a function that an
+# IMPORTS module registered with distribuuuu.models.register_model
 _C.MODEL.ARCH = "resnet18"
 # Number of output classes (the size of the classifier head); 0 = the training data's class count (folders,
 # CIFAR, shard sets, registered sources; 1000 for synthetic or dummy data); a value that differs is refused
@@ -25,7 +26,8 @@ _C.MODEL.PRETRAINED = False
 # Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch; helps small per-GPU batches)
 _C.MODEL.SYNCBN = False
 # Path to a weights file (a checkpoint, a state dict .pt/.pth, or .safetensors) to load before training or
-# evaluating; in training a classifier of another class count is re-initialised (fine-tuning), elsewhere refused
+# evaluating (--checkpoint PATH of eval, predict, export); in training a classifier of another class count is
+# re-initialised and a stem of other input channels (1 <-> 3) adapted (fine-tuning), elsewhere both refused
 _C.MODEL.WEIGHTS = None
 # Feed random tensors instead of real data (times the model alone; Distribuuuu's key)
 _C.MODEL.DUMMY_INPUT = False
@@ -275,8 +277,9 @@ _C.RNG_SEED = None
 _C.DEVICE = "auto"
 # Intra-op CPU threads per process (0: the machine's cores / processes on this node)
 _C.NUM_THREADS = 0
-# Python modules imported in every process before the model and data are built (dotted names, or
-# paths of .py files), e.g. ['mypkg.models'] to register a timm model that MODEL.ARCH then names
+# Python modules imported in every process before the model and data are built (dotted names, or paths of
+# .py files, stored as absolute paths), e.g. ['mypkg.models'] to register a model (distribuuuu.models.register_model
+# or timm's) that MODEL.ARCH names, or a dataset source (distribuuuu.data.register_source)
 _C.IMPORTS = []
 
 # Keys whose default is None, and the type a value given for them must have.
