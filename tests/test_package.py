@@ -4,6 +4,7 @@ the sdist hold what they must (those two build the package in a subprocess: e2e)
 
 from __future__ import annotations
 
+import ast
 import filecmp
 import importlib.metadata
 import os
@@ -123,6 +124,23 @@ def test_the_tested_pins_fall_in_the_declared_ranges():
     with open(os.path.join(ROOT, "Makefile")) as f:
         makefile = f.read()
     assert "pip install" in makefile and "-c constraints.txt" in makefile and "pyproject.toml constraints.txt" in makefile
+
+
+def test_the_onnx_extra_installs_what_exports_onnx_step_imports():
+    """#27: `pip install 'distribuuuu[onnx]'` brings every optional module that export's ONNX step
+    imports or looks for (and onnxscript, which torch's exporter imports)."""
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = {Requirement(r).name for r in tomllib.load(f)["project"]["optional-dependencies"]["onnx"]}
+    with open(os.path.join(ROOT, "distribuuuu", "tools", "export.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    named = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    named |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    optional = {name.split(".")[0] for name in named if name.split(".")[0] in ("onnx", "onnxruntime")}
+    assert optional == {"onnx", "onnxruntime"} and optional | {"onnxscript"} <= extra, (optional, extra)
 
 
 def _copy_source(dest: str) -> str:
