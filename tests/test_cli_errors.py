@@ -138,6 +138,25 @@ def test_options_after_the_key_value_pairs_are_options(tmp_path):
     assert "ARCH: resnet_tiny" in proc.stdout and "BASE_LR: 0.3" in proc.stdout
 
 
+def test_every_option_without_a_value_is_known_to_the_reordering():
+    """options_first moves an option with the next word as its value unless it is one of FLAGS: an
+    option added without a value, and not listed there, would swallow the word after it."""
+    import argparse
+
+    from distribuuuu import cli, cli_help
+
+    def flags(parser: argparse.ArgumentParser) -> set[str]:
+        found = set()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                found |= {f for sub in action.choices.values() for f in flags(sub)}
+            elif action.option_strings and action.nargs == 0:
+                found |= set(action.option_strings)
+        return found
+
+    assert flags(cli.build_parser()) - {"--version"} <= cli_help.FLAGS
+
+
 @pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data"])
 def test_each_subcommands_help_ends_with_examples_that_parse(command):
     from distribuuuu import cli
