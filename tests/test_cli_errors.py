@@ -100,7 +100,9 @@ def trained(tmp_path_factory):
 
 
 def _eval_line(proc) -> str:
-    return next(line.split("] ", 1)[-1] for line in proc.stdout.splitlines() if "[eval]" in line)
+    """The [eval] line's numbers, without its timestamp and its duration (which vary)."""
+    line = next(line.split("] ", 1)[-1] for line in proc.stdout.splitlines() if "[eval]" in line)
+    return line.rsplit(" | ", 1)[0]
 
 
 def test_eval_predict_and_export_take_checkpoint_as_model_weights(trained, tmp_path):
@@ -116,6 +118,7 @@ def test_eval_predict_and_export_take_checkpoint_as_model_weights(trained, tmp_p
                 "--checkpoint", "MODEL.WEIGHTS", "name two files")
     for command in ("eval", "export"):  # a bare checkpoint word: the option it meant
         _user_error(cli_main(command, trained), f"distribuuuu {command} --checkpoint {trained}")
+    _user_error(cli_main("predict", trained, str(tmp_path / "x.png")), f"pass it as --checkpoint {trained}")
 
 
 def test_eval_without_a_checkpoint_says_that_first(tmp_path):
