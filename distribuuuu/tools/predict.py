@@ -123,7 +123,7 @@ def _check_images(image_paths: Sequence[str]) -> None:
         try:
             Image.open(path).close()  # reads the header only
         except OSError:  # PIL's UnidentifiedImageError is an OSError
-            hint = (f"; to predict with a checkpoint, pass it as --checkpoint {path}"
+            hint = (f"; to predict with a checkpoint, pass it as --checkpoint {path} (MODEL.WEIGHTS)"
                     if path.endswith((".pth", ".pt")) else "")
             raise UserError(f"cannot read {path!r} as an image: its format is not one PIL can read; "
                             f"give PNG, JPEG or another image file{hint}") from None
