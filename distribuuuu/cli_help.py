@@ -48,12 +48,18 @@ EXAMPLES: dict[str, str] = {
     "data": """examples:
   distribuuuu data export mnist5k digits
   distribuuuu data shard digits shards/ --shard-size 64MB""",
+    "data export": """examples:
+  distribuuuu data export mnist5k digits      # digits/train/<0-9>/*.png and digits/val/<0-9>/*.png""",
+    "data shard": """examples:
+  distribuuuu data shard digits shards/ --shard-size 64MB
+  distribuuuu data shard mnist5k shards/ --shard-samples 500""",
 }
 
-def with_examples(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
-    """sub.add_parser that ends each subcommand's --help with its examples (EXAMPLES)."""
+def with_examples(add_parser: Callable[..., argparse.ArgumentParser],
+                  prefix: str = "") -> Callable[..., argparse.ArgumentParser]:
+    """sub.add_parser that ends each subcommand's --help with its examples (EXAMPLES[prefix + name])."""
     def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        kwargs.setdefault("epilog", EXAMPLES.get(name))
+        kwargs.setdefault("epilog", EXAMPLES.get(prefix + name))
         return add_parser(name, **kwargs)
 
     return add

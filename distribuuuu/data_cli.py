@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+from distribuuuu import cli_help
+
 
 def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
     """The `data` command and its subcommands `export` and `shard`."""
     data_parser = sub.add_parser("data", help="dataset utilities")
     data_sub = data_parser.add_subparsers(dest="data_command", required=True, parser_class=parser_class)
+    data_sub.add_parser = cli_help.with_examples(data_sub.add_parser, "data ")  # type: ignore[method-assign]
     export = data_sub.add_parser("export", help="write a built-in dataset as an ImageFolder tree")
     export.add_argument("source", choices=["mnist5k"], metavar="SOURCE", help="the built-in dataset to write: mnist5k")
     export.add_argument("dest", help="output folder (gets train/<class>/*.png and val/<class>/*.png)")

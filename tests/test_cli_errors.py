@@ -160,14 +160,15 @@ def test_every_option_without_a_value_is_known_to_the_reordering():
     assert flags(cli.build_parser()) - {"--version"} <= cli_help.FLAGS
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data"])
+@pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data",
+                                     "data export", "data shard"])
 def test_each_subcommands_help_ends_with_examples_that_parse(command):
     from distribuuuu import cli
 
-    proc = check(cli_main(command, "--help"))
+    proc = check(cli_main(*command.split(), "--help"))
     head, _, examples = proc.stdout.rpartition("\nexamples:\n")
     lines = [line.strip() for line in examples.splitlines() if line.strip().startswith("distribuuuu ")]
-    assert head and any(line.split()[1] == command for line in lines), proc.stdout
+    assert head and any(line.startswith(f"distribuuuu {command} ") for line in lines), proc.stdout
     for line in lines:
         try:
             cli.build_parser().parse_args(cli.arrange(shlex.split(line, comments=True)[1:]))
