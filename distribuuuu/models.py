@@ -87,9 +87,10 @@ def _where(fn: Callable) -> str:
 
 
 def user_model_file(arch: str) -> str | None:
-    """The file of the module that defines the user's model arch (None: not a registered function)."""
+    """The file of the module that defines the user's model arch (None: not a registered function, or
+    one of the script being run: importing that file again would run the script again)."""
     fn = _USER_MODELS.get(arch)
-    if fn is None:
+    if fn is None or getattr(fn, "__module__", None) == "__main__":
         return None
     try:
         return os.path.abspath(inspect.getsourcefile(fn) or "")

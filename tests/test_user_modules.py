@@ -207,3 +207,22 @@ def _plain_env() -> dict[str, str]:
     e = env()
     e.pop("PYTHONPATH", None)
     return e
+
+
+@pytest.mark.e2e
+def test_a_function_registered_in_the_running_script_trains_through_the_api(tmp_path):
+    """The script itself registers the model and calls train: its file is not added to IMPORTS (that
+    imported the script again, which registered the name twice and stopped the run)."""
+    script = tmp_path / "my_train.py"
+    script.write_text(PLAIN_SOURCE.replace("{name}", "h2_script_net") + textwrap.dedent(f'''
+        from distribuuuu import config, train
+
+        cfg = config.load_config({TINY!r}, ["OUT_DIR", "run", "MODEL.ARCH", "h2_script_net", "MODEL.SMALL_STEM",
+                                            "False", "OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "32"])
+        print("IMPORTS", cfg.IMPORTS)
+        train(cfg)
+    '''))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_plain_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "IMPORTS []" in proc.stdout and os.path.isfile(tmp_path / "run" / "checkpoints" / "last.pth")
