@@ -334,6 +334,8 @@ def _guarded(fn: Callable[[], int]) -> int:
         signum = int(getattr(e, "signum", signal.SIGINT))
         rank = rank_label()
         who = "" if rank == "0" else f" (rank {rank})"
+        peer = getattr(e, "peer", None)  # launch.signals.PeerStopped: the signal reached another rank
+        who += "" if peer is None else f": rank {peer} got it, and this process ended with it"
         print(f"stopped by {signal.Signals(signum).name}{who}", file=sys.stderr, flush=True)
         return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
 

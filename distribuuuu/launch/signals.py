@@ -24,7 +24,7 @@ from typing import Any
 
 from distribuuuu.launch import launcher
 
-__all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers",
+__all__ = ["STOP_SIGNALS", "Terminated", "PeerStopped", "interruption", "handle_stop_signals", "restore_signal_handlers",
            "stop_status", "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
@@ -36,6 +36,15 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM as an exception. A KeyboardInterrupt, so it unwinds exactly like Ctrl-C."""
 
     signum = signal.SIGTERM
+
+
+class PeerStopped(KeyboardInterrupt):
+    """Another rank was ended by a stop signal, which broke this rank's collective: this rank ends
+    as stopped by the same signal (one line, 128 + signal), not as a crash (launch.group.stopped_peer)."""
+
+    def __init__(self, signum: int, peer: int) -> None:
+        super().__init__(f"rank {peer} was stopped by {signal.Signals(signum).name}")
+        self.signum, self.peer = signum, peer
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
