@@ -231,7 +231,7 @@ def stopped_peer(error: BaseException) -> signals.PeerStopped | None:
         rank, signum = _store.get(_STOP_KEY).decode().split()
     except Exception:  # noqa: BLE001 (no store to ask: a crash as before, with its traceback)
         return None
-    return signals.PeerStopped(int(signum), int(rank))
+    return signals.follow_peer(int(signum), int(rank))
 
 
 def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
