@@ -369,15 +369,22 @@ def _main(argv: Sequence[str] | None) -> int:
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
-    from distribuuuu import preflight
+    from distribuuuu import preflight, run_folder
     from distribuuuu.launch import launcher, spawn
 
     if launcher.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
     cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
-    preflight.check(args.command, cfg, nproc)
-    return spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+    new_folder = not os.path.lexists(cfg.OUT_DIR)  # the preflight makes it: a refused run takes it away again
+    status = USER_ERROR_EXIT
+    try:
+        preflight.check(args.command, cfg, nproc)
+        status = spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+        return status
+    finally:
+        if new_folder and status == USER_ERROR_EXIT:  # (an empty folder only: rmdir)
+            run_folder.remove_if_empty(cfg.OUT_DIR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

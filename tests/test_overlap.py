@@ -125,3 +125,22 @@ def test_overlap_error_is_exit_2_with_one_line_from_the_installed_command(tmp_pa
     log = (out / "log.txt").read_text()
     assert log.count("3 image(s) of TRAIN.DATASET are also in TEST.DATASET") == 1, log[-3000:]
     assert "train/0/hard.png is val/0/0.png (hard link)" in log
+
+
+@pytest.mark.e2e
+def test_overlap_error_on_two_ranks_ends_both_without_a_hang_and_leaves_no_folder(tmp_path):
+    """Rank 0 looks, rank 1 waits for its verdict (a broadcast): both end with exit 2 and their line."""
+    root = _tree(tmp_path / "ds")
+    _leak(root)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--nproc-per-node", "2", "--cfg", TINY,
+                           "TRAIN.DATASET", root, "TEST.DATASET", root, "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "1",
+                           "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TRAIN.BATCH_SIZE", "2", "TEST.BATCH_SIZE", "3",
+                           "OPTIM.MAX_EPOCH", "1", "NUM_THREADS", "1", "OUT_DIR", str(out), "TRAIN.OVERLAP", "error"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    check(proc, 2)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert sorted(ln.split(":")[0] for ln in lines) == ["error", "error (rank 1)"], proc.stderr
+    assert all("3 image(s) of TRAIN.DATASET are also in TEST.DATASET" in ln for ln in lines), lines
+    assert not out.exists(), os.listdir(out)  # the spawner's preflight made it; the refusal took it away
