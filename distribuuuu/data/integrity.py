@@ -7,15 +7,16 @@ same files in the same order), in one walk that also notes what ImageFolder does
   again until the path is too long, turning 300 images into tens of thousands. The walk does not
   enter it; ``require_no_loop`` (the preflight and the datasets) refuses the split, naming the
   link and where it points.
-- the same real file listed twice (a symlinked file or folder reaching what is listed elsewhere):
-  an image trained on twice as often, or under two labels. ``require_no_duplicates`` (the
+- the same real file listed twice (a symlinked file or folder reaching what is listed elsewhere,
+  or a hard link: the same st_dev and st_ino): an image trained on twice as often, or under two labels. ``require_no_duplicates`` (the
   preflight, data/check.py, unless TRAIN.DUPLICATE_IMAGES keep: deliberate oversampling by
   symlinks) refuses it with the count and the first pairs. The datasets list every copy, as
   ImageFolder does, so the ranks do not pay for resolving file links again.
 
 Cost: the walk reads each folder once (os.scandir, as os.walk); a real path is computed per
 symlink only (a plain entry's is its folder's plus its name; a file link's costs a readlink and
-an lstat, see _link_target), so a tree without links costs no more than ImageFolder's listing.
+an lstat, see _link_target; hard links are grouped by readdir's inode numbers, and only files sharing
+one are stat'ed), so a tree without links costs no more than ImageFolder's listing.
 ``first_readable`` opens the files of one class until one decodes.
 """
 
@@ -236,7 +237,7 @@ def require_no_loop(listing: SplitListing, key: str) -> None:
 
 
 def require_no_duplicates(listing: SplitListing, key: str) -> None:
-    """UserError counting the files listed twice (through symlinks), naming the first few pairs."""
+    """UserError counting the files listed twice (through symlinks or hard links), naming the first few pairs."""
     pairs = duplicates(listing)
     if pairs:
         split = listing.split_dir.rstrip(os.sep) + os.sep
