@@ -72,6 +72,8 @@ def test_only_files_of_a_size_the_other_split_has_are_read(tmp_path, monkeypatch
     val_file = os.path.join(root, "val", "1", "1.png")
     with open(near, "wb") as f:
         f.write(os.urandom(os.path.getsize(val_file)))
+    for split in ("train", "val"):  # two empty (unreadable) files: the same bytes, but not a copied image
+        open(os.path.join(root, split, "0", "empty.png"), "wb").close()
     read = []
     real_digest = overlap.digest
     monkeypatch.setattr(overlap, "digest", lambda path, limit=None: read.append(path) or real_digest(path, limit))

@@ -116,7 +116,7 @@ def find(train_paths: list[str], test_paths: list[str]) -> Overlap:
         if twin is not None:
             how = "symlink" if os.path.realpath(path) == os.path.realpath(twin) else "hard link"
             pairs.append((path, twin, how))
-        elif st.st_size in test_by_size:
+        elif st.st_size and st.st_size in test_by_size:  # empty files are unreadable images, not copies
             candidates[path] = st.st_size
     read = len(candidates) + sum(len(test_by_size[s]) for s in set(candidates.values()))
     pairs += _same_bytes(candidates, test_by_size)
