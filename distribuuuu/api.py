@@ -61,6 +61,9 @@ def _fit(cfg: CfgNode, ctx: group.DistContext, hooks: Sequence[HookBase]) -> dic
             signals.slurm_requeue()
         raise  # "ended by this signal", after the checkpoint: the CLI exits with 128 + signal
     except Exception as e:  # a crash: name the rank in log.txt, where every rank's errors go
+        stopped = group.stopped_peer(e)
+        if stopped is not None:  # another rank's stop signal broke the collective: a stop here too
+            raise stopped from None
         # A UserError (e.g. engine.NonFiniteLoss) is printed once by the CLI: log.txt only here.
         logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e,
                                              extra={"console": not isinstance(e, UserError)})

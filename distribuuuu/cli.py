@@ -339,6 +339,8 @@ def _guarded(fn: Callable[[], int]) -> int:
         signum = int(getattr(e, "signum", signal.SIGINT))
         rank = rank_label()
         who = "" if rank == "0" else f" (rank {rank})"
+        peer = getattr(e, "peer", None)  # launch.signals.PeerStopped: the signal reached another rank
+        who += "" if peer is None else f": rank {peer} got it, and this process ended with it"
         print(f"stopped by {signal.Signals(signum).name}{who}", file=sys.stderr, flush=True)
         return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
 
@@ -373,15 +375,22 @@ def _main(argv: Sequence[str] | None) -> int:
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
-    from distribuuuu import preflight
+    from distribuuuu import preflight, run_folder
     from distribuuuu.launch import launcher, spawn
 
     if launcher.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
     cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
-    preflight.check(args.command, cfg, nproc)
-    return spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+    new_folder = not os.path.lexists(cfg.OUT_DIR)  # the preflight makes it: a refused run takes it away again
+    status = USER_ERROR_EXIT
+    try:
+        preflight.check(args.command, cfg, nproc)
+        status = spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+        return status
+    finally:
+        if new_folder and status == USER_ERROR_EXIT:  # (an empty folder only: rmdir)
+            run_folder.remove_if_empty(cfg.OUT_DIR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,7 +68,7 @@ SAFE_KEYS = frozenset({
     "TRAIN.NONFINITE", "TRAIN.NONFINITE_MAX_SKIPS", "TRAIN.PREEMPT_SIGNALS", "TRAIN.REQUEUE",
     "TRAIN.BAD_IMAGES", "TRAIN.LOAD_OPT", "DIST.VOTE_PERIOD_STEPS",
     # a data check: a change that alters the samples shows as another dataset size (the facts)
-    "TRAIN.DUPLICATE_IMAGES",
+    "TRAIN.DUPLICATE_IMAGES", "TRAIN.OVERLAP",
     # where the user's code is found (what it builds is compared: MODEL.ARCH, the state's shapes)
     "IMPORTS",
 })

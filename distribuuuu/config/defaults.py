@@ -77,6 +77,8 @@ _C.TRAIN.BAD_IMAGES = "skip"
 # The same real image file listed twice in a folder split (through symlinks): 'fail' (stop before
 # training, naming them) or 'keep' (every listed path is a sample, as ImageFolder does: oversampling)
 _C.TRAIN.DUPLICATE_IMAGES = "fail"
+# TEST.DATASET images also in TRAIN.DATASET (hard link, symlink or same bytes; image folders): 'warn', 'error', 'off'
+_C.TRAIN.OVERLAP = "warn"
 # Number of samples of the synthetic training set (TRAIN.DATASET synthetic)
 _C.TRAIN.SYNTHETIC_SAMPLES = 1024
 # Evaluate on the val split every EVAL_PERIOD epochs (and always after the last epoch)

@@ -28,6 +28,7 @@ FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
 DUPLICATE_IMAGE_MODES = ("fail", "keep")
+OVERLAP_MODES = ("warn", "error", "off")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
 # What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
@@ -201,6 +202,7 @@ def _check_data_modes(cfg: CN) -> None:
           f"TRAIN.BAD_IMAGES must be one of {', '.join(BAD_IMAGE_MODES)}, got {t.BAD_IMAGES!r}")
     _need(t.DUPLICATE_IMAGES in DUPLICATE_IMAGE_MODES, "TRAIN.DUPLICATE_IMAGES must be one of "
           f"{', '.join(DUPLICATE_IMAGE_MODES)}, got {t.DUPLICATE_IMAGES!r}")
+    _need(t.OVERLAP in OVERLAP_MODES, f"TRAIN.OVERLAP must be one of {', '.join(OVERLAP_MODES)}, got {t.OVERLAP!r}")
     _need(t.NONFINITE in NONFINITE_MODES,
           f"TRAIN.NONFINITE must be one of {', '.join(NONFINITE_MODES)}, got {t.NONFINITE!r}")
     bad = [s for s in t.PREEMPT_SIGNALS if s not in PREEMPT_SIGNALS]

@@ -7,15 +7,16 @@ same files in the same order), in one walk that also notes what ImageFolder does
   again until the path is too long, turning 300 images into tens of thousands. The walk does not
   enter it; ``require_no_loop`` (the preflight and the datasets) refuses the split, naming the
   link and where it points.
-- the same real file listed twice (a symlinked file or folder reaching what is listed elsewhere):
-  an image trained on twice as often, or under two labels. ``require_no_duplicates`` (the
+- the same real file listed twice (a symlinked file or folder reaching what is listed elsewhere,
+  or a hard link: the same st_dev and st_ino): an image trained on twice as often, or under two labels. ``require_no_duplicates`` (the
   preflight, data/check.py, unless TRAIN.DUPLICATE_IMAGES keep: deliberate oversampling by
   symlinks) refuses it with the count and the first pairs. The datasets list every copy, as
   ImageFolder does, so the ranks do not pay for resolving file links again.
 
 Cost: the walk reads each folder once (os.scandir, as os.walk); a real path is computed per
 symlink only (a plain entry's is its folder's plus its name; a file link's costs a readlink and
-an lstat, see _link_target), so a tree without links costs no more than ImageFolder's listing.
+an lstat, see _link_target; hard links are grouped by readdir's inode numbers, and only files sharing
+one are stat'ed), so a tree without links costs no more than ImageFolder's listing.
 ``first_readable`` opens the files of one class until one decodes.
 """
 
@@ -45,6 +46,7 @@ class FolderDir:
     real: str
     names: list[str]
     links: list[str]
+    inodes: dict[str, int] = field(default_factory=dict)  # plain file name -> d_ino (free from readdir)
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _walk_class(class_dir: str, loops: list[tuple[str, str]]) -> list[FolderDir]
                 entries = list(it)
         except OSError:
             continue
-        names, links = [], []
+        names, links, inodes = [], [], {}
         for e in entries:
             try:
                 is_dir = e.is_dir()  # follows symlinks, as os.walk(followlinks=True)
@@ -110,7 +112,9 @@ def _walk_class(class_dir: str, loops: list[tuple[str, str]]) -> list[FolderDir]
                 names.append(e.name)
                 if e.is_symlink():
                     links.append(e.name)
-        found.append(FolderDir(root, chain[-1], sorted(names), sorted(links)))
+                else:
+                    inodes[e.name] = e.inode()
+        found.append(FolderDir(root, chain[-1], sorted(names), sorted(links), inodes))
     return sorted(found, key=lambda d: d.root)  # os.walk's tuples, sorted as ImageFolder sorts them
 
 
@@ -124,8 +128,8 @@ def list_split(split_dir: str, classes: list[str]) -> SplitListing:
     return listing
 
 
-def _link_target(path: str, folders: dict[str, str]) -> str | None:
-    """The real path of the file a symlink points to (None if it points to nothing).
+def _link_target(path: str, folders: dict[str, str]) -> tuple[str, os.stat_result] | None:
+    """The real path of the file a symlink points to and its stat (None if it points to nothing).
 
     os.path.realpath costs one lstat per path component; ImageNet subsets made of links into one
     pool would pay that 10+ times per file. Here: readlink, the real path of the target's folder
@@ -137,24 +141,59 @@ def _link_target(path: str, folders: dict[str, str]) -> str | None:
         folders[folder] = os.path.realpath(folder)
     real = os.path.join(folders[folder], name)
     try:
-        mode = os.lstat(real).st_mode
+        st = os.lstat(real)
+        if stat.S_ISLNK(st.st_mode):
+            real = os.path.realpath(real)
+            st = os.stat(real)
     except OSError:
         return None  # a dangling link: an unreadable image, not a duplicate
-    if stat.S_ISLNK(mode):
-        real = os.path.realpath(real)
-        return real if os.path.isfile(real) else None
-    return real if stat.S_ISREG(mode) else None
+    return (real, st) if stat.S_ISREG(st.st_mode) else None
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file path names, links followed: the same pair is the same file
+    (a symlink or a hard link of it); None if it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _hard_links(plain: list[tuple[str, int]]) -> tuple[list[tuple[str, str]], dict[int, list[str]]]:
+    """(path listed again, path listed first) for hard links among plain files, and {d_ino: paths}.
+
+    readdir's d_ino groups the candidates at no cost; only files sharing one are stat'ed, since
+    d_ino alone can mislead (two devices, overlayfs). A tree without hard links costs nothing more.
+    """
+    by_ino: dict[int, list[str]] = {}
+    for path, ino in plain:
+        by_ino.setdefault(ino, []).append(path)
+    pairs: list[tuple[str, str]] = []
+    for paths in by_ino.values():
+        if len(paths) < 2:
+            continue
+        first: dict[tuple[int, int], str] = {}
+        for path in paths:
+            key = file_id(path)
+            if key in first:
+                pairs.append((path, first[key]))
+            elif key is not None:
+                first[key] = path
+    return pairs, by_ino
 
 
 def duplicates(listing: SplitListing) -> list[tuple[str, str]]:
     """(path listed again, path listed first) for every file whose real file was already listed.
 
-    A folder whose real path was listed before repeats all its plain files; a symlinked file
-    repeats a plain file of a listed folder (found from its real path), or another link's target.
+    A folder whose real path was listed before repeats all its plain files; a plain file may be a
+    hard link of another (the same st_dev and st_ino); a symlinked file repeats a plain file of a
+    listed folder (found from its real path, or its inode), or another link's target.
     """
     first_dir: dict[str, str] = {}  # real folder -> the path it was first listed under
     pairs: list[tuple[str, str]] = []
     linked: list[str] = []
+    plain: list[tuple[str, int]] = []  # (path, d_ino) of the plain files of first-listed folders
     for c in listing.classes:
         for d in listing.dirs.get(c, []):
             links = set(d.links)
@@ -164,19 +203,26 @@ def duplicates(listing: SplitListing) -> list[tuple[str, str]]:
                           for n in d.names if n not in links]
             else:
                 first_dir[d.real] = d.root
-    first_link: dict[str, str] = {}
+                plain += [(os.path.join(d.root, n), d.inodes[n]) for n in d.names if n in d.inodes]
+    hard, by_ino = _hard_links(plain)
+    pairs += hard
+    first_link: dict[tuple[int, int], str] = {}
     folders: dict[str, str] = {}
     for path in linked:
-        real = _link_target(path, folders)
-        if real is None:
+        target = _link_target(path, folders)
+        if target is None:
             continue
-        folder, name = os.path.split(real)
+        (folder, name), key = os.path.split(target[0]), (target[1].st_dev, target[1].st_ino)
         if folder in first_dir and has_file_allowed_extension(name, IMG_EXTENSIONS):
             pairs.append((path, os.path.join(first_dir[folder], name)))
-        elif real in first_link:
-            pairs.append((path, first_link[real]))
+            continue
+        same = [p for p in by_ino.get(key[1], []) if file_id(p) == key]  # a hard link of a listed file
+        if same:
+            pairs.append((path, same[0]))
+        elif key in first_link:
+            pairs.append((path, first_link[key]))
         else:
-            first_link[real] = path
+            first_link[key] = path
     return pairs
 
 
@@ -191,14 +237,15 @@ def require_no_loop(listing: SplitListing, key: str) -> None:
 
 
 def require_no_duplicates(listing: SplitListing, key: str) -> None:
-    """UserError counting the files listed twice (through symlinks), naming the first few pairs."""
+    """UserError counting the files listed twice (through symlinks or hard links), naming the first few pairs."""
     pairs = duplicates(listing)
     if pairs:
         split = listing.split_dir.rstrip(os.sep) + os.sep
         rel = (lambda p: p[len(split):] if p.startswith(split) else p)  # noqa: E731 (names within the split)
         shown = "; ".join(f"{rel(again)} is {rel(first)}" for again, first in pairs[:NAMED])
         more = f" (and {len(pairs) - NAMED} more)" if len(pairs) > NAMED else ""
-        raise UserError(f"{key}.DATASET: {len(pairs)} image file(s) in {listing.split_dir} are, through symlinks, "
+        raise UserError(f"{key}.DATASET: {len(pairs)} image file(s) in {listing.split_dir} are, through symlinks or hard "
+                        "links, "
                         f"the same real file as another listed one: {shown}{more}. Remove the extra links, or set "
                         "TRAIN.DUPLICATE_IMAGES keep to train on every listed copy (oversampling)")
 

@@ -24,6 +24,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint, data, inferred, model_card, models, optim, resume_check, strategies
+from distribuuuu.data import overlap
 from distribuuuu.engine import evaluation
 from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
@@ -89,6 +90,7 @@ class Trainer:
 
     def build_data(self) -> None:
         cfg, ctx = seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
+        overlap.check(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set

@@ -36,7 +36,8 @@ from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, gloo_cuda, launcher, signals
 from distribuuuu.launch.launcher import LaunchInfo
 
-__all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use"]
+__all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use", "announce_stop",
+           "stopped_peer"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def is_addr_in_use(err: BaseException) -> bool:
 
 
 _groups_made = 0  # process groups this process has created (all ranks create them in step)
+_store: Any = None  # the store of this process's group (announce_stop / stopped_peer), None without one
 
 
 def gloo_side_group(timeout: datetime.timedelta) -> Any:
@@ -193,11 +195,43 @@ def _private_store(info: LaunchInfo, timeout: datetime.timedelta) -> Any:
     The same holds for a second group in one process when the store outlives the first
     (torchrun's and our spawner's store live in the launcher): hence the count of groups made.
     """
-    global _groups_made
+    global _groups_made, _store
     store, _, _ = next(dist.rendezvous("env://", info.rank, info.world_size, timeout=timeout))
     prefix = f"distribuuuu/restart{launcher.restart_count()}/group{_groups_made}"
     _groups_made += 1
-    return dist.PrefixStore(prefix, store)
+    _store = dist.PrefixStore(prefix, store)
+    return _store
+
+
+_STOP_KEY = "stopped"  # "<rank> <signal number>" of a rank that a stop signal ended (announce_stop)
+
+
+def announce_stop(rank: int, stop: KeyboardInterrupt) -> None:
+    """Tell the other ranks, through the group's store, that this one is ending for a stop signal.
+
+    Called before the group is torn down: the peers' collectives fail only once this rank's
+    connections close, so a peer that fails that way finds the key (stopped_peer) and ends as
+    stopped too, with one line, instead of a gloo traceback. Best effort: a store that is gone
+    (its host ended first) changes nothing."""
+    if _store is None:
+        return
+    try:
+        _store.set(_STOP_KEY, f"{rank} {signals.stop_status(stop) - 128}")
+    except Exception:  # noqa: BLE001 (the store's host may be gone; the stop goes on regardless)
+        pass
+
+
+def stopped_peer(error: BaseException) -> signals.PeerStopped | None:
+    """The stop of another rank that broke this rank's collective (error), if one announced it."""
+    if _store is None or not isinstance(error, RuntimeError):
+        return None
+    try:
+        if not _store.check([_STOP_KEY]):
+            return None
+        rank, signum = _store.get(_STOP_KEY).decode().split()
+    except Exception:  # noqa: BLE001 (no store to ask: a crash as before, with its traceback)
+        return None
+    return signals.follow_peer(int(signum), int(rank))
 
 
 def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
@@ -274,8 +308,10 @@ def teardown() -> None:
 
     Safe to call twice or without setup().
     """
+    global _store
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _store = None
     comm.set_control_group(None)
     signals.restore_signal_handlers()
 
@@ -286,6 +322,10 @@ def session(cfg: Any) -> Iterator[DistContext]:
     ctx = setup(cfg)
     try:
         yield ctx
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM on this rank: say so to the others first
+        if not isinstance(stop, signals.PeerStopped):
+            announce_stop(ctx.rank, stop)
+        raise
     finally:
         try:
             teardown()

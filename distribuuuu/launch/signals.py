@@ -24,7 +24,7 @@ from typing import Any
 
 from distribuuuu.launch import launcher
 
-__all__ = ["STOP_SIGNALS", "Terminated", "interruption", "handle_stop_signals", "restore_signal_handlers",
+__all__ = ["STOP_SIGNALS", "Terminated", "PeerStopped", "follow_peer", "interruption", "handle_stop_signals", "restore_signal_handlers",
            "stop_status", "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
@@ -38,9 +38,26 @@ class Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
 
 
+class PeerStopped(KeyboardInterrupt):
+    """Another rank was ended by a stop signal, which broke this rank's collective: this rank ends
+    as stopped by the same signal (one line, 128 + signal), not as a crash (launch.group.stopped_peer)."""
+
+    def __init__(self, signum: int, peer: int) -> None:
+        super().__init__(f"rank {peer} was stopped by {signal.Signals(signum).name}")
+        self.signum, self.peer = signum, peer
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stopping: int | None = None  # the stop signal this process is ending for, if any
 _saved_handlers: dict[int, Any] = {}
+
+
+def follow_peer(signum: int, peer: int) -> PeerStopped:
+    """This process ends for the stop signal another rank got: later stop signals are ignored while
+    it winds down, as after its own (the launcher stops the remaining ranks once one has ended)."""
+    global _stopping
+    _stopping = signum
+    return PeerStopped(signum, peer)
 
 
 def interruption(error: BaseException) -> KeyboardInterrupt | None:
