@@ -6,6 +6,7 @@ runs them; `make readme` rewrites the output blocks from such a run)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import textwrap
@@ -195,6 +196,10 @@ def test_every_cpu_command_of_the_readme_runs_and_prints_what_the_readme_shows(t
     assert all(lines for parts in report.generated.values() for _, lines in parts)
     assert {b.line for b in report.skipped} == {b.line for b in blocks if b.kind == "skip"}
     assert (folder / "runs" / "demo" / "checkpoints" / "best.pth").exists()
+    # The demo's promise (README, config/mnist5k_fast.yaml): >= 98% best val top-1 on the real digits.
+    with open(folder / "runs" / "demo" / "metrics.jsonl", encoding="utf-8") as f:
+        val = [r for r in map(json.loads, f) if r.get("split") == "val"]
+    assert val and val[-1]["n"] == 1000 and max(r["top1"] for r in val) >= 98.0, val
 
 
 @pytest.mark.e2e

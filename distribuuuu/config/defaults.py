@@ -106,6 +106,9 @@ _C.TRAIN.AMP = "off"
 _C.TRAIN.CHANNELS_LAST = False
 # Compile the model with torch.compile (compile time is logged apart, not counted as throughput)
 _C.TRAIN.COMPILE = False
+# torch.compile's backend: inductor (generates fused code), or aot_eager / eager (checks that the model
+# compiles, without code generation: seconds instead of minutes on a CPU), cudagraphs
+_C.TRAIN.COMPILE_BACKEND = "inductor"
 # Gradient accumulation: micro-batches per optimizer step (global batch = BATCH_SIZE x world x ACCUM_STEPS)
 _C.TRAIN.ACCUM_STEPS = 1
 # Clip the global gradient norm to this value (0: no clipping)

@@ -17,6 +17,7 @@ from distribuuuu.errors import UserError
 
 LR_POLICIES = ("cos", "steps", "linear", "constant")
 AMP_MODES = ("off", "bf16", "fp16")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars")
 BEST_METRICS = ("top1", "ema_top1")
 LR_SCALINGS = ("none", "linear")
@@ -48,7 +49,7 @@ _NON_NEGATIVE = ("MODEL.NUM_CLASSES", "TEST.IM_SIZE", "TRAIN.CKPT_PERIOD_STEPS",
 # Checked after the recipe keys (their order decides which of two problems is reported first)
 _NON_NEGATIVE_RECIPE = ("TRAIN.CLIP_GRAD_NORM", "TRAIN.MIXUP_ALPHA", "TRAIN.CUTMIX_ALPHA", "TRAIN.PATIENCE",
                         "TRAIN.TARGET_TOP1")
-_CHOICES = (("TRAIN.AMP", AMP_MODES), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
+_CHOICES = (("TRAIN.AMP", AMP_MODES), ("TRAIN.COMPILE_BACKEND", COMPILE_BACKENDS), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
             ("TRAIN.DATA_PIPELINE", ("auto", "memory", "loader")), ("TRAIN.IMAGE_DECODE", ("fast", "pil")),
             ("TRAIN.BEST_METRIC", BEST_METRICS), ("TRAIN.AUTO_AUGMENT", AUTO_AUGMENTS),
             ("DIST.FSDP_STATE_DICT", FSDP_STATE_DICTS))

@@ -133,7 +133,7 @@ class Strategy:
                      checkpoint_activations(model, units))
         model = self.wrap(model, units)
         if cfg.TRAIN.COMPILE:
-            model = torch.compile(model)  # compiles lazily, at the first step (timed apart)
+            model = torch.compile(model, backend=cfg.TRAIN.COMPILE_BACKEND)  # compiles lazily, at the first step (timed apart)
         return model
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
