@@ -153,6 +153,8 @@ def check(cfg: CfgNode, is_main: bool) -> None:
         return
     if sources.source_kind(cfg.TRAIN.DATASET) != "folder" or sources.source_kind(cfg.TEST.DATASET) != "folder":
         return
+    if (cfg.TEST.DATASET, cfg.TEST.SPLIT) == (cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT):
+        return  # one folder of class folders: its val part is held out of it (TRAIN.VAL_SPLIT), no overlap
     from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
 
     verdict: Any = None
