@@ -26,7 +26,7 @@ from timm.models.resnet import Bottleneck as TimmBottleneck
 from timm.models.resnet import ResNet as TimmResNet
 
 from distribuuuu import weights
-from distribuuuu.config import import_user_modules
+from distribuuuu.config.user_modules import import_user_modules  # not the package (no cycle)
 from distribuuuu.errors import UserError
 from distribuuuu.weights import first_conv as _first_conv
 from distribuuuu.weights import strip_wrapper_prefixes  # noqa: F401 -- models.strip_wrapper_prefixes, as callers write it

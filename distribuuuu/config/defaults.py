@@ -221,9 +221,9 @@ _C.OPTIM.DAMPENING = 0.0
 _C.OPTIM.NESTEROV = True
 # The LR starts at WARMUP_FACTOR x LR and rises linearly to LR over WARMUP_EPOCHS
 _C.OPTIM.WARMUP_FACTOR = 0.1
-# Length of the linear warmup in epochs (may be fractional; 0 disables it); the LR reaches its peak at its
-# end. A warmup over half of OPTIM.MAX_EPOCH is shortened to a fifth of the run, with a line saying so
-_C.OPTIM.WARMUP_EPOCHS = 5
+# Length of the linear warmup in epochs (a float: may be fractional, 5 reads as 5.0; 0 disables it); the LR
+# reaches its peak at its end. One over half of OPTIM.MAX_EPOCH is shortened to a fifth of the run, logged
+_C.OPTIM.WARMUP_EPOCHS = 5.0
 # L2 weight decay
 _C.OPTIM.WEIGHT_DECAY = 5e-5
 # 'none': the LR is BASE_LR; 'linear': BASE_LR x global batch / REF_BATCH_SIZE (Goyal et al., 2017)
