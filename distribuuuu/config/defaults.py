@@ -45,10 +45,10 @@ _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE = 32
 # Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images)
 _C.TRAIN.IM_SIZE = 224
-# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*), a CIFAR folder, a shard set (its folder,
-# index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
+# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*, or <DATASET>/<class>/* when it has no SPLIT/),
+# a CIFAR folder, a shard set (its folder, index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
 _C.TRAIN.DATASET = "./data/ILSVRC/"
-# Sub-folder (or split name) of DATASET used for training
+# Sub-folder (or split name) of DATASET used for training; a folder of class folders without it is the split itself
 _C.TRAIN.SPLIT = "train"
 # Resume from OUT_DIR/checkpoints/last.pth when it exists; False starts afresh, and refuses an
 # OUT_DIR that already holds a run (checkpoints or metrics records) rather than overwrite it
@@ -123,7 +123,8 @@ _C.TRAIN.REPEATED_AUG = 1
 # Recompute each block's activations in the backward pass instead of storing them (less memory, more compute)
 _C.TRAIN.ACTIVATION_CHECKPOINTING = False
 # Hold out this fraction (< 1) or number (>= 1) of the training set, stratified by class, as the validation
-# split (0: none). Then best.pth and early stopping use it, and TEST is the test set, evaluated once at the end
+# split (0: none). Then best.pth and early stopping use it, and TEST is the test set, evaluated once at the end.
+# A folder of class folders (no SPLIT/ in it) with TEST.DATASET unset: 0.1, that held-out part is the val set
 _C.TRAIN.VAL_SPLIT = 0.0
 # EMA of the weights: decay per step at OPTIM.REF_BATCH_SIZE (0: no EMA); the decay used is
 # EMA_DECAY ** (global batch / REF_BATCH_SIZE), so the average spans the same number of samples
@@ -164,7 +165,8 @@ _C.TRAIN.STD = []
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 _C.TEST = CN()
-# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET
+# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET (its
+# TEST.SPLIT; for a folder of class folders, the part TRAIN.VAL_SPLIT holds out)
 _C.TEST.DATASET = ""
 # Sub-folder (or split name) of DATASET used for validation
 _C.TEST.SPLIT = "val"
