@@ -20,8 +20,8 @@ logged once by rank 0 with the setup lines (``log_facts``):
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
   TRAIN.TOPK             clamped to MODEL.NUM_CLASSES
   TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8
-  OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: a fifth of the run (the LR then reaches its
-                         peak at the warmup's end, optim.lr_factor)
+  OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: the schedule's warmup is a fifth of the run
+                         (warmup_epochs, used by optim.lr_factor; the key keeps its value)
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ log = logging.getLogger("distribuuuu")
 FALLBACK_CLASSES = 1000  # the former default (ImageNet's): synthetic and dummy data, unreadable data
 EVAL_CROP_PCT = 0.875  # 224 / 256, Distribuuuu's (and torchvision's) eval resize
 HOLDOUT_FRACTION = 0.1  # a folder of class folders: the share held out as the val set
-WARMUP_MAX_SHARE = 0.5  # a warmup longer than this share of the run does not fit ...
-WARMUP_SHORT_SHARE = 0.2  # ... and is shortened to this share
 MAX_AUTO_WORKERS = 8
 _FACTS = "_inferred_facts"  # where the facts live on the resolved CfgNode (an attribute, not a key)
 
@@ -244,14 +242,29 @@ def _workers(cfg: CfgNode, found: list[Fact], local_world_size: int | None) -> N
                       "to the process itself"))
 
 
-def _warmup(cfg: CfgNode, found: list[Fact]) -> None:
+WARMUP_MAX_SHARE = 0.5  # a warmup longer than this share of the run does not fit ...
+WARMUP_SHORT_SHARE = 0.2  # ... and is shortened to this share of it
+
+
+def warmup_epochs(cfg: CfgNode) -> float:
+    """The warmup the schedule runs: OPTIM.WARMUP_EPOCHS, or a fifth of the run when that is over half
+    of OPTIM.MAX_EPOCH (5 warmup epochs of a 3-epoch run never reached the printed peak LR). Computed
+    where used, not written into the config: a run resumed with a longer OPTIM.MAX_EPOCH (a safe key:
+    the schedule follows it, its decay too) is not refused for a changed OPTIM.WARMUP_EPOCHS."""
     o = cfg.OPTIM
     if o.WARMUP_EPOCHS <= WARMUP_MAX_SHARE * o.MAX_EPOCH:
-        return
-    short = round(WARMUP_SHORT_SHARE * o.MAX_EPOCH, 4)
-    found.append(Fact("OPTIM.WARMUP_EPOCHS", short, f"shortened from {o.WARMUP_EPOCHS:g}: a warmup over half of the "
-                      f"{o.MAX_EPOCH}-epoch run would leave little of it at the peak LR", warn=True))
-    o.WARMUP_EPOCHS = short
+        return float(o.WARMUP_EPOCHS)
+    return round(WARMUP_SHORT_SHARE * o.MAX_EPOCH, 4)
+
+
+def _warmup(cfg: CfgNode, found: list[Fact]) -> None:
+    """Only the line: the schedule shortens a warmup that does not fit (warmup_epochs, optim.lr_factor); the key
+    keeps its value."""
+    short, o = warmup_epochs(cfg), cfg.OPTIM
+    if short != o.WARMUP_EPOCHS:
+        found.append(Fact("OPTIM.WARMUP_EPOCHS", f"{short:g} in the schedule", f"shortened from {o.WARMUP_EPOCHS:g}: "
+                          f"a warmup over half of the {o.MAX_EPOCH}-epoch run would leave little of it at the peak LR",
+                          warn=True))
 
 
 def _absolute_imports(cfg: CfgNode, found: list[Fact]) -> None:

@@ -26,7 +26,7 @@ from timm.models.resnet import Bottleneck as TimmBottleneck
 from timm.models.resnet import ResNet as TimmResNet
 
 from distribuuuu import weights
-from distribuuuu.config import import_user_modules
+from distribuuuu.config.user_modules import import_user_modules  # not the package (no cycle)
 from distribuuuu.errors import UserError
 from distribuuuu.weights import first_conv as _first_conv
 from distribuuuu.weights import strip_wrapper_prefixes  # noqa: F401 -- models.strip_wrapper_prefixes, as callers write it
@@ -233,8 +233,8 @@ def init_residual_bn(model: nn.Module, zero: bool) -> int:
     torchvision leaves them at 1 unless built with zero_init_residual; timm zeroes them in its
     ResNets (zero_init_last) and in other blocks with a zero_init_last() method, which is used
     when zero. Under one recipe (SGD 0.2, no warmup, 3 epochs of mnist5k at 32 px) torchvision's
-    resnet18 stayed at 14.6% val top-1 and timm's reached 87.6% (docs/recipes.md). Returns the
-    number of blocks set."""
+    resnet18 stayed at 14.6% val top-1 and timm's reached 87.6% (docs/recipes.md, "Residual blocks
+    that start as the identity"). Returns the number of blocks set."""
     count = 0
     for module in model.modules():
         name = next((n for cls, n in _LAST_BN.items() if type(module) is cls), None)

@@ -14,6 +14,7 @@ from timm.optim import get_optimizer_info, param_groups_weight_decay
 from yacs.config import CfgNode
 
 from distribuuuu import heads, models
+from distribuuuu.inferred import warmup_epochs
 
 
 def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
@@ -89,15 +90,15 @@ def peak_lr(cfg: CfgNode, global_batch: int) -> float:
 
 def lr_factor(cfg: CfgNode, epoch: float) -> float:
     """Multiplier of the peak LR at a fractional epoch: a linear warmup from WARMUP_FACTOR to exactly 1
-    at WARMUP_EPOCHS, then the policy. The cosine and linear decays run over the epochs after the
+    at warmup_epochs(cfg), then the policy. The cosine and linear decays run over the epochs after the
     warmup (timm's warmup_prefix), so the LR reaches the peak the run's header prints; multiplying
     the decay by the ramp (pycls, Distribuuuu) peaked below it: at 75% for 1 warmup epoch of 3."""
     o = cfg.OPTIM
-    if epoch < o.WARMUP_EPOCHS:
-        alpha = epoch / o.WARMUP_EPOCHS
+    warm = warmup_epochs(cfg)
+    if epoch < warm:
+        alpha = epoch / warm
         ramp = o.WARMUP_FACTOR * (1.0 - alpha) + alpha
         return ramp * (o.LR_MULT ** (sum(1 for s in o.STEPS if epoch >= s) - 1) if o.LR_POLICY == "steps" else 1.0)
-    warm = min(o.WARMUP_EPOCHS, o.MAX_EPOCH)
     done = (epoch - warm) / max(o.MAX_EPOCH - warm, 1e-12)  # the fraction of the decay behind
     if o.LR_POLICY == "cos":
         return (1.0 - o.MIN_LR) * 0.5 * (1.0 + math.cos(math.pi * done)) + o.MIN_LR

@@ -6,7 +6,7 @@ import os
 import pytest
 import yaml
 
-from distribuuuu import config
+from distribuuuu import config, inferred
 from distribuuuu.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,9 +22,22 @@ def test_baseline_configs_load_unchanged(arch):
     big = arch.startswith(("efficientnet", "regnet"))
     assert (cfg.OPTIM.BASE_LR, cfg.TRAIN.BATCH_SIZE) == ((0.4, 64) if big else (0.2, 32))
     assert cfg.OPTIM.WEIGHT_DECAY == (1e-5 if arch == "efficientnet_b0" else 5e-5)
-    # Every other key is at its default.
-    changed = set(config.diff_from_defaults(cfg))
-    assert changed <= {"MODEL.ARCH", "OUT_DIR", "OPTIM.BASE_LR", "TRAIN.BATCH_SIZE", "OPTIM.WEIGHT_DECAY"}
+    # Every key the file states loads with its value: the defaults that now follow the data (#27:
+    # NUM_CLASSES 0, TEST.DATASET '', TEST.IM_SIZE 0, WORKERS -1, WARMUP_EPOCHS a float) leave them as stated.
+    stated = _flat_yaml(yaml.safe_load(open(path)))
+    flat = config.flatten(cfg)
+    assert {k: flat[k] for k in stated} == stated
+    assert (flat["MODEL.NUM_CLASSES"], flat["TEST.IM_SIZE"], flat["TRAIN.WORKERS"], flat["TRAIN.TOPK"]) == (1000, 256, 4, 5)
+    assert flat["OPTIM.WARMUP_EPOCHS"] == 5 and flat["TEST.DATASET"] == "./data/ILSVRC/"
+    # Every key it does not state is at its default.
+    assert set(config.diff_from_defaults(cfg)) <= set(stated)
+
+
+def _flat_yaml(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        out.update(_flat_yaml(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
 
 
 def test_every_shipped_config_validates():
@@ -67,7 +80,7 @@ def test_later_overrides_win_over_the_file(tmp_path):
     (["TRAIN.BATCH_SIZE", "2.5"], "config key TRAIN.BATCH_SIZE expects an int, got 2.5"),
     (["MODEL.SYNCBN", "1"], "config key MODEL.SYNCBN expects a bool, got 1"),
     (["TRAIN.BATCH_SIZE"], "KEY VALUE pairs"),
-    (["TRAIN.TOPK", "5", "MODEL.NUM_CLASSES", "3"], "TRAIN.TOPK (5) must be <= MODEL.NUM_CLASSES (3)"),
+    (["TRAIN.WORKERS", "-2"], "TRAIN.WORKERS must be >= 0, or -1 for what the cores allow, got -2"),
     (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE must be positive, got 0"),
     (["TRAIN.IM_SIZE", "-8"], "TRAIN.IM_SIZE must be positive"),
     (["OPTIM.LR_POLICY", "exp"], "OPTIM.LR_POLICY must be one of cos, steps, linear, constant, got 'exp'"),
@@ -101,7 +114,11 @@ def test_run_folder_gets_full_config_and_diff(tmp_path):
     full = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32
     diff = yaml.safe_load((tmp_path / "config_diff.yaml").read_text())
-    assert diff == {"MODEL": {"ARCH": "resnet50"}, "OUT_DIR": str(tmp_path)}
+    # What was given, and the values decided from the data (#27): the stored config holds the values used.
+    decided = {f.key for f in inferred.facts(cfg) if f.origin != "config"} & set(config.flatten(cfg))
+    assert set(_flat_yaml(diff)) == {"MODEL.ARCH", "OUT_DIR", "TEST.IM_SIZE"} | decided  # TEST.IM_SIZE: "eval size"
+    assert (diff["MODEL"]["ARCH"], diff["OUT_DIR"]) == ("resnet50", str(tmp_path))
+    assert "MODEL.NUM_CLASSES" in decided and full["MODEL"]["NUM_CLASSES"] == 1000  # ImageNet's path: not here
     # The dumped file loads back to the same config.
     assert config.load_config(str(tmp_path / "config.yaml")) == cfg
 

@@ -254,7 +254,7 @@ def test_dummy_input_needs_no_data_on_disk(tmp_path):
 # ImageFolder trees
 # ---------------------------------------------------------------------------------------------
 def folder_cfg(root, **changes):
-    base = {"TRAIN.DATASET": str(root), "TEST.DATASET": str(root), "MODEL.NUM_CLASSES": 3,
+    base = {"TRAIN.DATASET": str(root), "TEST.DATASET": str(root), "MODEL.NUM_CLASSES": 0,
             "TRAIN.TOPK": 1, "TRAIN.IM_SIZE": 8, "TEST.IM_SIZE": 10, "TRAIN.WORKERS": 0,
             "TRAIN.BATCH_SIZE": 2, "TEST.BATCH_SIZE": 4}
     return cfg_with(base, **changes)

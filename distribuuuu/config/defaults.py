@@ -35,8 +35,8 @@ _C.MODEL.DUMMY_INPUT = False
 _C.MODEL.IN_CHANS = 3
 # Replace the stride-4 ImageNet stem by a stride-1 3x3 conv for 28-32 px images (ResNet family)
 _C.MODEL.SMALL_STEM = False
-# Residual networks start with the last BatchNorm weight of each residual block at zero, so each block
-# starts as the identity (Goyal et al., 2017; timm's zero_init_last); False: every BatchNorm weight at 1
+# Residual networks start with the last BatchNorm weight of each residual block at zero, so each block starts
+# as the identity (Goyal et al., 2017; timm's zero_init_last; measured: docs/recipes.md); False: all at 1
 _C.MODEL.ZERO_INIT_RESIDUAL = True
 
 # ---------------------------------------------------------------------------------------------
@@ -47,10 +47,10 @@ _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE = 32
 # Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images)
 _C.TRAIN.IM_SIZE = 224
-# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*), a CIFAR folder, a shard set (its folder,
-# index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
+# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*, or <DATASET>/<class>/* when it has no SPLIT/),
+# a CIFAR folder, a shard set (its folder, index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
 _C.TRAIN.DATASET = "./data/ILSVRC/"
-# Sub-folder (or split name) of DATASET used for training
+# Sub-folder (or split name) of DATASET used for training; a folder of class folders without it is the split itself
 _C.TRAIN.SPLIT = "train"
 # Resume from OUT_DIR/checkpoints/last.pth when it exists; False starts afresh, and refuses an
 # OUT_DIR that already holds a run (checkpoints or metrics records) rather than overwrite it
@@ -130,7 +130,8 @@ _C.TRAIN.REPEATED_AUG = 1
 # Recompute each block's activations in the backward pass instead of storing them (less memory, more compute)
 _C.TRAIN.ACTIVATION_CHECKPOINTING = False
 # Hold out this fraction (< 1) or number (>= 1) of the training set, stratified by class, as the validation
-# split (0: none). Then best.pth and early stopping use it, and TEST is the test set, evaluated once at the end
+# split (0: none). Then best.pth and early stopping use it, and TEST is the test set, evaluated once at the end.
+# A folder of class folders (no SPLIT/ in it) with TEST.DATASET unset: 0.1, that held-out part is the val set
 _C.TRAIN.VAL_SPLIT = 0.0
 # EMA of the weights: decay per step at OPTIM.REF_BATCH_SIZE (0: no EMA); the decay used is
 # EMA_DECAY ** (global batch / REF_BATCH_SIZE), so the average spans the same number of samples
@@ -171,7 +172,8 @@ _C.TRAIN.STD = []
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 _C.TEST = CN()
-# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET
+# Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET (its
+# TEST.SPLIT; for a folder of class folders, the part TRAIN.VAL_SPLIT holds out)
 _C.TEST.DATASET = ""
 # Sub-folder (or split name) of DATASET used for validation
 _C.TEST.SPLIT = "val"
@@ -228,9 +230,9 @@ _C.OPTIM.DAMPENING = 0.0
 _C.OPTIM.NESTEROV = True
 # The LR starts at WARMUP_FACTOR x LR and rises linearly to LR over WARMUP_EPOCHS
 _C.OPTIM.WARMUP_FACTOR = 0.1
-# Length of the linear warmup in epochs (may be fractional; 0 disables it); the LR reaches its peak at its
-# end. A warmup over half of OPTIM.MAX_EPOCH is shortened to a fifth of the run, with a line saying so
-_C.OPTIM.WARMUP_EPOCHS = 5
+# Length of the linear warmup in epochs (a float: may be fractional, 5 reads as 5.0; 0 disables it); the LR
+# reaches its peak at its end. One over half of OPTIM.MAX_EPOCH is shortened to a fifth of the run, logged
+_C.OPTIM.WARMUP_EPOCHS = 5.0
 # L2 weight decay
 _C.OPTIM.WEIGHT_DECAY = 5e-5
 # 'none': the LR is BASE_LR; 'linear': BASE_LR x global batch / REF_BATCH_SIZE (Goyal et al., 2017)
