@@ -3,8 +3,7 @@
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] --checkpoint PATH [KEY VALUE ...]
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
-    distribuuuu config --explain KEY                     a key's comment, type and default
-    distribuuuu config --list                            the shipped configs, each with its first comment line
+    distribuuuu config --explain KEY | --list            a key's comment, type and default | the shipped configs
     distribuuuu data export mnist5k DIR                   write the embedded digits as an ImageFolder tree
     distribuuuu data shard SRC DEST [--shard-size 256MB]  an image folder (or mnist5k) as tar shards + index.json
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
@@ -19,8 +18,7 @@
 eval, predict and export need no --cfg for a checkpoint of `distribuuuu train`: its stored config,
 class names and preprocessing are used (distribuuuu/inference.py); --cfg and KEY VALUE still win.
 
---cfg takes a YAML file or the name of a shipped config (`--cfg mnist5k_fast`, from any folder);
-a file that exists wins. `distribuuuu --version` prints the version.
+--cfg takes a YAML file or a shipped config's name (`--cfg mnist5k_fast`); a file that exists wins.
 
 The same train/eval run under plain python, torchrun, torch.distributed.launch, srun, or the
 built-in spawner (--nproc-per-node). A user error exits with status 2 and one message.
@@ -382,15 +380,14 @@ def _main(argv: Sequence[str] | None) -> int:
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
     cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
-    new_folder = not os.path.lexists(cfg.OUT_DIR)  # the preflight makes it: a refused run takes it away again
-    status = USER_ERROR_EXIT
+    new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
         preflight.check(args.command, cfg, nproc)
         status = spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
-        return status
-    finally:
-        if new_folder and status == USER_ERROR_EXIT:  # (an empty folder only: rmdir)
+    finally:  # a refused run takes a folder it made away again (an empty one only: rmdir)
+        if new_folder and status == USER_ERROR_EXIT:
             run_folder.remove_if_empty(cfg.OUT_DIR)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

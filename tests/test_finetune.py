@@ -23,7 +23,7 @@ from distribuuuu.errors import UserError
 from distribuuuu.launch import group
 from distribuuuu.model_card import from_checkpoint
 from distribuuuu.weights import adapt_input_channels
-from tests.conftest import ROOT, TINY, check, cli_main, env, write_image_tree
+from tests.conftest import ROOT, TINY, check, cli_main, env, process_state_restored, write_image_tree
 
 torch.set_num_threads(1)
 
@@ -200,7 +200,8 @@ def gray_ckpt(tmp_path_factory):
     """A 1-channel checkpoint: 4 classes of gray images (as the mnist5k export), MODEL.IN_CHANS 1."""
     tmp = tmp_path_factory.mktemp("gray")
     digits = _folder(tmp / "digits", "L", ["0", "1", "2", "3"])
-    check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", digits, "MODEL.IN_CHANS", "1", "OUT_DIR", str(tmp / "run")))
+    with process_state_restored():  # module scope: outside each test's own restoring
+        check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", digits, "MODEL.IN_CHANS", "1", "OUT_DIR", str(tmp / "run")))
     return str(tmp / "run" / "checkpoints" / "last.pth")
 
 
