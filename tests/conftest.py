@@ -165,6 +165,14 @@ def cli_main(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["distribuuuu", *args], status, out.getvalue(), err.getvalue())
 
 
+def read_text_or_empty(path) -> str:
+    """A file that a running process may not have written yet."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY, check, env, kill_tree, process_tree, read_metrics, wait_gone
+from tests.conftest import ROOT, TINY, check, env, kill_tree, process_tree, read_metrics, read_text_or_empty, wait_gone
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -32,13 +32,6 @@ LAUNCH = {
 }
 
 
-def _read(path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return ""
-
-
 def _group_sigterm_mid_epoch(out, cmd: list[str]) -> tuple[int, str, dict]:
     """cmd in a session of its own (setsid); at the first training step, SIGTERM to its whole
     process group (kill -TERM -- -PGID). Returns (status, console, every process seen)."""
@@ -49,7 +42,7 @@ def _group_sigterm_mid_epoch(out, cmd: list[str]) -> tuple[int, str, dict]:
     job: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 180
-        while "[train] epoch 1/1 iter" not in _read(out / "log.txt"):
+        while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
             assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
             job.update(process_tree(proc.pid))
@@ -84,7 +77,7 @@ def test_whole_group_sigterm_with_loader_workers_checkpoints_and_resumes(tmp_pat
     again = subprocess.run([*LAUNCH[launcher], "--cfg", TINY, "OUT_DIR", str(out), *WORKERS], cwd=ROOT, env=env(),
                            capture_output=True, text=True, timeout=240)
     check(again)
-    assert f"{ckpt['samples_in_epoch']} samples into epoch 1" in _read(out / "log.txt")
+    assert f"{ckpt['samples_in_epoch']} samples into epoch 1" in read_text_or_empty(out / "log.txt")
     assert [m["n"] for m in read_metrics(str(out)) if m["split"] == "train"] == [1024]
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, TINY, env, kill_tree, process_tree, wait_gone
+from tests.conftest import ROOT, TINY, env, kill_tree, process_tree, read_text_or_empty, wait_gone
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -31,13 +31,6 @@ LAUNCH = {
     "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "distribuuuu",
                  "train"],
 }
-
-
-def _read(path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return ""
 
 
 def _rank_pids(out, job: dict[int, str], launcher_pid: int) -> dict[int, int]:
@@ -63,7 +56,7 @@ def _start(out, cmd: list[str], *extra: str) -> tuple[subprocess.Popen, dict[int
                                 env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     job: dict[int, str] = {}
     deadline = time.monotonic() + 180
-    while "[train] epoch 1/1 iter" not in _read(out / "log.txt"):
+    while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
         assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
         assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
         job.update(process_tree(proc.pid))
