@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
+from distribuuuu import inference
 from distribuuuu.data import loaders, sources, transforms
 from distribuuuu.data.memory import pad_crop_flip
 from distribuuuu.data.recipe import Recipe, log_recipe, recipe_of
-from distribuuuu.tools.predict import classes_and_transform
 from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
 
 torch.set_num_threads(1)
@@ -181,12 +181,18 @@ def test_predict_uses_the_eval_recipe(tmp_path):
     cfg = _folder_cfg(root, **{"TRAIN.IMAGE_DECODE": "pil", "TRAIN.MEAN": [0.5, 0.5, 0.5],
                                "TRAIN.STD": [0.1, 0.2, 0.4], "TEST.CROP_PCT": 0.5, "TRAIN.INTERPOLATION": "bicubic"})
     path = _photo(os.path.join(root, "val", "a", "0.png"), (30, 24))
-    _, prepare = classes_and_transform(cfg)
+    prepare = _card_transform(cfg)
     evaluated = loaders.build_dataset(cfg, train=False)
     index = [p for p, _ in evaluated.samples].index(path)
     assert torch.equal(prepare(path), evaluated[index][0])
     plain = _folder_cfg(str(tmp_path / "e"), **{"TRAIN.IMAGE_DECODE": "pil"})
-    assert not torch.allclose(classes_and_transform(plain)[1](path), prepare(path))
+    assert not torch.allclose(_card_transform(plain)(path), prepare(path))
+
+
+def _card_transform(cfg):
+    """path -> input tensor, as predict with --cfg prepares an image (the card described from the config)."""
+    tf = inference.card_from_config(cfg).transform()
+    return lambda path: tf(Image.open(path))
 
 
 # ---------------------------------------------------------------------------------------------

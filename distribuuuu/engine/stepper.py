@@ -57,8 +57,6 @@ class MicroStep:
     # None: not the last micro-batch; False: step skipped (non-finite); True: stepped, or on the
     # device path (Stepper.on_device) stepped unless ``skipped`` (a 0-d device bool) says otherwise
     stepped: bool | None
-    # True with stepped True: fp16 only, the GradScaler skipped the update for an overflow (no failure)
-    overflow: bool = False
     skipped: torch.Tensor | None = None
 
 
@@ -140,7 +138,7 @@ class Stepper:
             skipped, stepped = self._step_on_device(), True
         else:
             stepped = self._step()
-        return MicroStep(logits, loss, hard, stepped is not False, overflow=stepped is None, skipped=skipped)
+        return MicroStep(logits, loss, hard, stepped is not False, skipped=skipped)
 
     def _finite(self) -> bool | torch.Tensor:
         """After unscaling: clip (its total norm doubles as the check), or check the gradients."""

@@ -96,14 +96,6 @@ def device_for(cfg: Any) -> Any:
     return torch.device("cuda" if cfg.DEVICE != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-def classes_and_transform(cfg: Any) -> tuple[list[str], Callable[[str], Any]]:
-    """(class names in label order, path -> input tensor [C, H, W]) described from the config's data
-    source (inference.card_from_config): what predict uses with --cfg."""
-    from distribuuuu import inference
-
-    return _prepared(card_checked(inference.card_from_config(cfg)))
-
-
 def card_checked(card: Any) -> Any:
     if card.in_chans not in (1, 3):
         raise UserError(f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels")
