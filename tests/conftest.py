@@ -32,6 +32,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
 
+# A suite started in the background by a non-interactive shell (`make test &` in a script, nohup) inherits
+# SIGINT ignored, and every process a test starts would inherit that too: the tests of Ctrl-C would then
+# see their SIGINT ignored. Python's own default handler here makes the children start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.nodeid.split("::")[0]  # by name, the tests that run srun/sbatch (see "Slurm" below)
