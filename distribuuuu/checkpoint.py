@@ -82,17 +82,8 @@ class DiskFull(UserError, OSError):
 def _disk_full(error: BaseException) -> bool:
     """Whether ENOSPC is anywhere in error's chain: torch's zip writer reports it as a RuntimeError
     ("unexpected pos ...") whose context holds the real OSError, or only in its message."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [error]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if getattr(current, "errno", None) == errno.ENOSPC or "No space left on device" in str(current):
-            return True
-        todo += [current.__cause__, current.__context__]
-    return False
+    return any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+               for e in signals.chain(error))
 
 
 def _what_is_kept(path: str) -> str:

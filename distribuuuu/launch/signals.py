@@ -60,6 +60,20 @@ def follow_peer(signum: int, peer: int) -> PeerStopped:
     return PeerStopped(signum, peer)
 
 
+def chain(error: BaseException) -> Iterator[BaseException]:
+    """error and every exception under it: causes, contexts, and a CheckpointException's failures."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        todo += [current.__cause__, current.__context__]
+        todo += [failure[0] for failure in getattr(current, "failures", {}).values()]  # CheckpointException
+
+
 def interruption(error: BaseException) -> KeyboardInterrupt | None:
     """The stop (KeyboardInterrupt, or Terminated) that error was raised on top of, if any.
 
@@ -67,18 +81,7 @@ def interruption(error: BaseException) -> KeyboardInterrupt | None:
     then fails closing (a RuntimeError whose context is the interrupt), and torch.distributed.checkpoint
     collects it into a CheckpointException. Writers re-raise the stop itself, so the run ends as
     stopped (130 / 143), not as a failed write."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [error]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        if isinstance(current, KeyboardInterrupt):
-            return current
-        seen.add(id(current))
-        todo += [current.__cause__, current.__context__]
-        todo += [failure[0] for failure in getattr(current, "failures", {}).values()]  # CheckpointException
-    return None
+    return next((e for e in chain(error) if isinstance(e, KeyboardInterrupt)), None)
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
