@@ -239,6 +239,28 @@ def wait_gone(procs: dict[int, str] | list[int], timeout: float) -> list[int]:
     return alive(procs)
 
 
+def start_until_training(argv: list[str], out) -> tuple[subprocess.Popen, dict[int, str], object]:
+    """argv (a train command writing into out) in a session of its own, its output in <out>.console.txt,
+    returned once log.txt shows the first training step: (the launcher, every process seen, console)."""
+    console = out.parent / f"{out.name}.console.txt"
+    with open(console, "w") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    job: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
+            assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
+            job.update(process_tree(proc.pid))
+            time.sleep(0.1)
+    except BaseException:
+        kill_tree(proc, job)
+        raise
+    job.update(process_tree(proc.pid))
+    return proc, job, console
+
+
 def kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
     """Clean-up after a test: SIGKILL whatever of the tree still runs, and reap the launcher."""
     for pid in alive(tree):

@@ -11,12 +11,21 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY, check, env, kill_tree, process_tree, read_metrics, read_text_or_empty, wait_gone
+from tests.conftest import (
+    ROOT,
+    TINY,
+    check,
+    env,
+    kill_tree,
+    read_metrics,
+    read_text_or_empty,
+    start_until_training,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -35,19 +44,8 @@ LAUNCH = {
 def _group_sigterm_mid_epoch(out, cmd: list[str]) -> tuple[int, str, dict]:
     """cmd in a session of its own (setsid); at the first training step, SIGTERM to its whole
     process group (kill -TERM -- -PGID). Returns (status, console, every process seen)."""
-    console = out.parent / f"{out.name}.console.txt"
-    with open(console, "w") as log:
-        proc = subprocess.Popen([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *WORKERS], cwd=ROOT, env=env(),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    job: dict[int, str] = {}
+    proc, job, console = start_until_training([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *WORKERS], out)
     try:
-        deadline = time.monotonic() + 180
-        while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
-            assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
-            job.update(process_tree(proc.pid))
-            time.sleep(0.1)
-        job.update(process_tree(proc.pid))
         os.killpg(proc.pid, signal.SIGTERM)
         status = proc.wait(timeout=60)
         left = wait_gone(job, 15)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, TINY, env, kill_tree, process_tree, read_text_or_empty, wait_gone
+from tests.conftest import TINY, kill_tree, start_until_training, wait_gone
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -50,19 +50,7 @@ def _rank_pids(out, job: dict[int, str], launcher_pid: int) -> dict[int, int]:
 
 
 def _start(out, cmd: list[str], *extra: str) -> tuple[subprocess.Popen, dict[int, str], object]:
-    console = out.parent / f"{out.name}.console.txt"
-    with open(console, "w") as log:
-        proc = subprocess.Popen([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *LONG_EPOCH, *extra], cwd=ROOT,
-                                env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    job: dict[int, str] = {}
-    deadline = time.monotonic() + 180
-    while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
-        assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
-        job.update(process_tree(proc.pid))
-        time.sleep(0.1)
-    job.update(process_tree(proc.pid))
-    return proc, job, console
+    return start_until_training([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *LONG_EPOCH, *extra], out)
 
 
 def _writing(out) -> bool:
