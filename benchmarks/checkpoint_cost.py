@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torchvision
 
-from distribuuuu import checkpoint
+from distribuuuu.run_folder import checkpoint
 
 
 def _state(arch: str) -> dict:

@@ -148,7 +148,7 @@ def quiet_metrics(trainer: Any) -> None:
     """train_epoch without fit: the metrics hook gets the no-op writer of a non-main rank (fit's
     before_fit would make a real one; the epoch's last iteration is a print step that writes)."""
     from distribuuuu.engine.hooks import MetricsHook
-    from distribuuuu.logger import MetricsWriter
+    from distribuuuu.run_folder.metrics_files import MetricsWriter
 
     for hook in trainer.hooks:
         if isinstance(hook, MetricsHook):
@@ -527,7 +527,7 @@ def _train(args: list[str], out: str, nproc: int | None, timeout: float = 600,
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    from distribuuuu.logger import read_jsonl  # a bad line is skipped with a warning, as in plot
+    from distribuuuu.run_folder.metrics_files import read_jsonl  # a bad line is skipped with a warning, as in plot
 
     return wall, read_jsonl(os.path.join(out, "metrics.jsonl"))
 

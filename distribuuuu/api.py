@@ -95,7 +95,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
     preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
-        # (engine.fit: summary.write_run_record): a refused command leaves OUT_DIR as it was.
+        # (engine.fit: RunFolder.write_record): a refused command leaves OUT_DIR as it was.
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank, hold=True)
         run_folder.log_notes(notes)  # a stale lock taken over, debris removed
         refused = False

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, config, inferred, models
+from distribuuuu import config, inferred, models
 from distribuuuu.config.reading import parse_literal
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import ModelCard, describe, from_checkpoint
+from distribuuuu.run_folder import checkpoint
 
 log = logging.getLogger("distribuuuu")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distribuuuu import data, models, resume_check, run_folder, strategies
+from distribuuuu import data, models, run_folder, strategies
 from distribuuuu.errors import UserError
 
 
@@ -47,8 +47,9 @@ def _require_eval_weights(cfg: Any) -> None:
     saying how to name the checkpoint."""
     if cfg.MODEL.WEIGHTS:
         return
-    folder = os.path.join(cfg.OUT_DIR, "checkpoints")
-    if not any(os.path.isfile(os.path.join(folder, n)) for n in ("best.pth", "last.pth")):
+    run = run_folder.RunFolder(cfg)
+    folder = run.checkpoints
+    if run.best() is None:
         raise UserError(f"eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
                         f"`distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth`, or the OUT_DIR of a run "
                         f"({folder} holds no best.pth or last.pth)")
@@ -69,7 +70,7 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
     if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
-                        f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
+                        f"(e.g. {run_folder.RunFolder.best_path(cfg.MODEL.WEIGHTS)})")
     if command == "eval":
         if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
@@ -81,6 +82,4 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
                         "True for MODEL.ARCH's file in torch hub's cache")
     data.check_datasets(cfg, world_size, train=(command == "train"))
-    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable and not another run's
-    if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)
-        resume_check.preflight(cfg)
+    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable

@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from distribuuuu import checkpoint, heads
+from distribuuuu import heads
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import checkpoint
 
 log = logging.getLogger("distribuuuu")
 

@@ -17,10 +17,11 @@ import torch
 import yaml
 from PIL import Image
 
-from distribuuuu import api, checkpoint, config, data
+from distribuuuu import api, config, data
 from distribuuuu.data import transforms
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import CARD_KEY, ModelCard
+from distribuuuu.run_folder import checkpoint
 from tests.conftest import ROOT, check, cli_main, env, process_state_restored
 
 FAST = ["NUM_THREADS", "1", "DEVICE", "cpu", "TRAIN.PRINT_FREQ", "1000"]

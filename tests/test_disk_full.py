@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from distribuuuu import checkpoint
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import checkpoint
 
 pytestmark = pytest.mark.e2e  # mount and umount are processes
 

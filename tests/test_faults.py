@@ -189,7 +189,7 @@ def tiny_fs(tmp_path):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(tiny_fs):
-    from distribuuuu import checkpoint
+    from distribuuuu.run_folder import checkpoint
 
     small = {"model": {"w": torch.zeros(1000)}, "epoch": 1, "global_step": 1}  # ~4 KB
     checkpoint.save(small, tiny_fs, is_best=False, keep=3)

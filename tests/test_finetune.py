@@ -17,11 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, engine, heads, models, optim
+from distribuuuu import engine, heads, models, optim
 from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.launch import group
 from distribuuuu.model_card import from_checkpoint
+from distribuuuu.run_folder import checkpoint
 from distribuuuu.weights import adapt_input_channels
 from tests.conftest import ROOT, TINY, check, cli_main, env, process_state_restored, write_image_tree
 

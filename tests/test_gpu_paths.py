@@ -206,7 +206,7 @@ def test_cli_exits_2_when_slurm_tasks_outnumber_gpus(tmp_path):
 
 def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, caplog):
     """A patched CUDA RNG: 8 GPUs whose states are distinct byte strings; this process is on GPU 3."""
-    from distribuuuu import checkpoint
+    from distribuuuu.engine import state as engine_state
 
     states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
     restored = {}
@@ -215,22 +215,22 @@ def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[device].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device="cuda": restored.update({device: t.clone()}))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda *a: pytest.fail("every GPU's state restored"))
-    saved = checkpoint.rng_state()
+    saved = engine_state.rng_state()
     assert saved["cuda"] == bytes([3] * 16)  # this process's GPU only
     # Resumed by srun with one GPU per task: the task's GPU is cuda:0.
     _fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    checkpoint.set_rng_state(saved)
+    engine_state.set_rng_state(saved)
     assert list(restored) == [0] and restored[0].tolist() == [3] * 16
     # An older checkpoint holds every visible GPU's state: this GPU's entry, or a warning when none.
     restored.clear()
     old = dict(saved, cuda=[bytes([i] * 16) for i in range(2)])
-    checkpoint.set_rng_state(old)
+    engine_state.set_rng_state(old)
     assert restored[0].tolist() == [0] * 16
     restored.clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
     with caplog.at_level("WARNING", logger="distribuuuu"):
-        checkpoint.set_rng_state(old)
+        engine_state.set_rng_state(old)
     assert not restored and "none for GPU 5" in caplog.text
 
 

@@ -20,7 +20,7 @@ from distribuuuu import data, models
 from distribuuuu.config import load_config
 from distribuuuu.data import integrity, sources, transforms
 from distribuuuu.errors import UserError
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, write_image_tree
 
 

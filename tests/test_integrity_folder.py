@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from distribuuuu import run_lock
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import lock as run_lock
 from tests.conftest import ROOT, TINY, check, env, read_metrics
 
 KILL_IN_SAVE = os.path.join(ROOT, "tests", "scripts", "kill_in_save.py")

@@ -11,8 +11,8 @@ import zipfile
 import pytest
 import torch
 
-from distribuuuu import checkpoint
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import checkpoint
 from distribuuuu.tools import export, predict
 from tests.conftest import TINY, check, distribuuuu, read_metrics, write_image, write_image_tree
 
@@ -206,7 +206,8 @@ def test_plot_skips_a_bad_line_with_a_warning(base_run, tmp_path):
 
 
 def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow():
-    from distribuuuu import config, resume_check
+    from distribuuuu import config
+    from distribuuuu.run_folder import resume_check
 
     known = set(config.flatten(config.get_defaults()))
     assert resume_check.IDENTITY_KEYS <= known and resume_check.SAFE_KEYS <= known
@@ -225,7 +226,8 @@ def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow(
 
 
 def test_a_checkpoint_without_facts_past_the_end_of_a_smaller_dataset_is_refused():
-    from distribuuuu import config, resume_check
+    from distribuuuu import config
+    from distribuuuu.run_folder import resume_check
 
     cfg = config.load_config(TINY, [])
     now = resume_check.run_facts(300, 50)

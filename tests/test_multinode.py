@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics
 
 pytestmark = pytest.mark.e2e  # every test here starts processes

@@ -13,7 +13,7 @@ import torch
 
 from distribuuuu import api, cli, config
 from distribuuuu.engine import HookBase
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import TINY, cli_main, read_metrics
 
 # Fields of a record that do not depend on the seed's outcome but on the machine's speed.

@@ -72,7 +72,7 @@ def test_metrics_csv_has_the_rows_of_metrics_jsonl(run2):
 
 
 def test_csv_header_grows_with_a_new_key(tmp_path):
-    from distribuuuu.logger import CSV_COLUMNS, MetricsWriter
+    from distribuuuu.run_folder.metrics_files import CSV_COLUMNS, MetricsWriter
 
     w = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
     w.write({"epoch": 1, "split": "train", "loss": 1.5})
@@ -127,7 +127,7 @@ def test_model_txt_lists_every_parameter_with_totals_and_flops(run2):
 
 
 def test_flop_count_is_exact_and_leaves_the_model_unchanged():
-    from distribuuuu.summary import count_flops
+    from distribuuuu.run_folder.records import count_flops
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),

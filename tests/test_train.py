@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
 
 pytestmark = pytest.mark.e2e  # every test here starts processes

@@ -6,10 +6,12 @@ import os
 import pytest
 import torch
 
-from distribuuuu import checkpoint, optim
+from distribuuuu import optim
 from distribuuuu.config import load_config
+from distribuuuu.engine import state as engine_state
 from distribuuuu.errors import UserError
 from distribuuuu.metrics import Counter, topk_hits
+from distribuuuu.run_folder import checkpoint
 from tests.conftest import TINY
 
 
@@ -114,9 +116,9 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
 
 
 def test_rng_state_round_trip():
-    state = checkpoint.rng_state()
+    state = engine_state.rng_state()
     a = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
-    checkpoint.set_rng_state(state)
+    engine_state.set_rng_state(state)
     b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
 

@@ -12,7 +12,7 @@ from distribuuuu import data
 from distribuuuu.data import sources, split, transforms
 from distribuuuu.data.loaders import SplitPart
 from distribuuuu.errors import UserError
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import (
     TINY,
     check,

@@ -14,6 +14,7 @@ from yacs.config import CfgNode as CN
 from distribuuuu.config.defaults import get_defaults
 from distribuuuu.config.reading import flatten
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import layout
 
 LR_POLICIES = ("cos", "steps", "linear", "constant")
 AMP_MODES = ("off", "bf16", "fp16")
@@ -33,9 +34,7 @@ OVERLAP_MODES = ("warn", "error", "off")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
 # What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
-RUN_FOLDER_NAMES = ("checkpoints", "log.txt", "metrics.jsonl", "metrics.csv", "tb", "config_diff.yaml",
-                    "env.json", "env_history.jsonl", "eval.jsonl", "metrics_dropped.jsonl", "model.txt", "run.lock",
-                    "plots", "bench", "export")
+RUN_FOLDER_NAMES = layout.NAMES
 
 _POSITIVE = ("TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ",
              "TRAIN.TOPK", "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",

@@ -9,7 +9,6 @@ numbers of batches (the strategy gives a whole replica for evaluation: Strategy.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -18,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, inferred, models
+from distribuuuu import data, inferred, models
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.launch.group import DistContext
-from distribuuuu.logger import write_eval_record
 from distribuuuu.metrics import Counter
+from distribuuuu.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer
@@ -89,15 +88,17 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
     then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
     that checkpoint are tested."""
     cfg, ctx = trainer.cfg, trainer.ctx
-    if trainer.resumed and (done := _recorded_test(cfg.OUT_DIR, ctx)) is not None:
+    # A finished run whose start trained nothing more (a resume moves records after its checkpoint
+    # away): testing the same checkpoint again would only add the same row. Rank 0 reads, all hear.
+    done = comm.broadcast_object(trainer.run.recorded_test() if trainer.resumed and ctx.is_main else None)
+    if done is not None:
         log.info("[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was finished)",
                  done.get("epoch"), done.get("top1") or 0.0)
         return done
-    folder = checkpoint.checkpoint_dir(cfg.OUT_DIR)
-    path = next((p for p in (os.path.join(folder, n) for n in ("best.pth", "last.pth")) if os.path.isfile(p)), None)
+    folder, path = trainer.run.checkpoints, trainer.run.best()
     if path is None:
         raise UserError(f"no checkpoint in {folder} to test (the weights were never finite)")
-    ckpt = checkpoint.load(path)
+    ckpt = trainer.run.load(path)
     weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
     net = trainer.strategy.test_model(trainer.model, ckpt, weights, folder)
     result = evaluate(net, trainer.test_loader, cfg, ctx, trainer.stepper)
@@ -110,32 +111,13 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
     return record
 
 
-def _recorded_test(out_dir: str, ctx: DistContext) -> dict[str, Any] | None:
-    """The test record that ends metrics.jsonl, if it does: the run was finished and this start
-    trained nothing more (a resume moves records after its checkpoint away), so testing the same
-    checkpoint again would only add the same row. Rank 0 reads, every rank gets it."""
-    found = None
-    if ctx.is_main:
-        try:
-            with open(os.path.join(out_dir, "metrics.jsonl"), "rb") as f:
-                lines = [line for line in f.read().splitlines() if line.strip()]
-            last = json.loads(lines[-1]) if lines else None
-            found = last if isinstance(last, dict) and last.get("split") == "test" else None
-        except (OSError, ValueError):
-            found = None
-    return comm.broadcast_object(found)
-
-
 def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
+    run = RunFolder(cfg)
     weights = cfg.MODEL.WEIGHTS
     if not weights:
-        for name in ("best.pth", "last.pth"):
-            candidate = os.path.join(checkpoint.checkpoint_dir(cfg.OUT_DIR), name)
-            if os.path.isfile(candidate):
-                weights = candidate
-                break
-        else:
+        weights = run.best()
+        if weights is None:
             raise UserError("eval needs weights: pass MODEL.WEIGHTS PATH, or an OUT_DIR whose "
                             "checkpoints/ holds best.pth or last.pth")
         cfg = cfg.clone()
@@ -156,5 +138,5 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
              result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"],
              time.perf_counter() - start)
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
-    write_eval_record(cfg.OUT_DIR, record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
+    run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
     return record

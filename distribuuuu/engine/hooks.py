@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import heads, models, run_folder
+from distribuuuu import heads, models
 from distribuuuu.engine import evaluation
 from distribuuuu.engine.state import CheckpointTimer, save_run
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.launch.signals import Preempted
-from distribuuuu.logger import MetricsWriter, format_seconds
+from distribuuuu.logger import format_seconds
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer
@@ -160,17 +160,13 @@ def nonfinite_advice(cfg: CfgNode) -> str:
 
 
 class MetricsHook(HookBase):
-    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (logger.MetricsWriter),
+    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (run_folder/metrics_files.py),
     and every TRAIN.PRINT_FREQ iterations the printed numbers as TensorBoard scalars by global step."""
 
     def before_fit(self, trainer: Trainer) -> None:
-        out_dir = trainer.cfg.OUT_DIR
-        if not trainer.resumed and trainer.ctx.is_main and (moved := run_folder.set_aside_records(out_dir)):
-            log.warning(moved)  # a fresh start: records of an earlier run are kept, not appended to
-        self.writer = MetricsWriter(out_dir, trainer.ctx.is_main, topk=trainer.cfg.TRAIN.TOPK)
-        if trainer.resumed:  # a torn last line, and records of epochs the checkpoint does not hold: moved
-            self.writer.repair(trainer.state.epoch)
-            self.writer.purge_step = trainer.state.global_step + 1  # TensorBoard: steps after it are written again
+        state = trainer.state  # a fresh start sets an earlier run's records aside; a resume repairs them
+        self.writer = trainer.run.metrics(trainer.ctx.is_main, state.epoch if trainer.resumed else None,
+                                          state.global_step)
 
     def after_step(self, trainer: Trainer) -> None:
         if trainer.step_scalars is not None:  # a print step of rank 0

@@ -1,6 +1,6 @@
 """The state of a run: what the loop carries, and its save to / resume from a checkpoint.
 
-A checkpoint is a plain dict (the files themselves: checkpoint.py):
+A checkpoint is a plain dict (the files themselves: run_folder/checkpoint.py):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, model_card, models, resume_check
+from distribuuuu import model_card, models
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 
@@ -46,7 +46,7 @@ class TrainState:
     bad_steps: int = 0  # consecutive non-finite steps
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
-    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (resume_check.run_facts), checked on resume
+    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (RunFolder.facts), checked on resume
 
     COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
 
@@ -98,21 +98,20 @@ def save_run(trainer: Trainer, is_best: bool = False, train_sums: torch.Tensor |
     the counters, every rank's RNG streams, the stepper's state (scaler, EMA) and the strategy's
     model/optimizer entries. ``train_sums``: the part-done epoch's metrics (a mid-epoch checkpoint)."""
     cfg, ctx, state = trainer.cfg, trainer.ctx, trainer.state
-    rng = comm.all_gather_object(checkpoint.rng_state())  # each rank's own streams
+    rng = comm.all_gather_object(rng_state())  # each rank's own streams
     if train_sums is not None:
         train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
     counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
     record = {**trainer.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rng,
               "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": trainer.seed,
               model_card.CARD_KEY: trainer.card.to_dict(), "shard_plan": _shard_plan(trainer)}
-    shards = checkpoint.checkpoint_path(cfg.OUT_DIR, counters)[:-len(".pth")] + ".dcp"
-    entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, shards)
+    entries, finite = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer, trainer.run.shards_path(counters))
     record.update(entries)
     if ctx.is_main:
         if not finite:
             log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
         else:
-            path = checkpoint.save(record, cfg.OUT_DIR, is_best=is_best, keep=cfg.TRAIN.CKPT_KEEP)
+            path = trainer.run.save(record, is_best=is_best)
             log.info("saved %s%s", path, " (best)" if is_best else "")
         trainer.saves["written" if finite else "refused"] += 1  # read at the end (Trainer.require_saved)
         trainer.saves["last_refused"] = int(not finite)
@@ -153,13 +152,13 @@ def resume_run(trainer: Trainer) -> dict[str, Any] | None:
     cfg, ctx, state, strategy = trainer.cfg, trainer.ctx, trainer.state, trainer.strategy
     if not cfg.TRAIN.AUTO_RESUME:
         return None
-    ckpt, path = checkpoint.load_latest(cfg.OUT_DIR)
+    ckpt, path = trainer.run.latest()
     if ckpt is None:
         return None
     net, opt = models.unwrap(trainer.model), trainer.optimizer if cfg.TRAIN.LOAD_OPT else None
     plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
-    resume_check.check(ckpt, path, cfg, state.facts, net if plain else None, opt if plain else None)
-    strategy.load_checkpoint(trainer.model, opt, ckpt, path, checkpoint.checkpoint_dir(cfg.OUT_DIR))
+    trainer.run.check_resume(ckpt, path, state.facts, net if plain else None, opt if plain else None)
+    strategy.load_checkpoint(trainer.model, opt, ckpt, path, trainer.run.checkpoints)
     for key in TrainState.COUNTERS:
         setattr(state, key, ckpt.get(key, getattr(state, key)))
     _require_same_shard_plan(trainer, ckpt, path)
@@ -168,7 +167,7 @@ def resume_run(trainer: Trainer) -> dict[str, Any] | None:
     _keep_seed(trainer, ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
     saved_world = ckpt.get("world_size", ctx.world_size)
     if saved_world == ctx.world_size:
-        checkpoint.set_rng_state(ckpt["rng"][ctx.rank])
+        set_rng_state(ckpt["rng"][ctx.rank])
     else:
         # The sampler position is counted in samples, so the epoch goes on with the next unseen
         # samples; each rank's RNG streams cannot be carried over and keep their fresh seeds.
@@ -180,3 +179,49 @@ def resume_run(trainer: Trainer) -> dict[str, Any] | None:
              cfg.TRAIN.BEST_METRIC, state.best_metric)
     trainer.stepper.load_state_dict(ckpt)
     return ckpt
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain Python values (bytes, ints, lists): they pickle for
+    all_gather_object and load with weights_only=True."""
+    name, key, *rest = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, key.tobytes(), *rest],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    if torch.cuda.is_available():  # this process's GPU only: a resumed task may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device()).numpy().tobytes()
+    return state
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.frombuffer(key, dtype=np.uint32).copy(), *rest))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        _set_cuda_rng_state(state["cuda"])
+
+
+def _set_cuda_rng_state(saved: bytes | list[bytes]) -> None:
+    """Restore the CUDA RNG of this process's GPU from bytes, or from an older checkpoint's list of
+    every visible GPU's state (by this GPU's index; skipped when that list is shorter, as after
+    torchrun with 8 visible GPUs resumed by srun with one GPU per task)."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, (list, tuple)):
+        if device >= len(saved):
+            log.warning("the checkpoint holds the CUDA RNG states of %d GPU(s), none for GPU %d: its CUDA "
+                        "RNG keeps the fresh seed", len(saved), device)
+            return
+        saved = saved[device]
+    torch.cuda.set_rng_state(_byte_tensor(saved), device)
+
+
+def _as_tuple(x: Any) -> Any:
+    """random.setstate wants tuples all the way down; pickling may give lists."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

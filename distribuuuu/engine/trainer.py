@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, inferred, model_card, models, optim, resume_check, strategies
+from distribuuuu import data, inferred, model_card, models, optim, strategies
 from distribuuuu.data import overlap
 from distribuuuu.engine import evaluation
 from distribuuuu.engine import hooks as hooks_
@@ -35,7 +35,7 @@ from distribuuuu.launch import comm
 from distribuuuu.launch.group import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
 from distribuuuu.metrics import Counter
-from distribuuuu.summary import prepare_run_record, previous_seed, write_run_record
+from distribuuuu.run_folder import RunFolder
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -52,6 +52,7 @@ class Trainer:
     def __init__(self, cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.strategy = strategies.build(cfg, ctx)
+        self.run = RunFolder(cfg)  # OUT_DIR: the loop reads and writes it only through this object
         self.state = TrainState()
         # Built-in hooks first (their order is the contract in hooks.py), then TRAIN.HOOKS, then these.
         self.hooks: list[HookBase] = [*hooks_.default_hooks(cfg), *hooks_.from_config(cfg), *hooks]
@@ -122,18 +123,17 @@ class Trainer:
         """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
         cfg, state = self.cfg, self.state
         self.wall_start = time.perf_counter()
-        self.seed = seed_everything(cfg, self.ctx.rank, previous_seed(cfg) if self.ctx.is_main else None)
+        self.seed = seed_everything(cfg, self.ctx.rank, self.run.previous_seed() if self.ctx.is_main else None)
         # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another class count is re-initialised);
         # a run about to resume takes its weights from its checkpoint instead, so they are not read.
-        resuming = cfg.TRAIN.AUTO_RESUME and bool(checkpoint.resume_candidates(cfg.OUT_DIR))
-        bare = models.build_model(cfg, new_head=True, with_weights=not resuming)
-        record = prepare_run_record(cfg, self.ctx, bare)  # model.txt before sharding; a collective
+        bare = models.build_model(cfg, new_head=True, with_weights=not self.run.has_checkpoint())
+        record = self.run.prepare_record(self.ctx, bare)  # model.txt before sharding; a collective
         self.build_model(bare)
         self.build_data()
         self.log_facts()
-        state.facts = resume_check.run_facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
+        state.facts = self.run.facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
         self.resumed = resume_run(self) is not None
-        write_run_record(cfg, record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
+        self.run.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)

@@ -15,7 +15,7 @@ from typing import Any
 
 from distribuuuu.errors import UserError
 from distribuuuu.files import output_problem
-from distribuuuu.logger import read_jsonl
+from distribuuuu.run_folder.metrics_files import read_jsonl
 
 Series = tuple[list[int], list[float]]
 # (file name, panel title, the series of it: (split, key)), in the order of the combined figure.

@@ -73,7 +73,7 @@ def resolve_weights(cfg: Any, command: str) -> Any:
             raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a checkpoint "
                             "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
         return cfg
-    from distribuuuu import checkpoint
+    from distribuuuu.run_folder import checkpoint
 
     for name in ("best.pth", "last.pth"):
         candidate = os.path.join(checkpoint.checkpoint_dir(cfg.OUT_DIR), name)

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 
 from distribuuuu.errors import UserError
 from distribuuuu.launch import launcher
+from distribuuuu.run_folder.layout import LOCK
 
 log = logging.getLogger("distribuuuu")
 
-LOCK_NAME = "run.lock"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def _pid_exists(pid: int) -> bool:
 
 
 def lock_path(out_dir: str) -> str:
-    return os.path.join(out_dir, LOCK_NAME)
+    return os.path.join(out_dir, LOCK)
 
 
 def parse_lock(text: str) -> Holder:

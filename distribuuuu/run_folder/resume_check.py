@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import yaml
 
-from distribuuuu import checkpoint, config
+from distribuuuu import config
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import checkpoint
 
 log = logging.getLogger("distribuuuu")
 
@@ -133,7 +134,7 @@ def compare_configs(old_yaml: str, cfg: Any, path: str) -> list[tuple[str, Any, 
 def peek_cfg(path: str) -> str | None:
     """The ``cfg`` text of a checkpoint without reading its tensors (mmap), or None if unreadable."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        obj = checkpoint.peek(path)
     except Exception:  # noqa: BLE001 - load_latest decides about unreadable files, with a warning
         return None
     return obj.get("cfg") if isinstance(obj, dict) else None

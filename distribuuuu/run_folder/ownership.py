@@ -2,7 +2,7 @@
 
 ``distribuuuu train`` owns OUT_DIR while it runs:
 
-- **The lock**, ``OUT_DIR/run.lock`` (run_lock.py): rank 0 holds it from the process group's start
+- **The lock**, ``OUT_DIR/run.lock`` (lock.py): rank 0 holds it from the process group's start
   to the run's end; a provably stale one is taken over, a live holder refused with exit status 2.
 - **Before any process group** (``preflight``, in the spawner parent and in every rank) the
   read-only checks that every rank decides alike: OUT_DIR is a folder, OUT_DIR and
@@ -26,15 +26,14 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
-from distribuuuu.run_lock import Holder, acquire, check_not_busy, lock_path, release, this_process
+from distribuuuu.run_folder.checkpoint import peek
+from distribuuuu.run_folder.layout import BEST, LAST, METRICS, METRICS_FILES, checkpoint_dir
+from distribuuuu.run_folder.lock import Holder, acquire, check_not_busy, lock_path, release, this_process
 
 log = logging.getLogger("distribuuuu")
 
-METRICS_FILES = ("metrics.jsonl", "metrics.csv", "tb")  # what a run appends to: set aside together
 # Temporaries of files.atomic_write / atomic_link (and of the lock itself): <name>.tmp.<pid>
 _DEBRIS = re.compile(r"\.tmp\.\d+$")
 _LOCK_DEBRIS = re.compile(r"^run\.lock\.(tmp|stale)\.\d+$")
@@ -59,23 +58,23 @@ def _checkpoint_summary(ckpt_dir: str) -> list[str]:
         return []
     saved = [n for n in names if (n.endswith(".pth") or n.endswith(".dcp")) and not _DEBRIS.search(n)]
     parts = []
-    if "last.pth" in saved:
-        parts.append("last.pth" + _progress_of(os.path.join(ckpt_dir, "last.pth")))
-    if "best.pth" in saved:
-        parts.append("best.pth")
+    if LAST in saved:
+        parts.append(LAST + _progress_of(os.path.join(ckpt_dir, LAST)))
+    if BEST in saved:
+        parts.append(BEST)
     for kind in ("epoch", "step"):
         count = sum(1 for n in saved if n.startswith(f"{kind}_") and n.endswith(".pth"))
         if count:
             parts.append(f"{count} {kind}_*.pth")
     numbered = re.compile(r"(epoch|step)_\d+\.(pth|dcp)$")
-    parts += [n for n in saved if n not in ("last.pth", "best.pth") and not numbered.match(n)][:3]
+    parts += [n for n in saved if n not in (LAST, BEST) and not numbered.match(n)][:3]
     return parts
 
 
 def _progress_of(path: str) -> str:
     """" at epoch E (step S)" from the checkpoint's counters, or "" when it cannot be read."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = peek(path)
         return f" at epoch {ckpt['epoch']} (step {ckpt['global_step']})"
     except Exception:  # noqa: BLE001 - a description only: an unreadable file is still a run's file
         return " (unreadable)"
@@ -83,8 +82,8 @@ def _progress_of(path: str) -> str:
 
 def existing_run(out_dir: str) -> str | None:
     """What an earlier run left in OUT_DIR (checkpoints, metrics records), or None if nothing."""
-    parts = _checkpoint_summary(os.path.join(out_dir, "checkpoints"))
-    records = _count_records(os.path.join(out_dir, "metrics.jsonl"))
+    parts = _checkpoint_summary(checkpoint_dir(out_dir))
+    records = _count_records(os.path.join(out_dir, METRICS))
     if records:
         parts.append(f"{records} metrics record{'s' if records != 1 else ''}")
     return ", ".join(parts) if parts else None
@@ -103,7 +102,7 @@ def set_aside_records(out_dir: str) -> str | None:
     """Move metrics.jsonl / metrics.csv / tb of an earlier run that left no checkpoint to
     ``<name>.<n>`` (the first n free for all three), so that this run's records start clean.
     Returns the log line, or None when there were no records."""
-    records = _count_records(os.path.join(out_dir, "metrics.jsonl"))
+    records = _count_records(os.path.join(out_dir, METRICS))
     if not records:
         return None
     n = 1
@@ -124,7 +123,7 @@ def remove_debris(out_dir: str) -> str | None:
     writes (run.lock.tmp/stale.<pid>). Call only while holding the lock: it proves that no other
     run writes here, so every such file is debris. Returns the log line, or None."""
     found: list[tuple[str, int]] = []
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    ckpt_dir = checkpoint_dir(out_dir)
     for folder, pattern in ((ckpt_dir, _DEBRIS), (out_dir, _LOCK_DEBRIS)):
         try:
             names = os.listdir(folder)
@@ -192,7 +191,7 @@ def preflight(cfg: Any, command: str, all_ranks_here: bool) -> None:
     ensure_folder(out_dir)
     if command != "train":
         return
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    ckpt_dir = checkpoint_dir(out_dir)
     if os.path.lexists(ckpt_dir):
         if not os.path.isdir(ckpt_dir):
             raise UserError(f"{ckpt_dir} is a file, not a folder; move it away or give another OUT_DIR")

@@ -37,25 +37,20 @@ import hashlib
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 from typing import Any
 
-import numpy as np
 import torch
 
 from distribuuuu import files
 from distribuuuu.errors import UserError
 from distribuuuu.launch import signals
+from distribuuuu.run_folder.layout import BEST, LAST, checkpoint_dir
 
 log = logging.getLogger("distribuuuu")
 
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
-
-
-def checkpoint_dir(out_dir: str) -> str:
-    return os.path.join(out_dir, "checkpoints")
 
 
 def _atomic_save(obj: Any, path: str) -> None:
@@ -89,7 +84,7 @@ def _disk_full(error: BaseException) -> bool:
 def _what_is_kept(path: str) -> str:
     """What a failed write of path leaves to resume from: the checkpoint last.pth names, or nothing."""
     folder = os.path.dirname(path)
-    last = os.path.join(folder, "last.pth")
+    last = os.path.join(folder, LAST)
     others = [p for p in glob.glob(os.path.join(folder, "*_*.pth")) if p != path and _NUMBERED.search(p)]
     if os.path.isfile(last):
         return "last.pth, the previous checkpoint, is intact"
@@ -175,12 +170,12 @@ def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
     path = checkpoint_path(out_dir, state)
     state = {**state, INTEGRITY_KEY: integrity_digest(state)}
     _atomic_save(state, path)
-    _atomic_link(path, os.path.join(folder, "last.pth"))
+    _atomic_link(path, os.path.join(folder, LAST))
     if is_best:
-        _atomic_link(path, os.path.join(folder, "best.pth"))
+        _atomic_link(path, os.path.join(folder, BEST))
     # Prune only now that the new checkpoint is complete.
     existing = numbered_checkpoints(out_dir, kind)
-    pinned = {_sharded_folder(p) for p in (os.path.join(folder, "last.pth"), os.path.join(folder, "best.pth"))}
+    pinned = {_sharded_folder(os.path.join(folder, name)) for name in (LAST, BEST)}
     for old in existing[:-keep] if keep > 0 else existing:
         if old != path:
             os.remove(old)
@@ -190,12 +185,17 @@ def save(state: dict[str, Any], out_dir: str, is_best: bool, keep: int) -> str:
     return path
 
 
+def peek(path: str) -> dict[str, Any]:
+    """The checkpoint's entries without reading its tensors (mmap) and without the integrity check:
+    for a look at its counters or config, never for using its weights (``load`` is for that)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
 def _sharded_folder(pth: str) -> str | None:
     """The .dcp folder that a sharded checkpoint file (or link) refers to."""
     try:
         # mmap: only the small "sharded" entry is needed, not the tensors of the whole file
-        ref = (torch.load(pth, map_location="cpu", weights_only=True, mmap=True).get("sharded")
-               if os.path.isfile(pth) else None)
+        ref = peek(pth).get("sharded") if os.path.isfile(pth) else None
     except Exception:  # noqa: BLE001 - an unreadable file pins nothing
         return None
     return os.path.join(os.path.dirname(pth), ref) if ref else None
@@ -240,7 +240,7 @@ def load(path: str, label: str = "checkpoint") -> dict[str, Any]:
 def resume_candidates(out_dir: str) -> list[str]:
     """The checkpoint files auto-resume tries, in order: last.pth, then epoch/step files, newest first."""
     numbered = numbered_checkpoints(out_dir, "epoch") + numbered_checkpoints(out_dir, "step")
-    candidates = [os.path.join(checkpoint_dir(out_dir), "last.pth")]
+    candidates = [os.path.join(checkpoint_dir(out_dir), LAST)]
     candidates += sorted(numbered, key=os.path.getmtime, reverse=True)
     return [p for p in candidates if os.path.isfile(p)]
 
@@ -267,49 +267,3 @@ def load_latest(out_dir: str) -> tuple[dict[str, Any] | None, str | None]:
                         "cannot be used (see the warnings above). Starting over there would overwrite them: "
                         f"move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give another OUT_DIR")
     return None, None
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain Python values (bytes, ints, lists): they pickle for
-    all_gather_object and load with weights_only=True."""
-    name, key, *rest = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [name, key.tobytes(), *rest],
-        "torch": torch.get_rng_state().numpy().tobytes(),
-    }
-    if torch.cuda.is_available():  # this process's GPU only: a resumed task may see fewer GPUs
-        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device()).numpy().tobytes()
-    return state
-
-
-def _byte_tensor(raw: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, np.frombuffer(key, dtype=np.uint32).copy(), *rest))
-    torch.set_rng_state(_byte_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        _set_cuda_rng_state(state["cuda"])
-
-
-def _set_cuda_rng_state(saved: bytes | list[bytes]) -> None:
-    """Restore the CUDA RNG of this process's GPU from bytes, or from an older checkpoint's list of
-    every visible GPU's state (by this GPU's index; skipped when that list is shorter, as after
-    torchrun with 8 visible GPUs resumed by srun with one GPU per task)."""
-    device = torch.cuda.current_device()
-    if isinstance(saved, (list, tuple)):
-        if device >= len(saved):
-            log.warning("the checkpoint holds the CUDA RNG states of %d GPU(s), none for GPU %d: its CUDA "
-                        "RNG keeps the fresh seed", len(saved), device)
-            return
-        saved = saved[device]
-    torch.cuda.set_rng_state(_byte_tensor(saved), device)
-
-
-def _as_tuple(x: Any) -> Any:
-    """random.setstate wants tuples all the way down; pickling may give lists."""
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

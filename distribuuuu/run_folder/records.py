@@ -28,6 +28,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.launch import comm
 from distribuuuu.launch.group import DistContext
+from distribuuuu.run_folder.layout import ENV, ENV_HISTORY, MODEL_TABLE, checkpoint_dir
 
 log = logging.getLogger("distribuuuu")
 
@@ -84,9 +85,6 @@ def _command_line() -> str:
     if prog == "__main__.py":
         prog = "python -m " + os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0])))
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
-
-
-ENV_HISTORY = "env_history.jsonl"
 
 
 def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]],
@@ -170,13 +168,13 @@ def model_table(model: torch.nn.Module, cfg: CfgNode) -> str:
 def previous_seed(cfg: CfgNode) -> int | None:
     """With RNG_SEED None, the seed of the run that TRAIN.AUTO_RESUME will continue (from its
     env.json), so the resumed run shuffles as it began; None for a fresh run or a given RNG_SEED."""
-    ckpt_dir = os.path.join(cfg.OUT_DIR, "checkpoints")
+    ckpt_dir = checkpoint_dir(cfg.OUT_DIR)
     if cfg.RNG_SEED is not None or not cfg.TRAIN.AUTO_RESUME or not os.path.isdir(ckpt_dir):
         return None
     if not any(name.endswith(".pth") for name in os.listdir(ckpt_dir)):
         return None
     try:
-        with open(os.path.join(cfg.OUT_DIR, "env.json")) as f:
+        with open(os.path.join(cfg.OUT_DIR, ENV)) as f:
             seed = json.load(f).get("seed")
     except (OSError, ValueError, AttributeError):
         return None  # the checkpoint's own seed is applied on resume (engine.state)
@@ -204,13 +202,13 @@ def write_run_record(cfg: CfgNode, prepared: dict[str, Any] | None, seed: int | 
         os.makedirs(cfg.OUT_DIR, exist_ok=True)
         config.dump_to_run_folder(cfg, cfg.OUT_DIR)
         record = {**prepared["env"], "seed": seed}
-        with open(os.path.join(cfg.OUT_DIR, "env.json"), "w") as f:
+        with open(os.path.join(cfg.OUT_DIR, ENV), "w") as f:
             json.dump(record, f, indent=2)
             f.write("\n")
         with open(os.path.join(cfg.OUT_DIR, ENV_HISTORY), "a") as f:  # one line per start, never rewritten
             f.write(json.dumps(record) + "\n")
         table = prepared["model"]
-        with open(os.path.join(cfg.OUT_DIR, "model.txt"), "w") as f:
+        with open(os.path.join(cfg.OUT_DIR, MODEL_TABLE), "w") as f:
             f.write(table)
         log.info("run record: env.json, model.txt (%s)", table.rstrip().splitlines()[-1].strip())
     release_log()

@@ -1,0 +1,41 @@
+"""The names of the run folder's files: each is stated here once, and only this package uses them.
+
+OUT_DIR/
+  checkpoints/      epoch_NNNN.pth, step_NNNNNNNN.pth, last.pth (the newest), best.pth (the chosen one),
+                    <name>.dcp/ (an FSDP run's shards, DIST.FSDP_STATE_DICT sharded)
+  run.lock          the training run that owns the folder (lock.py)
+  metrics.jsonl, metrics.csv, tb/   the run's records, one per epoch and split (metrics_files.py);
+                    metrics_dropped.jsonl: those a resume moved out
+  eval.jsonl        the records of ``distribuuuu eval`` into this folder (metrics_files.py)
+  env.json, env_history.jsonl, model.txt   what ran where, and the model (records.py)
+  config.yaml (CFG_DEST), config_diff.yaml   the run's config (config/), log.txt (logger.py)
+"""
+
+from __future__ import annotations
+
+import os
+
+CHECKPOINTS = "checkpoints"
+LAST = "last.pth"  # a hard link to the newest checkpoint
+BEST = "best.pth"  # a hard link to the checkpoint TRAIN.BEST_METRIC chose
+LOCK = "run.lock"
+METRICS = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+TENSORBOARD = "tb"
+METRICS_DROPPED = "metrics_dropped.jsonl"  # records a resume moved out of metrics.jsonl
+EVAL_RECORDS = "eval.jsonl"  # `eval` records: apart from metrics.jsonl, whose lines are the run's epochs
+ENV, ENV_HISTORY, MODEL_TABLE = "env.json", "env_history.jsonl", "model.txt"
+LOG, CONFIG_DIFF = "log.txt", "config_diff.yaml"  # written by logger.py and config/ (config.yaml: CFG_DEST)
+METRICS_FILES = (METRICS, METRICS_CSV, TENSORBOARD)  # what a run appends to: set aside together
+# What a run writes into OUT_DIR itself, and what the tools put there (CFG_DEST must not replace one)
+NAMES = (CHECKPOINTS, LOG, *METRICS_FILES, CONFIG_DIFF, ENV, ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
+         MODEL_TABLE, LOCK, "plots", "bench", "export")
+
+
+def checkpoint_dir(out_dir: str) -> str:
+    return os.path.join(out_dir, CHECKPOINTS)
+
+
+def chosen_checkpoint(folder: str) -> str | None:
+    """The checkpoint a finished run offers in ``folder`` (its checkpoints/): best.pth, else last.pth, else None."""
+    return next((p for p in (os.path.join(folder, BEST), os.path.join(folder, LAST)) if os.path.isfile(p)), None)
