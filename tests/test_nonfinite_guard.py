@@ -282,7 +282,7 @@ def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
 
 
 def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
-    from distribuuuu.metrics import Counter
+    from distribuuuu.engine.evaluation import Counter
 
     logits, target = torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 0])
     c = Counter(CPU, 2, skip_nonfinite=True)

@@ -9,8 +9,8 @@ import torch
 from distribuuuu import optim
 from distribuuuu.config import load_config
 from distribuuuu.engine import state as engine_state
+from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.errors import UserError
-from distribuuuu.metrics import Counter, topk_hits
 from distribuuuu.run_folder import checkpoint
 from tests.conftest import TINY
 

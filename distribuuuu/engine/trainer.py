@@ -27,6 +27,7 @@ from distribuuuu import data, inferred, model_card, models, optim, strategies
 from distribuuuu.data import overlap
 from distribuuuu.engine import evaluation
 from distribuuuu.engine import hooks as hooks_
+from distribuuuu.engine.evaluation import Counter
 from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, nonfinite_advice
 from distribuuuu.engine.state import TrainState, resume_run, seed_everything, seeded_cfg
 from distribuuuu.engine.stepper import MicroStep, Stepper
@@ -34,7 +35,6 @@ from distribuuuu.errors import RunNotSaved, UserError
 from distribuuuu.launch import comm
 from distribuuuu.launch.group import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
-from distribuuuu.metrics import Counter
 from distribuuuu.run_folder import RunFolder
 
 log = logging.getLogger(LOGGER_NAME)
