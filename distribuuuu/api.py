@@ -27,7 +27,7 @@ from typing import Any, Union
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import config, engine, inference, inferred, preflight, run_folder
+from distribuuuu import config, data, engine, inference, inferred, models, run_folder, strategies
 from distribuuuu.data.batches import stop_workers
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
@@ -35,11 +35,91 @@ from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import group, launcher, signals
 from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
 
-__all__ = ["train", "evaluate", "load_model", "run_command", "LoadedModel"]
+__all__ = ["train", "evaluate", "load_model", "run_command", "preflight", "LoadedModel"]
 
 ConfigLike = Union[CfgNode, str, "os.PathLike[str]"]
 
 
+# ---------------------------------------------------------------------------------------------
+# Checks before any process group starts
+# ---------------------------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def _check_batch_fits(command: str, cfg: Any) -> None:
+    """Refuse an input batch that alone exceeds the host's memory, before anything is allocated:
+    TRAIN.IM_SIZE 200000 would otherwise end in an allocator traceback per rank. The GPU's memory is
+    not asked here: that would initialise CUDA in the launching process (the spawner's parent)."""
+    limits = [("this host's", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))]
+    splits = [("TEST", "evaluation")] if command == "eval" else [("TRAIN", "training"), ("TEST", "evaluation")]
+    for key, what in splits:
+        batch, side = cfg[key].BATCH_SIZE, cfg[key].IM_SIZE
+        size = batch * cfg.MODEL.IN_CHANS * side * side * 4  # float32, as the model sees it
+        for where, limit in limits:
+            if size > limit:
+                raise UserError(
+                    f"one {what} batch ({key}.BATCH_SIZE {batch} images of {cfg.MODEL.IN_CHANS}x{side}x{side}, "
+                    f"float32) is {_gib(size)}, more than {where} {_gib(limit)} of memory before any "
+                    f"activation; lower {key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE")
+
+
+def _check_cfg_dest(cfg: Any) -> None:
+    """CFG_DEST names a file in OUT_DIR: an existing folder there cannot become one."""
+    path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
+    if os.path.isdir(path):
+        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is an existing folder in OUT_DIR ({path}); the full config "
+                        "is written to that name: use a file name such as config.yaml")
+
+
+def _require_eval_weights(cfg: Any) -> None:
+    """eval without MODEL.WEIGHTS evaluates OUT_DIR's best.pth / last.pth: neither there is a UserError
+    saying how to name the checkpoint."""
+    if cfg.MODEL.WEIGHTS:
+        return
+    run = run_folder.RunFolder(cfg)
+    folder = run.checkpoints
+    if run.best() is None:
+        raise UserError(f"eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
+                        f"`distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth`, or the OUT_DIR of a run "
+                        f"({folder} holds no best.pth or last.pth)")
+
+
+def preflight(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
+    """Checks that need no process group, run before any starts so no rank is left waiting (a user
+    error here ends every rank alike, at once). Run by ``run_command`` in each process, and once more
+    by the CLI before the spawner starts its children, so a bad config fails once, not once per rank.
+
+    command: "train" or "eval". all_ranks_here: every rank runs on this host (plain, spawner,
+    one-node torchrun/srun).
+    """
+    if command == "eval":
+        _require_eval_weights(cfg)  # before anything about the data: what eval is missing first
+    models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
+    _check_batch_fits(command, cfg)
+    if command == "train":
+        _check_cfg_dest(cfg)
+    strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
+    if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
+        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
+                        f"(e.g. {run_folder.RunFolder.best_path(cfg.MODEL.WEIGHTS)})")
+    if command == "eval":
+        if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
+    elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
+                        "checkpoint or state dict, or leave MODEL.WEIGHTS None")
+    pretrained = cfg.MODEL.PRETRAINED
+    if isinstance(pretrained, str) and not cfg.MODEL.WEIGHTS and not os.path.isfile(pretrained):
+        raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
+                        "True for MODEL.ARCH's file in torch hub's cache")
+    data.check_datasets(cfg, world_size, train=(command == "train"))
+    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
+
+
+# ---------------------------------------------------------------------------------------------
+# One command in this process
+# ---------------------------------------------------------------------------------------------
 def _as_cfg(cfg: ConfigLike) -> CfgNode:
     """A CfgNode as given (checked again: it may have been edited since load_config), or a YAML path loaded."""
     if isinstance(cfg, CfgNode):
@@ -92,7 +172,7 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
 def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
     info = launcher.detect()
     cfg = inferred.resolve(cfg, info.local_world_size)  # a no-op for load_config's: resolved there
-    preflight.check(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
+    preflight(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
         # (engine.fit: RunFolder.write_record): a refused command leaves OUT_DIR as it was.

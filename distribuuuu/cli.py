@@ -373,7 +373,7 @@ def _main(argv: Sequence[str] | None) -> int:
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
 
-    from distribuuuu import preflight, run_folder
+    from distribuuuu import api, run_folder
     from distribuuuu.launch import launcher, spawn
 
     if launcher.detect().launcher != "plain":
@@ -382,7 +382,7 @@ def _main(argv: Sequence[str] | None) -> int:
     cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
     new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
-        preflight.check(args.command, cfg, nproc)
+        api.preflight(args.command, cfg, nproc)
         status = spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
     finally:  # a refused run takes a folder it made away again (an empty one only: rmdir)
         if new_folder and status == USER_ERROR_EXIT:
