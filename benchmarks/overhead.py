@@ -215,7 +215,7 @@ def section_overhead(args: argparse.Namespace) -> None:
     # bool() here stands for the synced check that optimizers without a fused kernel keep).
     model = copy.deepcopy(base)
     F.cross_entropy(model(batches[0][0]), batches[0][1]).backward()
-    from distribuuuu.strategies.base import Strategy
+    from distribuuuu.strategies import Strategy
 
     params, strategy = list(model.parameters()), Strategy(make_cfg(OVERHEAD_CFG), None)
     t0 = time.perf_counter()

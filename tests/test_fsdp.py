@@ -22,7 +22,7 @@ def _strategy_worker(out_dir):
     from distribuuuu.config import load_config
     from distribuuuu.engine.stepper import Stepper
     from distribuuuu.launch import group
-    from distribuuuu.strategies import base, fsdp
+    from distribuuuu.strategies import fsdp
 
     variants = {"ddp": [], "fsdp": ["DIST.STRATEGY", "fsdp"],
                 "fsdp_offload": ["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True",
@@ -44,7 +44,7 @@ def _strategy_worker(out_dir):
                 stepper.micro_step(x, y)
             net = models.unwrap(model)
             weights = fsdp.full_state(net, None)[0] if isinstance(net, FSDPModule) else net.state_dict()
-            held = sum(base.local_tensor(t).numel() * t.element_size() for s in opt.state.values()
+            held = sum(strategies.local_tensor(t).numel() * t.element_size() for s in opt.state.values()
                        for t in s.values() if torch.is_tensor(t) and t.dim() > 0)  # this rank's shards only
             results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
@@ -83,7 +83,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
     """The bytes autograd saves for the backward pass, counted with saved_tensors_hooks."""
     from distribuuuu import models
     from distribuuuu.config import load_config
-    from distribuuuu.strategies.base import blocks, checkpoint_activations
+    from distribuuuu.strategies import blocks, checkpoint_activations
 
     def saved_bytes(checkpointing: bool) -> int:
         torch.manual_seed(0)

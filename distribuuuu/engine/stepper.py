@@ -37,7 +37,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import models
 from distribuuuu.launch import comm
-from distribuuuu.strategies.base import AMP_DTYPES, Strategy, local_tensor
+from distribuuuu.strategies import AMP_DTYPES, Strategy, local_tensor
 
 log = logging.getLogger("distribuuuu")
 

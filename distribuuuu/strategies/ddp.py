@@ -8,7 +8,7 @@ import logging
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distribuuuu.strategies.base import Strategy
+from distribuuuu.strategies import Strategy
 
 log = logging.getLogger("distribuuuu")
 

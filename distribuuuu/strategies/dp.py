@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from distribuuuu.errors import UserError
-from distribuuuu.strategies.base import AMP_DTYPES, Strategy
+from distribuuuu.strategies import AMP_DTYPES, Strategy
 
 
 class _AutocastReplica(nn.Module):

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from distribuuuu import models, optim
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
-from distribuuuu.strategies.base import Strategy, all_finite, local_tensor
+from distribuuuu.strategies import Strategy, all_finite, local_tensor
 
 log = logging.getLogger("distribuuuu")
 

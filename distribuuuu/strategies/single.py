@@ -6,7 +6,7 @@ import logging
 
 from torch import nn
 
-from distribuuuu.strategies.base import Strategy
+from distribuuuu.strategies import Strategy
 
 log = logging.getLogger("distribuuuu")
 
