@@ -4,29 +4,40 @@
 What is in the folder and which module writes each file: layout.py. The modules of this package:
   checkpoint.py    checkpoint files: atomic save, keep-k, integrity digests, the newest intact one
   lock.py          OUT_DIR/run.lock: one training run per folder
-  ownership.py     the folder checks before any process group, and the lock's taking and release
+  ownership.py     the folder checks before any process group, debris, records of an earlier run
   resume_check.py  whether a checkpoint fits the run that would continue it
   metrics_files.py metrics.jsonl / metrics.csv / TensorBoard / eval.jsonl, and their repair on resume
   records.py       env.json, env_history.jsonl, model.txt (and config.yaml through config/)
 
 The order of the calls in one training run (core/trainer.py):
-  ownership.owned (the CLI or api: the lock) -> RunFolder(cfg) -> previous_seed -> has_checkpoint
+  owned (api.run_command: rank 0 takes the lock) -> RunFolder(cfg) -> previous_seed -> has_checkpoint
   -> prepare_record -> latest + check_resume (resuming) -> write_record -> metrics -> save (each
   checkpoint) -> best (the test of the chosen checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
+from distribuuuu.errors import UserError
+from distribuuuu.launch import comm
 from distribuuuu.run_folder import checkpoint, ownership, records, resume_check
 from distribuuuu.run_folder.layout import BEST, checkpoint_dir, chosen_checkpoint
+from distribuuuu.run_folder.lock import Holder, acquire, lock_path, release, this_process
 from distribuuuu.run_folder.metrics_files import MetricsWriter, recorded_test, write_eval_record
-from distribuuuu.run_folder.ownership import log_notes, owned, remove_if_empty, set_aside_records
+from distribuuuu.run_folder.ownership import (
+    log_notes,
+    refuse_existing_run,
+    remove_debris,
+    remove_if_empty,
+    set_aside_records,
+)
 
 __all__ = ["RunFolder", "owned", "log_notes", "remove_if_empty", "preflight"]
 
@@ -37,6 +48,53 @@ def preflight(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
     ownership.preflight(cfg, command, all_ranks_here)
     if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)
         resume_check.preflight(cfg)
+
+
+def take(cfg: Any, me: Holder) -> list[str]:
+    """Rank 0: acquire the lock, re-check under it what preflight saw, clear debris. Returns log lines."""
+    notes = acquire(cfg.OUT_DIR, me)
+    try:
+        if not cfg.TRAIN.AUTO_RESUME:
+            refuse_existing_run(cfg.OUT_DIR)
+        debris = remove_debris(cfg.OUT_DIR)
+    except BaseException:
+        release(cfg.OUT_DIR, me)
+        raise
+    return notes + ([debris] if debris else [])
+
+
+@contextlib.contextmanager
+def owned(cfg: Any, ctx: Any, lock: bool = True) -> Iterator[list[str]]:
+    """``with owned(cfg, ctx) as notes:`` rank 0 holds OUT_DIR/run.lock for the body.
+
+    Collective: rank 0 decides and broadcasts the outcome, so every rank raises the same
+    UserError when the folder is taken (none is left waiting). ``notes``: rank 0's lines to log
+    once logging is set up. lock=False (eval): yields [] and does nothing.
+    """
+    if not lock:
+        yield []
+        return
+    me, outcome, failure = this_process(), ("ok", []), None
+    if ctx.is_main:
+        try:
+            outcome = ("ok", take(cfg, me))
+        except UserError as e:
+            outcome = ("user", str(e))
+        except Exception as e:  # noqa: BLE001 - shared first, so no rank waits; re-raised below
+            outcome, failure = ("crash", f"{type(e).__name__}: {e}"), e
+    held = ctx.is_main and outcome[0] == "ok"
+    try:
+        kind, detail = comm.broadcast_object(outcome)
+        if kind == "user":
+            raise UserError(detail)
+        if kind == "crash":
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank 0 could not take the run lock {lock_path(cfg.OUT_DIR)}: {detail}")
+        yield detail if ctx.is_main else []
+    finally:
+        if held:  # also when the broadcast itself failed (another rank died)
+            release(cfg.OUT_DIR, me)
 
 
 class RunFolder:

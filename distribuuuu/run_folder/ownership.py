@@ -18,19 +18,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 from distribuuuu.errors import UserError
-from distribuuuu.launch import comm
 from distribuuuu.run_folder.checkpoint import peek
 from distribuuuu.run_folder.layout import BEST, LAST, METRICS, METRICS_FILES, checkpoint_dir
-from distribuuuu.run_folder.lock import Holder, acquire, check_not_busy, lock_path, release, this_process
+from distribuuuu.run_folder.lock import check_not_busy
 
 log = logging.getLogger("distribuuuu")
 
@@ -199,53 +196,6 @@ def preflight(cfg: Any, command: str, all_ranks_here: bool) -> None:
     check_not_busy(out_dir, all_ranks_here)
     if not cfg.TRAIN.AUTO_RESUME:
         refuse_existing_run(out_dir)
-
-
-def take(cfg: Any, me: Holder) -> list[str]:
-    """Rank 0: acquire the lock, re-check under it what preflight saw, clear debris. Returns log lines."""
-    notes = acquire(cfg.OUT_DIR, me)
-    try:
-        if not cfg.TRAIN.AUTO_RESUME:
-            refuse_existing_run(cfg.OUT_DIR)
-        debris = remove_debris(cfg.OUT_DIR)
-    except BaseException:
-        release(cfg.OUT_DIR, me)
-        raise
-    return notes + ([debris] if debris else [])
-
-
-@contextlib.contextmanager
-def owned(cfg: Any, ctx: Any, lock: bool = True) -> Iterator[list[str]]:
-    """``with owned(cfg, ctx) as notes:`` rank 0 holds OUT_DIR/run.lock for the body.
-
-    Collective: rank 0 decides and broadcasts the outcome, so every rank raises the same
-    UserError when the folder is taken (none is left waiting). ``notes``: rank 0's lines to log
-    once logging is set up. lock=False (eval): yields [] and does nothing.
-    """
-    if not lock:
-        yield []
-        return
-    me, outcome, failure = this_process(), ("ok", []), None
-    if ctx.is_main:
-        try:
-            outcome = ("ok", take(cfg, me))
-        except UserError as e:
-            outcome = ("user", str(e))
-        except Exception as e:  # noqa: BLE001 - shared first, so no rank waits; re-raised below
-            outcome, failure = ("crash", f"{type(e).__name__}: {e}"), e
-    held = ctx.is_main and outcome[0] == "ok"
-    try:
-        kind, detail = comm.broadcast_object(outcome)
-        if kind == "user":
-            raise UserError(detail)
-        if kind == "crash":
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"rank 0 could not take the run lock {lock_path(cfg.OUT_DIR)}: {detail}")
-        yield detail if ctx.is_main else []
-    finally:
-        if held:  # also when the broadcast itself failed (another rank died)
-            release(cfg.OUT_DIR, me)
 
 
 def log_notes(notes: list[str]) -> None:
