@@ -1,5 +1,10 @@
 """The in-memory input pipeline for small datasets (TRAIN.DATA_PIPELINE memory; auto for mnist5k, CIFAR).
 
+MemoryPipeline reads mnist5k, CIFAR and any registered TensorSource under 'auto', unless the split would
+take more than MEMORY_PIPELINE_BUDGET_BYTES on the device (CIFAR training above ~80 px: the log says so)
+or TRAIN.CROP_SCALE asks for resized crops (this path only pads and crops); forced, it also holds
+synthetic data and a registered Dataset (stacked once, not augmented).
+
 The whole split is one tensor on the training device (uint8 images, or the synthetic source's
 floats). A batch is one indexing operation: the pad-and-crop offsets and the horizontal flips of
 all its images are folded into one gather, then the batch is normalized in two in-place ops.
@@ -24,13 +29,28 @@ on mnist5k with one CPU thread the path fell from ~178,000 to ~2,400 img/s with 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator, Sized
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
+from torchvision.transforms import v2
+from yacs.config import CfgNode
 
+from distribuuuu.data import registry, sources, transforms
+from distribuuuu.data.datasets import augment_policy, build_split_dataset, part_of, registered_data, tensor_source
+from distribuuuu.data.pipeline import Pipeline
+from distribuuuu.data.recipe import recipe_of
+from distribuuuu.data.registry import TensorSource
 from distribuuuu.data.transforms import per_image
+
+# 'auto' keeps a split in memory only while it fits this budget (per rank, in host memory and again on
+# the device): CIFAR's 50,000 training images are ~0.4 GB at 32 px but ~15 GB at 224 px.
+MEMORY_PIPELINE_BUDGET_BYTES = 2 * 2**30
+
+log = logging.getLogger("distribuuuu")
 
 
 def flip_probability(flip: bool | float) -> float:
@@ -100,3 +120,94 @@ class MemoryLoader:
             if self.erase is not None:
                 images = self.erase(images)
             yield images, self.targets.index_select(0, index)
+
+
+def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
+    """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (CIFAR or a registered
+    TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader).
+    A CIFAR split is counted from its files' sizes, unread (3,072 bytes per image and a little more)."""
+    if sources.source_kind(cfg[key].DATASET) != "cifar":  # a registered TensorSource: built, so counted
+        src = registry.build_source(cfg, key)
+        samples, pad = len(src.images), src.pad
+    else:
+        root, variant = sources.find_cifar(cfg[key].DATASET)
+        train = cfg[key].SPLIT == "train"
+        if variant == "cifar10":
+            names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        else:
+            names = ["train" if train else "test"]
+        paths = [os.path.join(root, n) for n in names]
+        samples, pad = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3), 4
+    side = cfg.TRAIN.IM_SIZE
+    return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
+
+
+class MemoryPipeline(Pipeline):
+    """The split as one tensor on the device, batched by a MemoryLoader (module docstring)."""
+
+    name = "memory"
+
+    @classmethod
+    def refusal(cls, cfg: CfgNode, key: str) -> str | None:
+        kind = sources.source_kind(cfg[key].DATASET)
+        if kind in ("folder", "shards"):
+            return (f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
+                    f"{cfg[key].DATASET!r} is {'an image folder' if kind == 'folder' else 'a shard set'}; "
+                    "use TRAIN.DATA_PIPELINE auto or loader")
+        if key == "TRAIN" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
+            return ("TRAIN.DATA_PIPELINE memory pads and crops only; TRAIN.CROP_SCALE needs "
+                    "TRAIN.DATA_PIPELINE auto or loader (auto then uses the DataLoader)")
+        return None
+
+    @classmethod
+    def auto_takes(cls, cfg: CfgNode, key: str) -> bool:
+        """CIFAR and TensorSources it can read, while they fit the budget (the log says when not)."""
+        if cls.refusal(cfg, key) is not None:
+            return False
+        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(registered_data(cfg, key), TensorSource):
+            return False
+        need = memory_pipeline_bytes(cfg, key)
+        if need > MEMORY_PIPELINE_BUDGET_BYTES:
+            log.warning("TRAIN.DATA_PIPELINE auto: %s.DATASET at %d px would take %.1f GB per process in memory "
+                        "(more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE memory forces it)",
+                        key, cfg.TRAIN.IM_SIZE, need / 1e9, MEMORY_PIPELINE_BUDGET_BYTES / 1e9)
+            return False
+        return True
+
+    def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
+        return self._loader(True, part, rank, world_size, device)
+
+    def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
+        return self._loader(False, part, rank, world_size, device)
+
+    def _loader(self, train: bool, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
+        """The MemoryLoader of cfg[key] (or its VAL_SPLIT part), augmented when train."""
+        cfg, key = self.cfg, self.key
+        # The per-sample twin: len, classes, items for inspection (and the split's labels).
+        dataset = part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
+        src = tensor_source(cfg, key)
+        policy = erase = None
+        if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
+            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+            targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
+            pad, flip, normalize = 0, 0.0, None
+        else:
+            images, targets, pad, flip = src.images, src.targets, src.pad, src.flip
+            if part is not None:  # the rows of the part, in its order: row i is dataset[i]
+                rows = torch.as_tensor(dataset.indices, dtype=torch.long)
+                images, targets = images[rows], targets[rows]
+            recipe = recipe_of(cfg)  # the user's mean/std and flip probability, else the source's
+            stats = transforms.stats_for_channels(recipe.stats or src.stats, cfg.MODEL.IN_CHANS)
+            flip = recipe.flip_prob(flip)
+            normalize = transforms.BatchNormalize(stats, device)
+            if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
+                images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode,
+                                              antialias=True)
+            if train:
+                policy = augment_policy(cfg)
+                erase = transforms.BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
+        sampler = self.sampler(dataset, train, rank, world_size)
+        batch_size = cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE
+        drop_last = train and len(sampler) >= batch_size
+        return MemoryLoader(dataset, images.to(device), targets.to(device), sampler, batch_size, drop_last,
+                            pad=pad, flip=flip, train=train, normalize=normalize, policy=policy, erase=erase)

@@ -4,7 +4,7 @@
 registered at the end of this module in the registry (registry.py) where a user's sources go too,
 so that the loaders read every named source one way. Every dataset here has
 ``.classes`` (names in label order) and yields ``(float32 tensor [C, H, W], int label)`` once its
-transform is set (loaders.build_dataset picks the transforms). Errors a user can fix are UserError.
+transform is set (datasets.build_split_dataset picks the transforms). Errors a user can fix are UserError.
 """
 
 from __future__ import annotations

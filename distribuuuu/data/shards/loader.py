@@ -6,7 +6,9 @@ and normalized per batch on the device (batches.NormalizedBatches); with 'pil', 
 per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
 left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
 whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
-every sample once, in equal step counts on every rank (plan.py), dropping none.
+every sample once, in equal step counts on every rank (plan.py), dropping none. ShardPipeline is this
+pipeline's face on the seam (data/pipeline.py): a shard set is read this way whatever TRAIN.DATA_PIPELINE
+says (memory refuses it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.batches import NormalizedBatches, quiet_worker, track_workers
+from distribuuuu.data.pipeline import Pipeline
 from distribuuuu.data.recipe import recipe_of
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
@@ -123,3 +126,16 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
         return loader
     stats = transforms.stats_for_channels(recipe_of(cfg).stats or transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
     return NormalizedBatches(loader, stats, device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
+
+
+class ShardPipeline(Pipeline):
+    """A shard set (loaders.pipeline_class chooses it by the source's kind). part is always None:
+    check_datasets refuses TRAIN.VAL_SPLIT with shards."""
+
+    name = "shards"
+
+    def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
+        return build_shard_loader(self.cfg, self.key, True, rank, world_size, device, self.seed())
+
+    def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
+        return build_shard_loader(self.cfg, self.key, False, rank, world_size, device, 0)
