@@ -13,7 +13,7 @@ from torchvision.transforms import v2
 from distribuuuu import data
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
-from distribuuuu.data.samplers import ResumableDistributedSampler
+from distribuuuu.data.pipeline import ResumableDistributedSampler
 from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_constant_image_tree
 
 torch.set_num_threads(1)

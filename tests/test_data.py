@@ -11,7 +11,7 @@ from PIL import Image
 
 from distribuuuu import data
 from distribuuuu.data import sources
-from distribuuuu.data.samplers import ResumableDistributedSampler
+from distribuuuu.data.pipeline import ResumableDistributedSampler
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_fake_cifar100, write_image, write_image_tree
 

@@ -25,7 +25,7 @@ from distribuuuu import data
 from distribuuuu.config import load_config
 from distribuuuu.data import loaders, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
-from distribuuuu.data.samplers import ResumableDistributedSampler, ShardedEvalSampler
+from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10
 

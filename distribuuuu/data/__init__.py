@@ -46,8 +46,8 @@ from distribuuuu.data.loaders import (
                                       take_bad_image_count,
 )
 from distribuuuu.data.mnist5k import export_mnist5k
+from distribuuuu.data.pipeline import ShardedEvalSampler
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
-from distribuuuu.data.samplers import ShardedEvalSampler
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",

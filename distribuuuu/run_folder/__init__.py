@@ -9,7 +9,7 @@ What is in the folder and which module writes each file: layout.py. The modules 
   metrics_files.py metrics.jsonl / metrics.csv / TensorBoard / eval.jsonl, and their repair on resume
   records.py       env.json, env_history.jsonl, model.txt (and config.yaml through config/)
 
-The order of the calls in one training run (core/trainer.py):
+The order of the calls in one training run (engine/trainer.py):
   owned (api.run_command: rank 0 takes the lock) -> RunFolder(cfg) -> previous_seed -> has_checkpoint
   -> prepare_record -> latest + check_resume (resuming) -> write_record -> metrics -> save (each
   checkpoint) -> best (the test of the chosen checkpoint).
