@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distribuuuu import data, models, resume_check, run_folder, strategies
+from distribuuuu import data, inference, models, resume_check, run_folder, strategies
 from distribuuuu.errors import UserError
 
 
@@ -42,26 +42,14 @@ def _check_cfg_dest(cfg: Any) -> None:
                         "is written to that name: use a file name such as config.yaml")
 
 
-def _require_eval_weights(cfg: Any) -> None:
-    """eval without MODEL.WEIGHTS evaluates OUT_DIR's best.pth / last.pth: neither there is a UserError
-    saying how to name the checkpoint."""
-    if cfg.MODEL.WEIGHTS:
-        return
-    folder = os.path.join(cfg.OUT_DIR, "checkpoints")
-    if not any(os.path.isfile(os.path.join(folder, n)) for n in ("best.pth", "last.pth")):
-        raise UserError(f"eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
-                        f"`distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth`, or the OUT_DIR of a run "
-                        f"({folder} holds no best.pth or last.pth)")
-
-
 def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting.
 
     command: "train" or "eval". all_ranks_here: every rank runs on this host (plain, spawner,
     one-node torchrun/srun).
     """
-    if command == "eval":
-        _require_eval_weights(cfg)  # before anything about the data: what eval is missing first
+    if command == "eval":  # the weights run_eval will use, before anything about the data: what eval misses first
+        inference.chosen_weights(cfg, "eval")
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     _check_batch_fits(command, cfg)
     if command == "train":
@@ -70,10 +58,7 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
                         f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
-    if command == "eval":
-        if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
-            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
-    elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
+    if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):  # eval's: chosen_weights, above
         raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
                         "checkpoint or state dict, or leave MODEL.WEIGHTS None")
     pretrained = cfg.MODEL.PRETRAINED

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint, data, inferred, models
+from distribuuuu import checkpoint, data, inference, inferred, models
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
@@ -94,7 +94,7 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
                  done.get("epoch"), done.get("top1") or 0.0)
         return done
     folder = checkpoint.checkpoint_dir(cfg.OUT_DIR)
-    path = next((p for p in (os.path.join(folder, n) for n in ("best.pth", "last.pth")) if os.path.isfile(p)), None)
+    path = checkpoint.best_or_last(cfg.OUT_DIR)
     if path is None:
         raise UserError(f"no checkpoint in {folder} to test (the weights were never finite)")
     ckpt = checkpoint.load(path)
@@ -128,20 +128,8 @@ def _recorded_test(out_dir: str, ctx: DistContext) -> dict[str, Any] | None:
 
 def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
+    cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
     weights = cfg.MODEL.WEIGHTS
-    if not weights:
-        for name in ("best.pth", "last.pth"):
-            candidate = os.path.join(checkpoint.checkpoint_dir(cfg.OUT_DIR), name)
-            if os.path.isfile(candidate):
-                weights = candidate
-                break
-        else:
-            raise UserError("eval needs weights: pass MODEL.WEIGHTS PATH, or an OUT_DIR whose "
-                            "checkpoints/ holds best.pth or last.pth")
-        cfg = cfg.clone()
-        cfg.defrost()
-        cfg.MODEL.WEIGHTS = weights
-        cfg.freeze()
     seed_everything(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
     if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(cfg):  # a folder of class folders: its held-out part
