@@ -47,63 +47,55 @@ def run(tmp_path_factory):
     return out
 
 
-def _used_by_each(out: str, tmp: str) -> dict[str, tuple[str, dict, dict]]:
-    """{command: (the file it used, its card as a dict, the model's state)} for eval, predict, export, load_model."""
-    os.makedirs(tmp)
-    image = os.path.join(tmp, "photo.png")
-    Image.new("RGB", (20, 20), (200, 30, 90)).save(image)
+def _same_weights(state: dict[str, torch.Tensor], ckpt: dict) -> bool:
+    return set(state) == set(ckpt["model"]) and all(torch.equal(state[k], v) for k, v in ckpt["model"].items())
+
+
+def _assert_all_use(out: str, tmp: str, expected: str) -> None:
+    """eval (API and CLI config), predict, export and load_model of the run out all use the file
+    expected: its path, its card and its weights."""
+    ckpt = checkpoint.load(expected)
+    loaded = api.load_model(expected)
+    assert loaded.card.to_dict() == ckpt["card"] and _same_weights(loaded.model.state_dict(), ckpt)
+
     evaluated = api.evaluate(config.load_config(TINY, ["OUT_DIR", out, *OPTS]))  # no MODEL.WEIGHTS: run_eval chooses
-    loaded = api.load_model(evaluated["weights"])
-    cli_cfg = inference.load_config(None, ["OUT_DIR", out])  # `distribuuuu eval OUT_DIR run`, without --cfg
-    assert cli_cfg.MODEL.WEIGHTS == evaluated["weights"]
+    assert os.path.samefile(evaluated["weights"], expected)
+    assert os.path.samefile(inference.load_config(None, ["OUT_DIR", out]).MODEL.WEIGHTS, expected)  # eval OUT_DIR run
     loader = data.build_test_loader(loaded.config, 0, 1, torch.device("cpu"))
     with torch.no_grad():
         correct = sum(int((loaded.model(x).argmax(1) == y).sum()) for x, y in loader)
     assert 100.0 * correct / evaluated["n"] == pytest.approx(evaluated["top1"], abs=1e-6)  # eval used those weights
 
-    preds = os.path.join(tmp, "preds.json")
+    os.makedirs(tmp)
+    image, preds = os.path.join(tmp, "photo.png"), os.path.join(tmp, "preds.json")
+    Image.new("RGB", (20, 20), (200, 30, 90)).save(image)
     assert predict.main(None, ["OUT_DIR", out, image], 4, preds) == 0
     with open(preds) as f:
         row = json.load(f)[0]
     with torch.no_grad():
-        probs = loaded.model(loaded.transform(Image.open(image))[None]).softmax(1)[0]
-    top = probs.topk(4)
-    assert row["classes"] == [loaded.classes[i] for i in top.indices.tolist()]
-    assert row["probs"] == pytest.approx(top.values.tolist(), abs=1e-6)
+        top = loaded.model(loaded.transform(Image.open(image))[None]).softmax(1)[0].topk(4)
+    assert row["classes"] == [ckpt["card"]["classes"][i] for i in top.indices.tolist()]  # the card's names
+    assert row["probs"] == pytest.approx(top.values.tolist(), abs=1e-6)  # and weights
 
     assert export.main(None, ["OUT_DIR", out], os.path.join(tmp, "export"), 1e-4, 2) == 0
     with open(os.path.join(tmp, "export", "export.json")) as f:
         exported = json.load(f)
-    weights = safetensors.torch.load_file(os.path.join(tmp, "export", "model.safetensors"))
-    return {"eval": (evaluated["weights"], loaded.card.to_dict(), loaded.model.state_dict()),
-            "predict": (evaluated["weights"], loaded.card.to_dict(), loaded.model.state_dict()),
-            "export": (exported["weights"], exported["card"], weights),
-            "load_model": (evaluated["weights"], loaded.card.to_dict(), loaded.model.state_dict())}
-
-
-def _assert_all_used(out: str, tmp: str, expected: str) -> None:
-    used = _used_by_each(out, tmp)
-    ckpt = checkpoint.load(expected)
-    for command, (path, card, state) in used.items():
-        assert os.path.samefile(path, expected), command
-        assert card == ckpt["card"], command
-        assert set(state) == set(ckpt["model"]), command
-        for name, tensor in ckpt["model"].items():
-            assert torch.equal(state[name], tensor), (command, name)
+    assert os.path.samefile(exported["weights"], expected) and exported["card"] == ckpt["card"]
+    assert _same_weights(safetensors.torch.load_file(os.path.join(tmp, "export", "model.safetensors")), ckpt)
 
 
 def test_eval_predict_export_and_load_model_use_the_runs_chosen_checkpoint(run, tmp_path, monkeypatch):
     folder = checkpoint.checkpoint_dir(run)
     best, last = os.path.join(folder, "best.pth"), os.path.join(folder, "last.pth")
     assert checkpoint.best_or_last(run) == best and not os.path.samefile(best, last)
-    _assert_all_used(run, str(tmp_path / "a"), best)  # best.pth, not the newer last.pth
+    _assert_all_use(run, str(tmp_path / "a"), best)  # best.pth, not the newer last.pth
 
     first = os.path.join(folder, "epoch_0001.pth")
     monkeypatch.setattr(checkpoint, "best_or_last", lambda out_dir: first if out_dir == run else None)
     os.remove(best)  # by the rule, last.pth (epoch 2) now; through the one function, what it answers
-    _assert_all_used(run, str(tmp_path / "b"), first)
+    _assert_all_use(run, str(tmp_path / "b"), first)
     monkeypatch.undo()
-    _assert_all_used(run, str(tmp_path / "c"), last)
+    _assert_all_use(run, str(tmp_path / "c"), last)
 
     os.remove(last)
     assert checkpoint.best_or_last(run) is None
