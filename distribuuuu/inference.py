@@ -129,18 +129,22 @@ def weights_in(opts: list[str]) -> str | None:
     return None
 
 
+def _require_file(weights: str) -> None:
+    """MODEL.WEIGHTS names a file: a folder or a missing path is a UserError saying which."""
+    if os.path.isdir(weights):  # a run folder, most likely: name its file
+        raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
+                        f"(e.g. {os.path.join(weights, 'checkpoints', 'best.pth')})")
+    if not os.path.isfile(weights):
+        raise UserError(f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
+                        "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
+
+
 def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
     """cfg with MODEL.WEIGHTS naming an existing file: as given, else OUT_DIR's chosen checkpoint
     (checkpoint.best_or_last). Missing weights are a UserError saying how to name them; command
     ("eval", "predict", "export") names who needs them."""
-    weights = cfg.MODEL.WEIGHTS
-    if weights:
-        if os.path.isdir(weights):  # a run folder, most likely: name its file
-            raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
-                            f"(e.g. {os.path.join(weights, 'checkpoints', 'best.pth')})")
-        if not os.path.isfile(weights):
-            raise UserError(f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
-                            "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
+    if cfg.MODEL.WEIGHTS:
+        _require_file(cfg.MODEL.WEIGHTS)
         return cfg
     chosen = checkpoint.best_or_last(cfg.OUT_DIR)
     if chosen is None:
@@ -182,9 +186,7 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
     path = None if cfg_file else weights_in(opts)
     if path is None:
         return config.load_config(cfg_file, opts)
-    if not os.path.isfile(path):
-        raise UserError(f"MODEL.WEIGHTS {path!r} does not exist; give the path of a checkpoint "
-                        "(e.g. OUT_DIR/checkpoints/best.pth)")
+    _require_file(path)
     if path.endswith(".safetensors"):
         card = safetensors_card(path)
         found = (card.config, f"the model card of {path}") if card is not None and card.config else None

@@ -16,7 +16,7 @@ from PIL import Image
 from distribuuuu import api, checkpoint, config, data, inference
 from distribuuuu.errors import UserError
 from distribuuuu.tools import export, predict
-from tests.conftest import ROOT, process_state_restored
+from tests.conftest import ROOT, cli_main, process_state_restored
 
 TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
 OPTS = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "32", "TEST.SYNTHETIC_SAMPLES", "16", "NUM_THREADS", "1"]
@@ -105,3 +105,17 @@ def test_eval_predict_export_and_load_model_use_the_runs_chosen_checkpoint(run, 
                           ("export", lambda: export.main(TINY, ["OUT_DIR", run], str(tmp_path / "x"), 1e-4, 2))):
         with pytest.raises(UserError, match=f"^{command} needs .*holds no best.pth or last.pth"):
             call()
+
+
+@pytest.mark.parametrize("command", ["eval", "predict", "export"])
+def test_a_run_folder_as_checkpoint_is_named_a_folder_without_cfg_too(tmp_path, command):
+    """Before: without --cfg (the checkpoint's own config), "MODEL.WEIGHTS ... does not exist" for a
+    folder that does; with --cfg it was named a folder (tests/test_output_paths.py)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    image = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(image)
+    result = cli_main(command, "--checkpoint", str(folder), *([str(image)] if command == "predict" else []))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: MODEL.WEIGHTS {str(folder)!r} is a folder; give a checkpoint file (e.g. {folder}/checkpoints/best.pth)"]
