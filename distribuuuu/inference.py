@@ -129,8 +129,9 @@ def weights_in(opts: list[str]) -> str | None:
     return None
 
 
-def _require_file(weights: str) -> None:
-    """MODEL.WEIGHTS names a file: a folder or a missing path is a UserError saying which."""
+def require_weights_file(weights: str) -> None:
+    """MODEL.WEIGHTS names a file (eval, predict, export, and train's starting weights): a folder or
+    a missing path is a UserError saying which."""
     if os.path.isdir(weights):  # a run folder, most likely: name its file
         raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
                         f"(e.g. {os.path.join(weights, 'checkpoints', 'best.pth')})")
@@ -144,7 +145,7 @@ def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
     (checkpoint.best_or_last). Missing weights are a UserError saying how to name them; command
     ("eval", "predict", "export") names who needs them."""
     if cfg.MODEL.WEIGHTS:
-        _require_file(cfg.MODEL.WEIGHTS)
+        require_weights_file(cfg.MODEL.WEIGHTS)
         return cfg
     chosen = checkpoint.best_or_last(cfg.OUT_DIR)
     if chosen is None:
@@ -186,7 +187,7 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
     path = None if cfg_file else weights_in(opts)
     if path is None:
         return config.load_config(cfg_file, opts)
-    _require_file(path)
+    require_weights_file(path)
     if path.endswith(".safetensors"):
         card = safetensors_card(path)
         found = (card.config, f"the model card of {path}") if card is not None and card.config else None

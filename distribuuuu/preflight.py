@@ -55,12 +55,8 @@ def check(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) 
     if command == "train":
         _check_cfg_dest(cfg)
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
-    if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
-        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
-                        f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
-    if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):  # eval's: chosen_weights, above
-        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
-                        "checkpoint or state dict, or leave MODEL.WEIGHTS None")
+    if command == "train" and cfg.MODEL.WEIGHTS:  # eval's: chosen_weights, above
+        inference.require_weights_file(cfg.MODEL.WEIGHTS)
     pretrained = cfg.MODEL.PRETRAINED
     if isinstance(pretrained, str) and not cfg.MODEL.WEIGHTS and not os.path.isfile(pretrained):
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
