@@ -72,19 +72,6 @@ def _check_cfg_dest(cfg: Any) -> None:
                         "is written to that name: use a file name such as config.yaml")
 
 
-def _require_eval_weights(cfg: Any) -> None:
-    """eval without MODEL.WEIGHTS evaluates OUT_DIR's best.pth / last.pth: neither there is a UserError
-    saying how to name the checkpoint."""
-    if cfg.MODEL.WEIGHTS:
-        return
-    run = run_folder.RunFolder(cfg)
-    folder = run.checkpoints
-    if run.best() is None:
-        raise UserError(f"eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
-                        f"`distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth`, or the OUT_DIR of a run "
-                        f"({folder} holds no best.pth or last.pth)")
-
-
 def preflight(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting (a user
     error here ends every rank alike, at once). Run by ``run_command`` in each process, and once more
@@ -93,22 +80,15 @@ def preflight(command: str, cfg: Any, world_size: int, all_ranks_here: bool = Tr
     command: "train" or "eval". all_ranks_here: every rank runs on this host (plain, spawner,
     one-node torchrun/srun).
     """
-    if command == "eval":
-        _require_eval_weights(cfg)  # before anything about the data: what eval is missing first
+    if command == "eval":  # the weights run_eval will use, before anything about the data: what eval misses first
+        inference.chosen_weights(cfg, "eval")
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     _check_batch_fits(command, cfg)
     if command == "train":
         _check_cfg_dest(cfg)
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
-    if cfg.MODEL.WEIGHTS and os.path.isdir(cfg.MODEL.WEIGHTS):  # a run folder, most likely: name its file
-        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
-                        f"(e.g. {run_folder.RunFolder.best_path(cfg.MODEL.WEIGHTS)})")
-    if command == "eval":
-        if cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
-            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist")
-    elif cfg.MODEL.WEIGHTS and not os.path.isfile(cfg.MODEL.WEIGHTS):
-        raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a "
-                        "checkpoint or state dict, or leave MODEL.WEIGHTS None")
+    if command == "train" and cfg.MODEL.WEIGHTS:  # eval's: chosen_weights, above
+        inference.require_weights_file(cfg.MODEL.WEIGHTS)
     pretrained = cfg.MODEL.PRETRAINED
     if isinstance(pretrained, str) and not cfg.MODEL.WEIGHTS and not os.path.isfile(pretrained):
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "

@@ -1,12 +1,18 @@
 """Using a trained model from its checkpoint alone: the config it was trained with, its model card
 (class names and preprocessing, model_card.py) and the model itself, ready for inference.
 
+The one path from a checkpoint to a model, for eval, predict, export and ``api.load_model``:
+  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint (checkpoint.best_or_last);
+                  eval resolves its weights here too (preflight, engine/evaluation.run_eval)
+  prepared        predict's and export's (config, card): load_config, chosen_weights, card_for
+  build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform, classes
+  load            ``api.load_model``: a checkpoint file -> its stored config and card -> build
+
 ``eval``, ``predict`` and ``export`` without ``--cfg`` take the config stored in the checkpoint
-that MODEL.WEIGHTS names (or OUT_DIR's best.pth / last.pth): the card's copy, else the
+that MODEL.WEIGHTS names (or OUT_DIR's chosen one): the card's copy, else the
 checkpoint's ``cfg`` entry (every distribuuuu checkpoint has one), else the config.yaml of the
 run folder the file lies in; KEY VALUE overrides apply on top, and ``--cfg FILE`` replaces it all.
 OUT_DIR defaults to the checkpoint's run folder (the folder above checkpoints/).
-``api.load_model`` returns ``load``'s LoadedModel.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from distribuuuu import config, inferred, models
 from distribuuuu.config.reading import parse_literal
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import ModelCard, describe, from_checkpoint
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.run_folder import RunFolder, checkpoint
 
 log = logging.getLogger("distribuuuu")
 
@@ -115,15 +121,46 @@ def _require_imported_files(cfg: CfgNode, source: str) -> None:
 
 
 def weights_in(opts: list[str]) -> str | None:
-    """The checkpoint the overrides name: MODEL.WEIGHTS, else OUT_DIR's best.pth / last.pth."""
+    """The checkpoint the overrides name: MODEL.WEIGHTS, else OUT_DIR's chosen one."""
     pairs = dict(zip(opts[0::2], opts[1::2]))
     if pairs.get("MODEL.WEIGHTS"):
         return str(parse_literal(pairs["MODEL.WEIGHTS"]))
     if pairs.get("OUT_DIR"):
-        folder = checkpoint.checkpoint_dir(str(parse_literal(pairs["OUT_DIR"])))
-        found = [os.path.join(folder, n) for n in ("best.pth", "last.pth") if os.path.isfile(os.path.join(folder, n))]
-        return found[0] if found else None
+        return checkpoint.best_or_last(str(parse_literal(pairs["OUT_DIR"])))
     return None
+
+
+def require_weights_file(weights: str) -> None:
+    """MODEL.WEIGHTS names a file (eval, predict, export, and train's starting weights): a folder or
+    a missing path is a UserError saying which."""
+    if os.path.isdir(weights):  # a run folder, most likely: name its file
+        raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
+                        f"(e.g. {RunFolder.best_path(weights)})")
+    if not os.path.isfile(weights):
+        raise UserError(f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
+                        "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
+
+
+def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
+    """cfg with MODEL.WEIGHTS naming an existing file: as given, else OUT_DIR's chosen checkpoint
+    (checkpoint.best_or_last). Missing weights are a UserError saying how to name them; command
+    ("eval", "predict", "export") names who needs them."""
+    if cfg.MODEL.WEIGHTS:
+        require_weights_file(cfg.MODEL.WEIGHTS)
+        return cfg
+    chosen = checkpoint.best_or_last(cfg.OUT_DIR)
+    if chosen is None:
+        needs = "a checkpoint" if command == "eval" else "trained weights"  # predict and export take safetensors
+        example = f"distribuuuu {command} --checkpoint runs/demo/checkpoints/best.pth"
+        example += " photo.png" if command == "predict" else ""
+        raise UserError(f"{command} needs {needs}: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
+                        f"`{example}`, or the OUT_DIR of a run ({checkpoint.checkpoint_dir(cfg.OUT_DIR)} "
+                        "holds no best.pth or last.pth)")
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.WEIGHTS = chosen
+    cfg.freeze()
+    return cfg
 
 
 def safetensors_card(path: str) -> ModelCard | None:
@@ -151,9 +188,7 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
     path = None if cfg_file else weights_in(opts)
     if path is None:
         return config.load_config(cfg_file, opts)
-    if not os.path.isfile(path):
-        raise UserError(f"MODEL.WEIGHTS {path!r} does not exist; give the path of a checkpoint "
-                        "(e.g. OUT_DIR/checkpoints/best.pth)")
+    require_weights_file(path)
     if path.endswith(".safetensors"):
         card = safetensors_card(path)
         found = (card.config, f"the model card of {path}") if card is not None and card.config else None
@@ -181,8 +216,14 @@ def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCar
     return describe(cfg, build_dataset(cfg, train=False), classes)
 
 
+def prepared(cfg_file: str | None, opts: list[str], command: str) -> tuple[CfgNode, ModelCard]:
+    """predict's and export's config (MODEL.WEIGHTS resolved, chosen_weights) and model card (card_for)."""
+    cfg = chosen_weights(load_config(cfg_file, opts), command)
+    return cfg, card_for(cfg, cfg_file, opts)
+
+
 def card_for(cfg: CfgNode, cfg_file: str | None, opts: list[str]) -> ModelCard:
-    """What predict and export use: the checkpoint's card when the config came from it (described
+    """The card predict and export use: the checkpoint's card when the config came from it (described
     again when the overrides change the data or the preprocessing: the stored class names are kept
     unless the data changed); else, for --cfg or an older checkpoint, described from the config."""
     weights = cfg.MODEL.WEIGHTS
@@ -213,8 +254,26 @@ class LoadedModel:
     model: torch.nn.Module
     transform: Callable[[Any], torch.Tensor]  # PIL image -> input tensor [C, H, W] (card.transform())
     classes: list[str]  # the name of each output
-    config: CfgNode  # the run's config (MODEL.WEIGHTS and MODEL.PRETRAINED cleared)
+    config: CfgNode  # the config it was built from (load_model: the run's, MODEL.WEIGHTS and PRETRAINED cleared)
     card: ModelCard
+
+
+def device_for(cfg: CfgNode) -> torch.device:
+    """One process, no process group (predict): the GPU when DEVICE allows and one is there, else the CPU."""
+    if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
+        raise UserError("DEVICE is cuda but no CUDA GPU is visible; use DEVICE cpu or auto")
+    return torch.device("cuda" if cfg.DEVICE != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def build(cfg: CfgNode, card: ModelCard, device: str | torch.device = "cpu",
+          state: dict[str, Any] | None = None) -> LoadedModel:
+    """The model of a resolved config, ready for inference: cfg's architecture with MODEL.WEIGHTS
+    (every tensor checked, weights.load_file), or with state (a checkpoint's weights read already:
+    load), in eval mode on device, with the card's transform and class names."""
+    model = models.build_model(cfg, with_weights=state is None)
+    if state is not None:
+        model.load_state_dict(models.strip_wrapper_prefixes(state))  # strict: every tensor must fit
+    return LoadedModel(model.to(device).eval(), card.transform(), list(card.classes), cfg, card)
 
 
 def load(path: str, device: str | torch.device = "cpu", ema: bool = False) -> LoadedModel:
@@ -238,6 +297,4 @@ def load(path: str, device: str | torch.device = "cpu", ema: bool = False) -> Lo
         raise UserError(f"{path} holds no EMA weights (the run had TRAIN.EMA_DECAY 0)" if ema
                         else f"{path} holds no model weights")
     card = from_checkpoint(ckpt) or _older_card(config_from_text(found[0], found[1], []), path)
-    model = models.build_model(cfg)
-    model.load_state_dict(models.strip_wrapper_prefixes(state))  # strict: every tensor must fit
-    return LoadedModel(model.to(device).eval(), card.transform(), list(card.classes), cfg, card)
+    return build(cfg, card, device, state)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, inferred, models
+from distribuuuu import data, inference, inferred, models
 from distribuuuu.engine.state import seed_everything
 from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
@@ -173,17 +173,9 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
 
 def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
-    run = RunFolder(cfg)
+    cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
     weights = cfg.MODEL.WEIGHTS
-    if not weights:
-        weights = run.best()
-        if weights is None:
-            raise UserError("eval needs weights: pass MODEL.WEIGHTS PATH, or an OUT_DIR whose "
-                            "checkpoints/ holds best.pth or last.pth")
-        cfg = cfg.clone()
-        cfg.defrost()
-        cfg.MODEL.WEIGHTS = weights
-        cfg.freeze()
+    run = RunFolder(cfg)
     seed_everything(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
     if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(cfg):  # a folder of class folders: its held-out part

@@ -28,7 +28,7 @@ from yacs.config import CfgNode
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.run_folder import checkpoint, ownership, records, resume_check
-from distribuuuu.run_folder.layout import BEST, checkpoint_dir, chosen_checkpoint
+from distribuuuu.run_folder.layout import BEST, checkpoint_dir
 from distribuuuu.run_folder.lock import Holder, acquire, lock_path, release, this_process
 from distribuuuu.run_folder.metrics_files import MetricsWriter, recorded_test, write_eval_record
 from distribuuuu.run_folder.ownership import (
@@ -177,4 +177,4 @@ class RunFolder:
 
     def best(self) -> str | None:
         """The checkpoint the run chose: best.pth, else last.pth, else None."""
-        return chosen_checkpoint(self.checkpoints)
+        return checkpoint.best_or_last(self.out_dir)

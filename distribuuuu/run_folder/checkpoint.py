@@ -53,6 +53,13 @@ log = logging.getLogger("distribuuuu")
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
+def best_or_last(out_dir: str) -> str | None:
+    """The run's chosen checkpoint, the one eval, predict, export and the final test use: best.pth
+    (best on the validation split), else last.pth (no finite evaluation yet), else None."""
+    paths = (os.path.join(checkpoint_dir(out_dir), name) for name in (BEST, LAST))
+    return next((p for p in paths if os.path.isfile(p)), None)
+
+
 def _atomic_save(obj: Any, path: str) -> None:
     """torch.save through files.atomic_write: a crash at any point leaves either the old file or the
     new one, never half of one; the temporary name does not match the patterns resume looks for."""

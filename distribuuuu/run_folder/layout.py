@@ -35,7 +35,3 @@ NAMES = (CHECKPOINTS, LOG, *METRICS_FILES, CONFIG_DIFF, ENV, ENV_HISTORY, EVAL_R
 def checkpoint_dir(out_dir: str) -> str:
     return os.path.join(out_dir, CHECKPOINTS)
 
-
-def chosen_checkpoint(folder: str) -> str | None:
-    """The checkpoint a finished run offers in ``folder`` (its checkpoints/): best.pth, else last.pth, else None."""
-    return next((p for p in (os.path.join(folder, BEST), os.path.join(folder, LAST)) if os.path.isfile(p)), None)

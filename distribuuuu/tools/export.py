@@ -29,7 +29,6 @@ from typing import Any
 
 from distribuuuu.errors import UserError
 from distribuuuu.files import output_problem
-from distribuuuu.tools.predict import resolve_weights
 
 # torch and models are imported inside the functions, after the checks of the arguments (see
 # predict.py); onnx, onnxruntime and safetensors too, being optional.
@@ -115,17 +114,15 @@ def _onnx(model: Any, batches: list[Any], expected: list[Any], path: str,
     return _max_diff(lambda x: session.run(None, {"images": x.numpy()})[0], batches, expected), "onnxruntime"
 
 
-def export(cfg: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4, card: Any = None) -> dict[str, Any]:
-    """Write and check every format; returns what export.json holds. card: the model card each file
-    carries (default: described from cfg, inference.card_from_config)."""
-    cfg = resolve_weights(cfg, "export")
+def export(cfg: Any, card: Any, out_dir: str, tol: float = DEFAULT_TOL, batch: int = 4) -> dict[str, Any]:
+    """Write and check every format; returns what export.json holds. cfg and card: inference.prepared's
+    (the weights resolved; the card is the model card each file carries)."""
     import torch  # after the checks, which need no torch
 
-    from distribuuuu import inference, models
+    from distribuuuu import inference
 
-    card = card or inference.card_from_config(cfg)
     card_json = card.to_json()
-    model = models.build_model(cfg).eval()  # CPU: a trace made on a GPU would only run there
+    model = inference.build(cfg, card, "cpu").model  # CPU: a trace made on a GPU would only run there
     shape = (cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn((batch, *shape), generator=g), torch.randn((batch + 1, *shape), generator=g)]
@@ -158,12 +155,11 @@ def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, bat
         raise UserError(f"--out {problem}")
     from distribuuuu import inference  # imports torch: after the checks of the arguments
 
-    cfg = resolve_weights(inference.load_config(cfg_file, opts), "export")
-    card = inference.card_for(cfg, cfg_file, opts)
+    cfg, card = inference.prepared(cfg_file, opts, "export")
     out = out or os.path.join(cfg.OUT_DIR, "export")
     if problem := output_problem(out, folder=True):  # before the export's work
         raise UserError(f"--out {problem}")
-    record = export(cfg, out, tol, batch, card)
+    record = export(cfg, card, out, tol, batch)
     print(f"exported {record['arch']} ({record['weights']}), input {'x'.join(map(str, record['input_shape']))}; "
           f"max |exported - eager| on batches of {batch} and {batch + 1} (tolerance {tol:g}):")
     failed = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from PIL import Image
@@ -63,50 +63,6 @@ def split_opts_and_images(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
     return opts, images
 
 
-def resolve_weights(cfg: Any, command: str) -> Any:
-    """cfg with MODEL.WEIGHTS set: as given, else OUT_DIR/checkpoints/best.pth or last.pth."""
-    if cfg.MODEL.WEIGHTS:
-        if os.path.isdir(cfg.MODEL.WEIGHTS):
-            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} is a folder; give a checkpoint file "
-                            f"(e.g. {os.path.join(cfg.MODEL.WEIGHTS, 'checkpoints', 'best.pth')})")
-        if not os.path.isfile(cfg.MODEL.WEIGHTS):
-            raise UserError(f"MODEL.WEIGHTS {cfg.MODEL.WEIGHTS!r} does not exist; give the path of a checkpoint "
-                            "(e.g. OUT_DIR/checkpoints/best.pth) or of a weights file")
-        return cfg
-    from distribuuuu.run_folder import checkpoint
-
-    for name in ("best.pth", "last.pth"):
-        candidate = os.path.join(checkpoint.checkpoint_dir(cfg.OUT_DIR), name)
-        if os.path.isfile(candidate):
-            cfg = cfg.clone()
-            cfg.defrost()
-            cfg.MODEL.WEIGHTS = candidate
-            cfg.freeze()
-            return cfg
-    raise UserError(f"{command} needs trained weights: give --checkpoint PATH (or MODEL.WEIGHTS PATH), or an "
-                    "OUT_DIR whose checkpoints/ holds best.pth or last.pth")
-
-
-def device_for(cfg: Any) -> Any:
-    """One process, no process group: the GPU when DEVICE allows and one is there, else the CPU."""
-    import torch
-
-    if cfg.DEVICE == "cuda" and not torch.cuda.is_available():
-        raise UserError("DEVICE is cuda but no CUDA GPU is visible; use DEVICE cpu or auto")
-    return torch.device("cuda" if cfg.DEVICE != "cpu" and torch.cuda.is_available() else "cpu")
-
-
-def card_checked(card: Any) -> Any:
-    if card.in_chans not in (1, 3):
-        raise UserError(f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels")
-    return card
-
-
-def _prepared(card: Any) -> tuple[list[str], Callable[[str], Any]]:
-    tf = card.transform()
-    return list(card.classes), lambda path: tf(Image.open(path))
-
-
 def _check_images(image_paths: Sequence[str]) -> None:
     """Every file is checked before the model is built."""
     for path in image_paths:
@@ -121,21 +77,21 @@ def _check_images(image_paths: Sequence[str]) -> None:
                             f"give PNG, JPEG or another image file{hint}") from None
 
 
-def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5, card: Any = None) -> list[list[tuple[str, float]]]:
-    """The top-k (class name, probability) of each image; card: the model card that prepares
-    them and names the classes (default: described from cfg)."""
-    _check_images(image_paths)
-    cfg = resolve_weights(cfg, "predict")
-    import torch  # here, after the checks: a mistyped path is reported without torch's start-up time
+def predict(cfg: Any, card: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tuple[str, float]]]:
+    """The top-k (class name, probability) of each image; cfg and card: inference.prepared's (the
+    weights resolved; the card prepares the images and names the classes)."""
+    import torch  # inside: main checks the arguments and files before torch starts (see above)
 
-    from distribuuuu import inference, models
+    from distribuuuu import inference
 
-    classes, prepare = _prepared(card_checked(card or inference.card_from_config(cfg)))
-    if len(classes) > cfg.MODEL.NUM_CLASSES:
-        raise UserError(f"the data source has {len(classes)} classes but MODEL.NUM_CLASSES is "
+    if card.in_chans not in (1, 3):
+        raise UserError(f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels")
+    if len(card.classes) > cfg.MODEL.NUM_CLASSES:
+        raise UserError(f"the data source has {len(card.classes)} classes but MODEL.NUM_CLASSES is "
                         f"{cfg.MODEL.NUM_CLASSES}; use the config the weights were trained with")
-    device = device_for(cfg)
-    model = models.build_model(cfg).to(device).eval()
+    device = inference.device_for(cfg)
+    loaded = inference.build(cfg, card, device)
+    model, classes = loaded.model, loaded.classes
     names = classes + [str(c) for c in range(len(classes), cfg.MODEL.NUM_CLASSES)]
     k = max(1, min(topk, cfg.MODEL.NUM_CLASSES))
     results = []
@@ -144,7 +100,7 @@ def predict(cfg: Any, image_paths: Sequence[str], topk: int = 5, card: Any = Non
         tensors = []
         for path in image_paths[start: start + batch]:
             try:
-                tensors.append(prepare(path))
+                tensors.append(loaded.transform(Image.open(path)))
             except OSError as e:  # a file whose header was fine but whose data is not (truncated)
                 raise UserError(f"cannot read {path!r} as an image: {e}") from None
         with torch.no_grad():
@@ -170,9 +126,8 @@ def main(cfg_file: str | None, tokens: Sequence[str], topk: int, output: str | N
     _check_images(images)  # before torch starts: a wrong path is reported at once
     from distribuuuu import inference
 
-    cfg = inference.load_config(cfg_file, opts)
-    card = inference.card_for(cfg, cfg_file, opts) if cfg.MODEL.WEIGHTS else None
-    results = predict(cfg, images, topk, card)
+    cfg, card = inference.prepared(cfg_file, opts, "predict")
+    results = predict(cfg, card, images, topk)
     if fmt is None:
         outputs.print_table(images, results)
     elif output is None or output == "-":
