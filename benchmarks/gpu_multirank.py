@@ -83,9 +83,9 @@ def parse_ddp_eval(small: bool) -> Callable[[Any], dict]:
         if not one or not two:
             return {**res, "problem": "an eval wrote no eval.jsonl record"}
         one, two = one[-1], two[-1]
-        res.update(eval_1rank=[one["top1"], one["top5"], one["n"]], eval_2ranks=[two["top1"], two["top5"], two["n"]],
+        res.update(eval_1rank=[one["top1"], one["topk_acc"], one["n"]], eval_2ranks=[two["top1"], two["topk_acc"], two["n"]],
                    eval_loss_diff=abs(one["loss"] - two["loss"]))
-        if (one["top1"], one["top5"], one["n"]) != (two["top1"], two["top5"], two["n"]):
+        if (one["top1"], one["topk_acc"], one["n"]) != (two["top1"], two["topk_acc"], two["n"]):
             res["problem"] = "exact eval differs between 1 and 2 ranks"
         return res
     return parse

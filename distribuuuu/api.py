@@ -187,7 +187,7 @@ def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:
 def evaluate(cfg: ConfigLike) -> dict[str, Any]:
     """Evaluate as ``distribuuuu eval`` does: MODEL.WEIGHTS, else OUT_DIR's best.pth / last.pth.
 
-    Returns the record also appended to OUT_DIR/eval.jsonl (loss, top1, top5, n, ...).
+    Returns the record also appended to OUT_DIR/eval.jsonl (loss, top1, topk_acc, topk, n, ...).
     """
     return run_command("eval", _as_cfg(cfg))
 

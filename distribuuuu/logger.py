@@ -157,17 +157,17 @@ class Progress:
         img_s = batch * self.world_size / step_s
         if self.bar is not None:
             self.bar.set_postfix_str(
-                f"loss {stats['loss']:.4f}, acc@1 {stats['top1']:.2f}, acc@{self.topk} {stats['top5']:.2f}, "
+                f"loss {stats['loss']:.4f}, acc@1 {stats['top1']:.2f}, acc@{self.topk} {stats['topk_acc']:.2f}, "
                 f"{img_s:.0f} img/s, run eta {format_seconds(left * step_s)}", refresh=False)
         self.log.info(
             "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | "
             "acc@1 %.2f | acc@%d %.2f | lr %.5f | %.0f img/s",
             self.epoch + 1, self.max_epoch, it + 1, self.iters, format_seconds(left * step_s), step_s,
-            self.window_data / self.window_iters, stats["loss"], stats["top1"], self.topk, stats["top5"],
+            self.window_data / self.window_iters, stats["loss"], stats["top1"], self.topk, stats["topk_acc"],
             lr, img_s, extra={"console": self.bar is None},
         )
         self._reset_window()
-        return {"loss": stats["loss"], "top1": stats["top1"], "topk": stats["top5"], "lr": lr, "img_per_s": img_s}
+        return {"loss": stats["loss"], "top1": stats["top1"], "topk_acc": stats["topk_acc"], "lr": lr, "img_per_s": img_s}
 
     def close(self) -> None:
         """End of the epoch: the bar stays on screen, finished."""

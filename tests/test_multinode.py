@@ -122,7 +122,7 @@ def _assert_eval_matches_one_process(out, tmp_path) -> None:
     check(distribuuuu("eval", "--cfg", TINY, "OUT_DIR", str(single),
                       "MODEL.WEIGHTS", str(out / "checkpoints" / "last.pth")))
     one = read_jsonl(os.path.join(single, "eval.jsonl"))[-1]  # eval's record file
-    assert (one["top1"], one["top5"], one["n"]) == (val["top1"], val["top5"], val["n"])
+    assert (one["top1"], one["topk_acc"], one["n"]) == (val["top1"], val["topk_acc"], val["n"])
 
 
 def test_two_hosts_static_rendezvous(two_hosts, tmp_path):

@@ -288,7 +288,7 @@ def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
     c = Counter(CPU, 2, skip_nonfinite=True)
     c.update(logits, target, torch.tensor(0.5))
     c.update(logits, target, torch.tensor(float("nan")))  # a skipped step's batch
-    assert c.result() == {"loss": 0.5, "top1": 50.0, "top5": 100.0, "n": 2} and c.n == 4
+    assert c.result() == {"loss": 0.5, "top1": 50.0, "topk_acc": 100.0, "n": 2} and c.n == 4
     c.add([1.0, 2.0, 2.0, 2.0])  # a checkpoint's sums from before issue 24: [loss, hit1, hitk, n]
     assert c.result()["n"] == 4 and c.sums_with_n().tolist() == [2.0, 3.0, 4.0, 6.0, 4.0]
     off = Counter(CPU, 2)  # TRAIN.NONFINITE off: the epoch's loss must show the NaN (NonFiniteEpochCheck)

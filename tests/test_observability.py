@@ -123,9 +123,9 @@ def test_tensorboard_has_step_scalars_and_names_the_real_k(unseeded):
     assert losses[4] == pytest.approx(train[0]["loss"], rel=1e-5) and losses[8] == pytest.approx(train[1]["loss"], rel=1e-5)
     assert lrs[4] == pytest.approx(train[0]["lr"], rel=1e-6) and lrs[8] == pytest.approx(train[1]["lr"], rel=1e-6)
     assert {e.step: e.value for e in acc.Scalars("val/top2")}[2] == pytest.approx(
-        [r for r in read_metrics(unseeded) if r["split"] == "val"][-1]["top5"], rel=1e-6)
-    # metrics.jsonl keeps its field names: "top5" holds top-TOPK, "topk" says k
-    assert all("top5" in r for r in read_metrics(unseeded))
+        [r for r in read_metrics(unseeded) if r["split"] == "val"][-1]["topk_acc"], rel=1e-6)
+    # "topk_acc" holds top-TOPK and "topk" says k; the old name of the field ("top5") is not written
+    assert all("topk_acc" in r and "top5" not in r for r in read_metrics(unseeded))
 
 
 def test_eval_into_a_run_folder_writes_eval_jsonl_only(tmp_path):

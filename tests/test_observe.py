@@ -43,14 +43,14 @@ def test_tensorboard_events_hold_every_metric(run2):
     acc = EventAccumulator(os.path.join(out, "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    # TINY has TRAIN.TOPK 2: the "top5" field of metrics.jsonl holds top-2, and its tag says so
+    # TINY has TRAIN.TOPK 2: the "topk_acc" field of metrics.jsonl holds top-2, and its tag says so
     want = {f"train/{k}" for k in ("loss", "top1", "top2", "lr", "img_per_s", "data_frac", "peak_mem_mb")}
     want |= {f"val/{k}" for k in ("loss", "top1", "top2")}
     assert want <= tags and not any(t.endswith("/top5") for t in tags), sorted(tags)
     for m in read_metrics(out):
-        for key in ("loss", "top1", "top5") + (("lr", "img_per_s", "data_frac", "peak_mem_mb")
+        for key in ("loss", "top1", "topk_acc") + (("lr", "img_per_s", "data_frac", "peak_mem_mb")
                                                 if m["split"] == "train" else ()):
-            tag = f"{m['split']}/{'top2' if key == 'top5' else key}"
+            tag = f"{m['split']}/{'top2' if key == 'topk_acc' else key}"
             events = {e.step: e.value for e in acc.Scalars(tag)}
             assert events[m["epoch"]] == pytest.approx(m[key], rel=1e-6), (m["split"], key)
     assert len(acc.Scalars("val/top1")) == 2
@@ -204,7 +204,7 @@ def test_progress_mode_can_be_forced(mode, monkeypatch, tmp_path):
     logger.setup_logging(str(tmp_path), is_main=True)
     progress = logger.Progress(_cfg(), True, 2, epoch=0, iters=4)
     for it in range(4):
-        progress.step(it, 0.001, 8, 0.1, lambda: {"loss": 1.25, "top1": 50.0, "top5": 75.0})
+        progress.step(it, 0.001, 8, 0.1, lambda: {"loss": 1.25, "top1": 50.0, "topk_acc": 75.0})
         if it == 1:
             logging.getLogger(logger.LOGGER_NAME).warning("a warning in mid-epoch")
     progress.close()
@@ -240,7 +240,8 @@ def test_progress_of_other_ranks_prints_nothing(monkeypatch):
 # distribuuuu plot
 # ---------------------------------------------------------------------------------------------
 def _fake_run(path, epochs, top1, topk=2):
-    """A run folder with a hand-written metrics.jsonl (and an eval line, which is not an epoch)."""
+    """A run folder with a hand-written metrics.jsonl of an older version (its top-k field was named
+    "top5"; readers still accept it), and an eval line, which is not an epoch."""
     os.makedirs(path)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         for e, acc in zip(epochs, top1):
@@ -278,8 +279,9 @@ def test_plot_writes_pngs_of_the_series_in_metrics_jsonl(run2, tmp_path):
         lines = read_metrics(folder)
         for split in ("train", "val"):
             recs = [m for m in lines if m["split"] == split and m["epoch"] is not None]
-            for panel, key in (("top1", "top1"), ("topk", "top5"), ("loss", "loss")):
-                assert drawn[panel][f"{label} {split}"] == ([m["epoch"] for m in recs], [m[key] for m in recs])
+            for panel, key in (("top1", "top1"), ("topk", "topk_acc"), ("loss", "loss")):
+                values = [m[key] if key in m else m["top5"] for m in recs]  # "other" is an older file
+                assert drawn[panel][f"{label} {split}"] == ([m["epoch"] for m in recs], values)
         train = [m for m in lines if m["split"] == "train"]
         assert drawn["lr"][f"{label} train"] == ([m["epoch"] for m in train], [m["lr"] for m in train])
     assert set(drawn["top1"]) == {"run train", "run val", "other train", "other val"}

@@ -37,10 +37,10 @@ def test_two_process_ddp_run_ends_with_identical_weights(tmp_path):
     val = [m for m in lines if m["split"] == "val"]
     assert [m["epoch"] for m in train] == [1, 2] and [m["epoch"] for m in val] == [1, 2]
     for m in train:
-        assert {"epoch", "split", "loss", "top1", "top5", "n", "lr", "img_per_s"} <= m.keys()
+        assert {"epoch", "split", "loss", "top1", "topk_acc", "n", "lr", "img_per_s"} <= m.keys()
         assert m["n"] == 128  # 2 ranks x 4 batches of 16: every training sample once
     for m in val:
-        assert {"epoch", "split", "loss", "top1", "top5", "n"} <= m.keys()
+        assert {"epoch", "split", "loss", "top1", "topk_acc", "n"} <= m.keys()
         assert m["n"] == 50
     # The checkpoint holds plain weights that load into the bare model, and its bookkeeping.
     ckpt = _weights(f"{out}/checkpoints/last.pth")
@@ -70,8 +70,8 @@ def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
     one = _eval(str(tmp_path / "eval1"), weights, 1)
     three = _eval(str(tmp_path / "eval3"), weights, 3)
     assert one["n"] == three["n"] == 50
-    assert 0 < one["top1"] < one["top5"] < 100, one
-    assert (one["top1"], one["top5"]) == (three["top1"], three["top5"])
+    assert 0 < one["top1"] < one["topk_acc"] < 100, one
+    assert (one["top1"], one["topk_acc"]) == (three["top1"], three["topk_acc"])
     assert one["loss"] == pytest.approx(three["loss"], rel=1e-6)  # float sums in another order
 
 
@@ -83,7 +83,7 @@ def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
     torch.save({"state_dict": {"module." + k: v for k, v in state.items()}}, prefixed)
     plain = _eval(str(tmp_path / "e1"), f"{out}/checkpoints/last.pth", 1)
     from_prefixed = _eval(str(tmp_path / "e2"), prefixed, 1)
-    assert (plain["top1"], plain["top5"], plain["n"]) == (from_prefixed["top1"], from_prefixed["top5"], from_prefixed["n"])
+    assert (plain["top1"], plain["topk_acc"], plain["n"]) == (from_prefixed["top1"], from_prefixed["topk_acc"], from_prefixed["n"])
 
 
 def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):

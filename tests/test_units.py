@@ -29,7 +29,7 @@ def test_counter_means_and_percentages():
     r = c.reduce().result()  # no process group: reduce is the identity
     assert r["n"] == 3
     assert r["loss"] == pytest.approx((1.0 + 2 * 4.0) / 3)
-    assert r["top1"] == pytest.approx(100 / 3) and r["top5"] == pytest.approx(200 / 3)
+    assert r["top1"] == pytest.approx(100 / 3) and r["topk_acc"] == pytest.approx(200 / 3)
     assert math.isnan(Counter(torch.device("cpu"), 2).result()["top1"])
 
 
@@ -213,3 +213,15 @@ def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
         strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
     assert [strategies.resolve(n, False) for n in ("ddp", "fsdp", "dp")] == ["single", "single", "dp"]
     assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]
+
+
+def test_an_older_metrics_file_reads_with_todays_field_names(tmp_path):
+    """metrics.jsonl's top-k field was named "top5" (it held top-TRAIN.TOPK): readers accept it as "topk_acc"."""
+    from distribuuuu.run_folder.metrics_files import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"epoch": 1, "split": "val", "top1": 40.0, "top5": 70.0, "topk": 2, "n": 5}\n'
+                    '{"epoch": 2, "split": "val", "top1": 50.0, "topk_acc": 80.0, "topk": 2, "n": 5}\n')
+    old, new = read_jsonl(str(path))
+    assert old == {"epoch": 1, "split": "val", "top1": 40.0, "topk_acc": 70.0, "topk": 2, "n": 5}
+    assert new["topk_acc"] == 80.0 and "top5" not in new

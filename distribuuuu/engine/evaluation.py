@@ -84,12 +84,12 @@ class Counter:
         return self
 
     def result(self) -> dict[str, float]:
-        """loss (mean), top1/top5 in percent, n (samples counted). One host sync."""
+        """loss (mean), top1 and topk_acc (top-k at TRAIN.TOPK) in percent, n (samples counted). One host sync."""
         loss_sum, hit1, hitk, counted = self.sums.tolist()
         n = int(counted)
         if n == 0:
-            return {"loss": float("nan"), "top1": float("nan"), "top5": float("nan"), "n": 0}
-        return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "top5": 100.0 * hitk / n, "n": n}
+            return {"loss": float("nan"), "top1": float("nan"), "topk_acc": float("nan"), "n": 0}
+        return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "topk_acc": 100.0 * hitk / n, "n": n}
 
 
 @torch.no_grad()
@@ -139,7 +139,7 @@ def validate(trainer: Trainer) -> None:
         record = {"epoch": state.epoch, "split": "val" if name == "top1" else "val_ema", **val, "topk": cfg.TRAIN.TOPK}
         trainer.eval_records.append(record)
         log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", record["split"],
-                 state.epoch, cfg.OPTIM.MAX_EPOCH, val["loss"], val["top1"], cfg.TRAIN.TOPK, val["top5"], val["n"])
+                 state.epoch, cfg.OPTIM.MAX_EPOCH, val["loss"], val["top1"], cfg.TRAIN.TOPK, val["topk_acc"], val["n"])
     log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
 
 
@@ -165,7 +165,7 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
     record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
               "weights": os.path.basename(path)}
     log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d",
-             path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"])
+             path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
     trainer.eval_split, trainer.eval_records = "test", [record]
     trainer.call("after_eval")
     return record
@@ -187,7 +187,7 @@ def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
     start = time.perf_counter()
     result = evaluate(model, loader, cfg, ctx)
     log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
-             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["top5"], result["n"],
+             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"],
              time.perf_counter() - start)
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
     run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl

@@ -145,7 +145,7 @@ class Trainer:
             train = self.train_metrics
             log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
                      state.epoch, cfg.OPTIM.MAX_EPOCH, train["loss"], train["top1"], cfg.TRAIN.TOPK,
-                     train["top5"], train["img_per_s"], train["time_s"])
+                     train["topk_acc"], train["img_per_s"], train["time_s"])
             self.call("after_epoch")  # metrics, evaluation (after_eval), checkpoint, stop signals
 
         self.require_saved()

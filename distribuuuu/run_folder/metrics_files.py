@@ -21,14 +21,13 @@ from distribuuuu.run_folder.layout import EVAL_RECORDS, METRICS, METRICS_CSV, ME
 log = logging.getLogger("distribuuuu")
 
 # metrics.csv columns, in this order; keys a record brings beyond these are appended.
-CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "top5", "topk", "n", "lr", "img_per_s",
+CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "topk_acc", "topk", "n", "lr", "img_per_s",
                "time_s", "data_frac", "peak_mem_mb"]
-# The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch. The "top5" field
-# holds top-TRAIN.TOPK (its name is kept in metrics.jsonl/csv for the tools and scripts that read
-# it; the "topk" field says k); its TensorBoard tag names the real k: <split>/top<k>.
-TB_KEYS = ("loss", "top1", "top5", "lr", "img_per_s", "data_frac", "peak_mem_mb", "skipped_steps")
+# The numbers that become TensorBoard scalars, as <split>/<key>, against the epoch. "topk_acc" is the
+# top-TRAIN.TOPK accuracy ("topk" says k); its TensorBoard tag names the real k: <split>/top<k>.
+TB_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s", "data_frac", "peak_mem_mb", "skipped_steps")
 # Every TRAIN.PRINT_FREQ iterations, against the global step: train_step/<key> (Progress's numbers).
-STEP_KEYS = ("loss", "top1", "topk", "lr", "img_per_s")
+STEP_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s")
 
 
 def _clean(value: Any) -> Any:
@@ -43,7 +42,7 @@ class MetricsWriter:
     as TensorBoard scalars to OUT_DIR/tb (records with an epoch only). Other ranks: no-op."""
 
     def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, topk: int = 5) -> None:
-        self.topk = topk  # TRAIN.TOPK: names the tag of the "top5" field
+        self.topk = topk  # TRAIN.TOPK: names the tag of the "topk_acc" field
         self.path = os.path.join(out_dir, METRICS)
         self.csv_path = os.path.join(out_dir, METRICS_CSV)
         self.tb_dir = os.path.join(out_dir, TENSORBOARD)
@@ -99,7 +98,7 @@ class MetricsWriter:
 
     def tag(self, split: str, key: str) -> str:
         """The TensorBoard tag of a record's number: the top-k field is named by its real k."""
-        return f"{split}/top{self.topk}" if key in ("top5", "topk") else f"{split}/{key}"
+        return f"{split}/top{self.topk}" if key == "topk_acc" else f"{split}/{key}"
 
     def write_step(self, step: int, scalars: dict[str, float]) -> None:
         """Per-step TensorBoard scalars (train_step/loss, lr, img_per_s, top1, top<k>) against the
@@ -229,8 +228,20 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             if not isinstance(record, dict):
                 log.warning("%s line %d is not a JSON object: skipped", path, i)
                 continue
-            records.append(record)
+            records.append(upgraded(record))
     return records
+
+
+# Field names of older metrics files, and their names now: readers accept both (read_jsonl).
+RENAMED_FIELDS = {"top5": "topk_acc"}  # it always held top-TRAIN.TOPK, whatever k was
+
+
+def upgraded(record: dict[str, Any]) -> dict[str, Any]:
+    """A record of an older metrics.jsonl / eval.jsonl with today's field names."""
+    for old, new in RENAMED_FIELDS.items():
+        if old in record and new not in record:
+            record[new] = record.pop(old)
+    return record
 
 
 def recorded_test(out_dir: str) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from distribuuuu.run_folder.metrics_files import read_jsonl
 Series = tuple[list[int], list[float]]
 # (file name, panel title, the series of it: (split, key)), in the order of the combined figure.
 PANELS = [("top1", "top-1 accuracy (%)", [("train", "top1"), ("val", "top1")]),
-          ("topk", "top-{k} accuracy (%)", [("train", "top5"), ("val", "top5")]),
+          ("topk", "top-{k} accuracy (%)", [("train", "topk_acc"), ("val", "topk_acc")]),
           ("loss", "loss", [("train", "loss"), ("val", "loss")]),
           ("lr", "learning rate (end of epoch)", [("train", "lr")])]
 
