@@ -33,7 +33,7 @@ from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import group, launcher, signals
-from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
+from distribuuuu.logger import LOG_FILE, LOGGER_NAME, discard_log, release_log, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "preflight", "LoadedModel"]
 
@@ -65,7 +65,11 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
 
 
 def _check_cfg_dest(cfg: Any) -> None:
-    """CFG_DEST names a file in OUT_DIR: an existing folder there cannot become one."""
+    """CFG_DEST names a file in OUT_DIR: not a name the run folder uses for something else, and not
+    an existing folder there."""
+    if cfg.CFG_DEST in (*run_folder.layout.NAMES, LOG_FILE, config.CONFIG_DIFF):
+        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
+                        "use a name such as config.yaml")
     path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
     if os.path.isdir(path):
         raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is an existing folder in OUT_DIR ({path}); the full config "

@@ -24,6 +24,7 @@ from distribuuuu.log_file import HeldFileHandler
 
 LOGGER_NAME = "distribuuuu"
 PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
+LOG_FILE = "log.txt"  # in OUT_DIR: every rank's warnings and errors, rank 0's lines
 
 def _to_console(record: logging.LogRecord) -> bool:
     """Records logged with extra={"console": False} go to log.txt only (the bar shows them)."""
@@ -78,10 +79,10 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
     if out_dir:
         file_handler: logging.Handler
         if hold:
-            file_handler = HeldFileHandler(os.path.join(out_dir, "log.txt"))
+            file_handler = HeldFileHandler(os.path.join(out_dir, LOG_FILE))
         else:
             os.makedirs(out_dir, exist_ok=True)
-            file_handler = logging.FileHandler(os.path.join(out_dir, "log.txt"))
+            file_handler = logging.FileHandler(os.path.join(out_dir, LOG_FILE))
         file_handler.setFormatter(fmt if is_main else logging.Formatter(
             f"[%(asctime)s] [rank {rank}] %(message)s", datefmt="%H:%M:%S"))
         log.addHandler(file_handler)

@@ -20,6 +20,8 @@ from distribuuuu.config.reading import flatten, merge_file, merge_opts, merge_te
 from distribuuuu.config.user_modules import import_user_modules
 from distribuuuu.config.validate import validate
 
+CONFIG_DIFF = "config_diff.yaml"  # in OUT_DIR: the keys a run sets that differ from the defaults
+
 __all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "merge_text", "dump_to_run_folder",
            "diff_from_defaults", "to_yaml", "flatten", "import_user_modules", "with_imports"]
 
@@ -78,5 +80,5 @@ def dump_to_run_folder(cfg: CN, out_dir: str) -> None:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    with open(os.path.join(out_dir, "config_diff.yaml"), "w") as f:
+    with open(os.path.join(out_dir, CONFIG_DIFF), "w") as f:
         yaml.safe_dump(nested, f, sort_keys=True)

@@ -14,7 +14,6 @@ from yacs.config import CfgNode as CN
 from distribuuuu.config.defaults import get_defaults
 from distribuuuu.config.reading import flatten
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import layout
 
 LR_POLICIES = ("cos", "steps", "linear", "constant")
 AMP_MODES = ("off", "bf16", "fp16")
@@ -33,8 +32,6 @@ DUPLICATE_IMAGE_MODES = ("fail", "keep")
 OVERLAP_MODES = ("warn", "error", "off")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
-# What a run writes into OUT_DIR itself (CFG_DEST must not replace one of them)
-RUN_FOLDER_NAMES = layout.NAMES
 
 _POSITIVE = ("TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ",
              "TRAIN.TOPK", "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES",
@@ -220,9 +217,6 @@ def _check_run(cfg: CN) -> None:
     _need(cfg.OUT_DIR.strip() != "", "OUT_DIR must be a folder path, e.g. ./exp")
     _need(cfg.CFG_DEST.strip() != "" and os.sep not in cfg.CFG_DEST and cfg.CFG_DEST not in (".", ".."),
           f"CFG_DEST {cfg.CFG_DEST!r} must be a plain file name inside OUT_DIR, such as config.yaml")
-    _need(cfg.CFG_DEST not in RUN_FOLDER_NAMES,
-          f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
-          "use a name such as config.yaml")
     _need(cfg.TRAIN.DATASET.strip() != "", "TRAIN.DATASET must be a folder path or one of mnist5k, synthetic")
     _need(cfg.TEST.DATASET == "" or cfg.TEST.DATASET.strip() != "",
           "TEST.DATASET must be a folder path, one of mnist5k, synthetic, or '' for TRAIN.DATASET")

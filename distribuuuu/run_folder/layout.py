@@ -25,11 +25,11 @@ TENSORBOARD = "tb"
 METRICS_DROPPED = "metrics_dropped.jsonl"  # records a resume moved out of metrics.jsonl
 EVAL_RECORDS = "eval.jsonl"  # `eval` records: apart from metrics.jsonl, whose lines are the run's epochs
 ENV, ENV_HISTORY, MODEL_TABLE = "env.json", "env_history.jsonl", "model.txt"
-LOG, CONFIG_DIFF = "log.txt", "config_diff.yaml"  # written by logger.py and config/ (config.yaml: CFG_DEST)
 METRICS_FILES = (METRICS, METRICS_CSV, TENSORBOARD)  # what a run appends to: set aside together
-# What a run writes into OUT_DIR itself, and what the tools put there (CFG_DEST must not replace one)
-NAMES = (CHECKPOINTS, LOG, *METRICS_FILES, CONFIG_DIFF, ENV, ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
-         MODEL_TABLE, LOCK, "plots", "bench", "export")
+# What this package writes into OUT_DIR, and what the tools put there (api.preflight adds log.txt and
+# config_diff.yaml, whose writers name them: CFG_DEST must replace none of them)
+NAMES = (CHECKPOINTS, *METRICS_FILES, ENV, ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED, MODEL_TABLE, LOCK,
+         "plots", "bench", "export")
 
 
 def checkpoint_dir(out_dir: str) -> str:
