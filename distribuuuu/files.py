@@ -1,7 +1,7 @@
 """Writing files so that a crash never leaves half of one: a temporary file in the same folder,
 flushed and fsync'ed, then renamed over the target (rename is atomic within a filesystem).
 
-The temporary is ``<path>.tmp.<pid>``: the run folder's debris pattern (run_folder.py), removed by
+The temporary is ``<path>.tmp.<pid>``: the run folder's debris pattern (run_folder/ownership.py), removed by
 the next run that holds the folder's lock if a kill left one behind.
 """
 

@@ -56,7 +56,7 @@ _C.TRAIN.SPLIT = "train"
 # OUT_DIR that already holds a run (checkpoints or metrics records) rather than overwrite it
 _C.TRAIN.AUTO_RESUME = True
 # Config keys allowed to differ from the checkpoint's on resume beyond the safe ones (e.g.
-# ["OPTIM.BASE_LR"]): the explicit request to change the recipe mid-run (see resume_check.py)
+# ["OPTIM.BASE_LR"]): the explicit request to change the recipe mid-run (see run_folder/resume_check.py)
 _C.TRAIN.RESUME_ALLOW = []
 # On resume, also restore the optimizer state (False: weights, epoch and schedule only)
 _C.TRAIN.LOAD_OPT = True

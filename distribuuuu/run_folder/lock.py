@@ -7,7 +7,7 @@ file hard-linked to the name, which fails when the name exists) once the process
 removes it when the run ends in any way Python sees. A lock whose holder is provably gone (same
 host and boot, pid gone or reused; or an earlier attempt of the same Slurm job / torchelastic run)
 is taken over with a warning; a live holder, or one on another host that cannot be checked, is
-refused with exit status 2. What the folder holds, and the ownership of a run, are in run_folder.py.
+refused with exit status 2. What the folder holds, and the ownership of a run, are in ownership.py and __init__.py (owned).
 """
 
 from __future__ import annotations
