@@ -1,32 +1,17 @@
 """Checkpoint files: atomic writes, keep-k pruning, finding the newest intact one, safe and
-verified loading, RNG capture. What goes into a checkpoint of a run, and resuming from one, is
-the training side's (engine/state.py, with the strategy's model and optimizer state).
+verified loading. Their names under OUT_DIR/checkpoints/ are layout.py's; what a checkpoint holds, and
+resuming from one, is the training side's (engine/state.py, with the strategy's model and optimizer
+entries). Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``: no code runs.
 
-Layout under OUT_DIR/checkpoints/: ``epoch_0007.pth`` at epoch ends, ``step_00001234.pth``
-mid-epoch (the newest TRAIN.CKPT_KEEP of each kind are kept), ``last.pth`` (the newest of all)
-and ``best.pth``. A checkpoint is a plain dict of tensors and Python values:
-  model (state dict without any ``module.`` prefix), optimizer, epoch (epochs completed),
-  samples_in_epoch (position in the epoch in progress, all ranks together), global_step,
-  best_top1, best_epoch, cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank),
-  world_size, train_sums (metrics of the part-done epoch), card (the model card: config, class names,
-  preprocessing; model_card.py), and the rest engine/state.py lists.
-Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``.
-Under DIST.STRATEGY fsdp the whole state is gathered on rank 0 into the same file (FSDP_STATE_DICT
-full; its optimizer state is keyed by parameter name), or (sharded) each rank writes its shards into
-``<name>.dcp/`` with torch.distributed.checkpoint and the .pth holds the rest plus ``sharded``.
-
-Integrity: every checkpoint written by ``save`` holds ``integrity``, a SHA-256 of each other
-top-level entry (tensors' dtype, shape and bytes, and every other value), and ``load`` verifies
-it before anything uses the file. torch.load does not check the zip archive's CRC-32s: measured
-with torch 2.14 on a ResNet-18 checkpoint (47 MB) and on a 2 kB one, one flipped bit inside a
-tensor's data record loads without a word, with and without mmap (only damage to data.pkl or to
-the zip directories is noticed, as an unpickling or archive error). The digest lives inside the
-file, not in a sidecar, so it travels with copies of best.pth and with the hard links last.pth
-and best.pth; it costs about one SHA-256 pass over the state per save and per load (~0.05 s for
-ResNet-18's 47 MB here). Files without it (older checkpoints, bare state dicts) load unchecked.
-A file whose digest does not match raises DamagedCheckpoint: auto-resume skips it with a warning
-naming it and uses the next older intact checkpoint; eval, predict and export refuse it (exit 2).
-Sharded .dcp folders are not covered (torch.distributed.checkpoint has its own metadata).
+Integrity: every checkpoint written by ``save`` holds ``integrity``, a SHA-256 of each other top-level
+entry (tensors' dtype, shape and bytes, and every other value), which ``load`` verifies before anything
+uses the file, because torch.load does not check the zip archive's CRC-32s (a flipped bit in a tensor
+loads silently: docs/reliability.md, "Corrupt or unsafe files"). The digest lives inside the file, so it travels
+with copies and with the hard links last.pth and best.pth. Files without it (older checkpoints, bare
+state dicts) load unchecked. A file whose digest does not match raises DamagedCheckpoint: auto-resume
+skips it with a warning and uses the next older intact checkpoint; eval, predict and export refuse it
+(exit 2). Sharded .dcp folders (FSDP_STATE_DICT sharded) are not covered: torch.distributed.checkpoint
+has its own metadata.
 """
 
 from __future__ import annotations
