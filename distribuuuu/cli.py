@@ -317,22 +317,17 @@ def _spawned(command: str, cfg_file: str | None, opts: list[str]) -> None:
 
 
 def _guarded(fn: Callable[[], int]) -> int:
-    """Run fn; a UserError becomes one message on stderr and exit status 2."""
+    """Run fn; a UserError becomes one message on stderr and exit status 2, a run that could not
+    save one message and status 3, a stop signal one line and 128 + the signal."""
     try:
         return fn()
-    except UserError as e:
+    except (UserError, RunNotSaved) as e:  # RunNotSaved: every rank agreed on it (an any_rank vote)
         rank = rank_label()
-        prefix = "error" if rank == "0" else f"error (rank {rank})"
         # One write of the whole line: print() writes text and newline apart, and the ranks of a
         # spawned job share stderr (two ranks' lines were seen glued together).
-        sys.stderr.write(f"{prefix}: {e}\n")
-        sys.stderr.flush()
-        return USER_ERROR_EXIT
-    except RunNotSaved as e:  # every rank agreed on it (an any_rank vote): one line each, no traceback
-        rank = rank_label()
         sys.stderr.write(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}\n")
         sys.stderr.flush()
-        return NOT_SAVED_EXIT
+        return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (launch.signals.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))
         rank = rank_label()
@@ -372,18 +367,22 @@ def _main(argv: Sequence[str] | None) -> int:
             raise UserError("--master-port goes with --nproc-per-node; under torchrun or "
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
+    return _spawn(args.command, args.cfg_file, opts, nproc, args.master_port)
 
+
+def _spawn(command: str, cfg_file: str | None, opts: list[str], nproc: int, port: int | None) -> int:
+    """--nproc-per-node N: check once here, then start N processes that each run the command."""
     from distribuuuu import api, run_folder
     from distribuuuu.launch import launcher, spawn
 
     if launcher.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
-    cfg = command_config(args.command, args.cfg_file, opts)  # fail here, once, before any child starts
+    cfg = command_config(command, cfg_file, opts)  # fail here, once, before any child starts
     new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
-        api.preflight(args.command, cfg, nproc)
-        status = spawn.spawn(_spawned, nproc, args=(args.command, args.cfg_file, opts), port=args.master_port)
+        api.preflight(command, cfg, nproc)
+        status = spawn.spawn(_spawned, nproc, args=(command, cfg_file, opts), port=port)
     finally:  # a refused run takes a folder it made away again (an empty one only: rmdir)
         if new_folder and status == USER_ERROR_EXIT:
             run_folder.remove_if_empty(cfg.OUT_DIR)
