@@ -2,8 +2,9 @@
 by name (`from tests.conftest import TINY, check, distribuuuu`).
 
 Tiers: a test that starts a process (the installed command, torchrun, srun, the spawner, a tutorial
-script) is marked `e2e`, per file (`pytestmark`) or per test; the rest runs in this process.
-`make test-fast` runs that rest (`-m "not e2e"`), `make test` everything.
+script) is marked `e2e`, per file (`pytestmark`) or per test; the rest runs in this process. An
+in-process test that is long by nature (a real training run checked for accuracy, several seconds)
+is marked `slow`. `make test-fast` runs the rest (`-m "not e2e and not slow"`), `make test` everything.
 
 Groups: `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each file
 is one group (its tests in order in one worker, its module fixtures built once); the tests that

@@ -256,6 +256,7 @@ def test_memory_pipeline_with_crop_scale_is_a_user_error():
 # ---------------------------------------------------------------------------------------------
 # A real run with a non-default recipe
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a real epoch of mnist5k checked for accuracy: 8 s, a sixth of test-fast
 def test_mnist5k_training_with_a_digit_recipe(tmp_path):
     out = str(tmp_path / "run")
     proc = check(cli_main("train", "--cfg", TINY, "OUT_DIR", out, "TRAIN.DATASET", "mnist5k", "TEST.DATASET",

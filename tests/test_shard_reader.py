@@ -70,10 +70,23 @@ def ids(images: torch.Tensor) -> list[int]:
     return (pixels[:, 0] * 256 + pixels[:, 1]).tolist()
 
 
+def stop_workers(loader) -> None:
+    """Stop a shard loader's persistent workers now. A loader whose iteration failed is freed later by
+    the garbage collector (it sits in a reference cycle), after its queues were closed: torch then
+    waits out its 5 s join timeouts, 20 s of some later test."""
+    while not hasattr(loader, "_iterator"):  # ShardLoader -> ... -> torch's DataLoader
+        loader = loader.loader
+    if loader._iterator is not None:
+        loader._iterator._shutdown_workers()
+
+
 def epoch_ids(cfg, rank: int, world: int, epoch: int, start: int = 0, train: bool = True) -> list[list[int]]:
     loader = build_shard_loader(cfg, "TRAIN" if train else "TEST", train, rank, world, torch.device("cpu"), 3)
     loader.sampler.set_epoch(epoch, start)
-    return [ids(images) for images, _ in loader]
+    try:
+        return [ids(images) for images, _ in loader]
+    finally:
+        stop_workers(loader)
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -243,8 +256,11 @@ def test_a_bad_record_is_replaced_in_training_left_out_in_evaluation_and_counted
     assert sorted(i for images, _ in val for i in ids(images)) == [i for i in range(10) if i != 3]
     assert data.take_bad_image_count(val) == 1
     strict = make_cfg(id_opts(str(tmp_path / "sh"), workers=2, **{"TRAIN.BAD_IMAGES": "fail"}))
+    strict_loader = build_shard_loader(strict, "TRAIN", True, 0, 1, torch.device("cpu"), 3)
     with pytest.raises(BadRecordError, match=rf"^cannot decode record '{key}' of .*index.json \("):
-        list(build_shard_loader(strict, "TRAIN", True, 0, 1, torch.device("cpu"), 3))
+        list(strict_loader)
+    stop_workers(strict_loader)
+    stop_workers(train)
 
 
 def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_path):
@@ -257,6 +273,7 @@ def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_p
     loader.sampler.set_epoch(0)
     with pytest.raises(tar.ShardError) as caught:
         list(loader)
+    stop_workers(loader)
     message = str(caught.value)
     assert message.startswith(f"shard {victim} ") and "truncated" in message and "Traceback" not in message
 
