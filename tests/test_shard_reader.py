@@ -70,12 +70,15 @@ def ids(images: torch.Tensor) -> list[int]:
     return (pixels[:, 0] * 256 + pixels[:, 1]).tolist()
 
 
-def stop_workers(loader) -> None:
-    """Stop a shard loader's persistent workers now. A loader whose iteration failed is freed later by
-    the garbage collector (it sits in a reference cycle), after its queues were closed: torch then
-    waits out its 5 s join timeouts, 20 s of some later test."""
+def torch_loader(loader):
     while not hasattr(loader, "_iterator"):  # ShardLoader -> ... -> torch's DataLoader
         loader = loader.loader
+    return loader
+
+
+def stop_workers(loader) -> None:
+    """Stop a shard loader's persistent workers now (a loader that ran without error keeps them)."""
+    loader = torch_loader(loader)
     if loader._iterator is not None:
         loader._iterator._shutdown_workers()
 
@@ -259,7 +262,9 @@ def test_a_bad_record_is_replaced_in_training_left_out_in_evaluation_and_counted
     strict_loader = build_shard_loader(strict, "TRAIN", True, 0, 1, torch.device("cpu"), 3)
     with pytest.raises(BadRecordError, match=rf"^cannot decode record '{key}' of .*index.json \("):
         list(strict_loader)
-    stop_workers(strict_loader)
+    # Its persistent workers are stopped with the error: left to the garbage collector, which frees the
+    # failed loader late (a reference cycle), torch's shutdown would wait out its join timeouts (~20 s).
+    assert torch_loader(strict_loader)._iterator is None
     stop_workers(train)
 
 
@@ -273,7 +278,7 @@ def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_p
     loader.sampler.set_epoch(0)
     with pytest.raises(tar.ShardError) as caught:
         list(loader)
-    stop_workers(loader)
+    assert torch_loader(loader)._iterator is None  # the workers are stopped with the error
     message = str(caught.value)
     assert message.startswith(f"shard {victim} ") and "truncated" in message and "Traceback" not in message
 

@@ -47,11 +47,18 @@ def stop_workers() -> None:
     as their loader, and a traceback can keep the loader alive until exit, where torch skips its
     own shutdown and multiprocessing would wait on workers that ignore its SIGTERM."""
     for loader in list(_loaders):
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        loader._iterator = None
-        _loaders.discard(loader)
+        stop_loader_workers(loader)
+
+
+def stop_loader_workers(loader: DataLoader) -> None:
+    """End one loader's worker processes now. Also for a loader whose iteration failed: its persistent
+    workers would otherwise live until the garbage collector frees it (a traceback keeps it in a
+    reference cycle), and torch's shutdown then waits out its join timeouts (about 20 s)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+    _loaders.discard(loader)
 
 
 def _ignores_sigterm(pid: int) -> bool:

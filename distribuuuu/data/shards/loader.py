@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
-from distribuuuu.data.batches import NormalizedBatches, quiet_worker, track_workers
+from distribuuuu.data.batches import NormalizedBatches, quiet_worker, stop_loader_workers, track_workers
 from distribuuuu.data.pipeline import Pipeline
 from distribuuuu.data.recipe import recipe_of
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
@@ -55,6 +55,7 @@ class ShardLoader:
         try:
             yield from self.loader
         except (ShardError, BadRecordError) as e:  # from a worker: its message, without the worker's traceback
+            stop_loader_workers(self.loader)  # now, not when the garbage collector frees the failed loader
             raise type(e)(_original_message(str(e))) from None
 
 
