@@ -28,12 +28,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # The in-process tier: every test not marked e2e (none starts the command, a launcher or a
-# spawner) nor slow (an in-process training run checked for accuracy: tests/conftest.py), in one
-# process: about 110 s of CPU (15 of them importing torch, torchvision and timm), 138 s on the 2 cores
-# shared with 3 other jobs (199 s before the shard tests stopped their loaders' workers). Two xdist
-# workers were slower there (172 s): each pays the imports, and the cores were busy anyway.
+# spawner) nor slow (an in-process training run checked for accuracy: tests/conftest.py), on two
+# xdist workers: about 120 s of CPU (15 of them importing torch, torchvision and timm per worker);
+# on an idle 2-core machine 74 s, against 117 s in one process (both measured one after the other).
+# On cores busy with other jobs one process can be quicker (138 s against 172 s): FAST_JOBS=0 runs it so.
+FAST_JOBS ?= 2
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not slow" tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(FAST_JOBS)),-n $(FAST_JOBS)) -m "not e2e and not slow" tests
 
 # ruff (its rules are in pyproject.toml): every package module, tests, benchmarks and scripts; CI runs it.
 lint: $(STAMP)
