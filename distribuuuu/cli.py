@@ -74,7 +74,7 @@ def _add_cfg_args(parser: argparse.ArgumentParser, with_nproc: bool, stored: boo
     if stored:
         parser.add_argument("--checkpoint", default=None, metavar="PATH",
                             help="the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH "
-                                 "(default: none, MODEL.WEIGHTS, else OUT_DIR's checkpoints/best.pth)")
+                                 "(default: none, MODEL.WEIGHTS, else the checkpoint OUT_DIR's run chose)")
     if with_nproc:
         parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", default=None,
                             help="start N processes on this machine with the built-in spawner "
