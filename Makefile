@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_fast.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
 
 # Every test, the CI command (.ci/run). Two pytest-xdist workers, one test file each at a time
-# (tests/conftest.py groups them): about 19-20 minutes on a 2-core machine (625 tests), against about 30 one
-# file after another.
+# (tests/conftest.py groups them): 32 minutes on a 2-core machine (861 tests, a fresh-clone .ci/run);
+# most of it is the e2e tests' process starts (about 5 s of imports each) and the README's demo.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
