@@ -126,6 +126,16 @@ def _restore_process_state():
         yield
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for an in-process test on the 2-core machine (_restore_process_state,
+    autouse and so set up first, puts the count back after it)."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+
+
 # ---- Running the real command line in subprocesses ------------------------------------------------
 def env() -> dict[str, str]:
     """One intra-op thread per process (the machine has 2 cores), unbuffered output."""

@@ -20,12 +20,7 @@ from tests.conftest import TINY, cli_main, read_metrics
 TIMING = ("img_per_s", "time_s", "data_frac", "peak_mem_mb", "time_to_target_s")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _cfg(out_dir, *opts: str):
