@@ -31,11 +31,11 @@ from distribuuuu import config, inferred, models
 from distribuuuu.config.reading import parse_literal
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import ModelCard, describe, from_checkpoint
-from distribuuuu.run_folder import RunFolder, checkpoint, layout
+from distribuuuu.run_folder import checkpoint, layout
 
 log = logging.getLogger("distribuuuu")
 
-EXPECTED = (f"a checkpoint written by `distribuuuu train` ({RunFolder.best_path('OUT_DIR')}, {layout.LAST} or "
+EXPECTED = (f"a checkpoint written by `distribuuuu train` ({layout.best_path('OUT_DIR')}, {layout.LAST} or "
             "epoch_NNNN.pth)")
 # Overrides of these keys change what the card says: it is then described from the config again.
 DATA_KEYS = frozenset({"TRAIN.DATASET", "TRAIN.SPLIT"})  # the class names too
@@ -135,10 +135,10 @@ def require_weights_file(weights: str) -> None:
     a missing path is a UserError saying which."""
     if os.path.isdir(weights):  # a run folder, most likely: name its file
         raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
-                        f"(e.g. {RunFolder.best_path(weights)})")
+                        f"(e.g. {layout.best_path(weights)})")
     if not os.path.isfile(weights):
         raise UserError(f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
-                        f"(e.g. {RunFolder.best_path('OUT_DIR')}) or of a weights file")
+                        f"(e.g. {layout.best_path('OUT_DIR')}) or of a weights file")
 
 
 def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
@@ -151,7 +151,7 @@ def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
     chosen = checkpoint.best_or_last(cfg.OUT_DIR)
     if chosen is None:
         needs = "a checkpoint" if command == "eval" else "trained weights"  # predict and export take safetensors
-        example = f"distribuuuu {command} --checkpoint {RunFolder.best_path('runs/demo')}"
+        example = f"distribuuuu {command} --checkpoint {layout.best_path('runs/demo')}"
         example += " photo.png" if command == "predict" else ""
         raise UserError(f"{command} needs {needs}: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
                         f"`{example}`, or the OUT_DIR of a run ({checkpoint.checkpoint_dir(cfg.OUT_DIR)} "

@@ -51,10 +51,10 @@ def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
 def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
     """The state dict in a file (see the module docstring for the forms accepted)."""
     if os.path.isdir(path):
-        raise UserError(f"{label} {path} is a folder; give a weights file in it (e.g. {os.path.join(layout.checkpoint_dir(path), layout.BEST)})")
+        raise UserError(f"{label} {path} is a folder; give a weights file in it (e.g. {layout.best_path(path)})")
     if not os.path.isfile(path):
         raise UserError(f"{label} {path} does not exist; give the path of a weights file "
-                        f"(a checkpoint such as {os.path.join(layout.checkpoint_dir('OUT_DIR'), layout.BEST)}, a state dict .pth, "
+                        f"(a checkpoint such as {layout.best_path('OUT_DIR')}, a state dict .pth, "
                         "or .safetensors)")
     if path.endswith(".safetensors"):
         try:

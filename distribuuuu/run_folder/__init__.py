@@ -18,7 +18,6 @@ The order of the calls in one training run (engine/trainer.py):
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from yacs.config import CfgNode
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.run_folder import checkpoint, ownership, records, resume_check
-from distribuuuu.run_folder.layout import BEST, checkpoint_dir
+from distribuuuu.run_folder.layout import checkpoint_dir
 from distribuuuu.run_folder.lock import Holder, acquire, lock_path, release, this_process
 from distribuuuu.run_folder.metrics_files import MetricsWriter, recorded_test, write_eval_record
 from distribuuuu.run_folder.ownership import (
@@ -169,11 +168,6 @@ class RunFolder:
     def load(path: str) -> dict[str, Any]:
         """A checkpoint file's entries: tensors and plain values only, its integrity digest verified."""
         return checkpoint.load(path)
-
-    @staticmethod
-    def best_path(out_dir: str) -> str:
-        """Where a run in out_dir keeps the checkpoint it chose (for messages that name the file)."""
-        return os.path.join(checkpoint_dir(out_dir), BEST)
 
     def best(self) -> str | None:
         """The checkpoint the run chose: best.pth, else last.pth, else None."""

@@ -35,3 +35,8 @@ NAMES = (CHECKPOINTS, *METRICS_FILES, ENV, ENV_HISTORY, EVAL_RECORDS, METRICS_DR
 def checkpoint_dir(out_dir: str) -> str:
     return os.path.join(out_dir, CHECKPOINTS)
 
+
+def best_path(out_dir: str) -> str:
+    """Where a run in out_dir keeps the checkpoint it chose (messages name it; best_or_last reads it)."""
+    return os.path.join(checkpoint_dir(out_dir), BEST)
+
