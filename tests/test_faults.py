@@ -223,6 +223,31 @@ def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tm
     assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
 
 
+def test_the_requeues_own_sigterm_neither_kills_scontrol_nor_cuts_its_line(tmp_path, monkeypatch, capsys):
+    """Slurm signals the job as soon as it takes `scontrol requeue`, often before scontrol returns (seen
+    in CI on a loaded machine: the "requeue ... ok" line was lost). Here a stand-in scontrol sends
+    SIGTERM to the process that started it, then finishes: slurm_requeue holds that stop and drops it."""
+    from distribuuuu.launch import signals
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 0.3\necho \"$@\" > \"$(dirname \"$0\")/asked\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    signals.handle_stop_signals()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the stop handler is in place
+        try:
+            requeued = signals.slurm_requeue()
+        except KeyboardInterrupt as stop:  # what the requeue's SIGTERM did before the fix
+            pytest.fail(f"the requeue's own SIGTERM interrupted it: {stop!r}")
+        time.sleep(0.1)  # a signal still pending would be raised by now
+    finally:
+        signals.restore_signal_handlers()
+    assert requeued and (tmp_path / "asked").read_text().split() == ["requeue", "4242"]
+    assert "[preempt] scontrol requeue 4242: ok" in capsys.readouterr().out
+
+
 def test_preempted_sbatch_job_requeues_itself_and_the_second_run_finishes(tmp_path):
     """TRAIN.REQUEUE True in a `sbatch --requeue` job: the preempted first run checkpoints at step 3,
     rank 0 runs `scontrol requeue`, Slurm starts the same script again (restart count 1), and that

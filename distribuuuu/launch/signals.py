@@ -141,12 +141,12 @@ def stop_status(exc: KeyboardInterrupt) -> int:
 
 
 @contextmanager
-def held_stop_signals() -> Iterator[None]:
-    """Hold a SIGINT/SIGTERM that arrives inside the block, act on it after.
+def held_stop_signals(act_after: bool = True) -> Iterator[None]:
+    """Hold a SIGINT/SIGTERM that arrives inside the block, act on it after (or not: act_after False).
 
     The spawner starts its children in such a block: raised in the middle of
     mp.start_processes, the stop would lose the processes started so far (there is no context
-    to stop yet); afterwards the usual path stops them all.
+    to stop yet); afterwards the usual path stops them all. slurm_requeue drops what it held.
     """
     held: list[int] = []
     saved = {}
@@ -159,7 +159,7 @@ def held_stop_signals() -> Iterator[None]:
     finally:
         for signum, previous in saved.items():
             signal.signal(signum, previous)
-    if held:
+    if held and act_after:
         _on_stop_signal(held[0], None)  # raises KeyboardInterrupt / Terminated, as if it came now
 
 
@@ -214,12 +214,16 @@ def slurm_requeue() -> bool:
 
     The requeued job starts the same batch script again, and TRAIN.AUTO_RESUME picks up the
     checkpoint. The sbatch script needs --requeue (and --signal=USR1@90 for an early warning).
+    Slurm sends the job's steps SIGTERM as soon as it takes the requeue, often before scontrol
+    returns: that stop is held and dropped (the run is ending for the preemption already), so it
+    neither kills scontrol nor cuts the line that says the job was requeued.
     """
     job = launcher.slurm_job_id()
     if not job:
         print("[preempt] TRAIN.REQUEUE is set but this is not a Slurm job: nothing requeued", flush=True)
         return False
-    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    print(f"[preempt] scontrol requeue {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}",
-          flush=True)
+    with held_stop_signals(act_after=False):
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        print(f"[preempt] scontrol requeue {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}",
+              flush=True)
     return done.returncode == 0
