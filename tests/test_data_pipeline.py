@@ -188,6 +188,15 @@ def test_a_new_pipeline_is_one_class_and_one_registry_line(monkeypatch):
         loaders.pipeline_class(_forced(SYN, "nope"), "TRAIN")
 
 
+def test_the_configs_pipeline_choices_are_the_registrys_names():
+    """TRAIN.DATA_PIPELINE is checked by load_config (config/validate.py) before the registry is imported:
+    its choices are 'auto' and the registry's names, in the order 'auto' asks them."""
+    from distribuuuu.config.validate import DATA_PIPELINES
+
+    assert DATA_PIPELINES == ("auto", *loaders.PIPELINES)
+    assert all(cls.name == name for name, cls in loaders.PIPELINES.items())
+
+
 def test_auto_asks_the_pipelines_in_registry_order_once_per_split(monkeypatch):
     monkeypatch.setattr(loaders, "PIPELINES", {"lists": AutoListPipeline, **loaders.PIPELINES})
     monkeypatch.setattr(AutoListPipeline, "auto_calls", 0)

@@ -330,9 +330,9 @@ def test_pipeline_choice_and_its_errors(tmp_path):
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE memory.*image folder"):
         loaders.data_pipeline(folder, "TRAIN")
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE must be one of auto, memory, loader"):
-        loaders.data_pipeline(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "gpu"}), "TRAIN")
+        make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "gpu"})  # the config's choices (load_config)
     with pytest.raises(UserError, match="TRAIN.IMAGE_DECODE must be one of fast, pil"):
-        loaders.data_pipeline(make_cfg({**MNIST, "TRAIN.IMAGE_DECODE": "nvjpeg"}), "TRAIN")
+        make_cfg({**MNIST, "TRAIN.IMAGE_DECODE": "nvjpeg"})
 
 
 def test_speedrun_config_validates_and_runs_in_memory():

@@ -215,6 +215,16 @@ def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
     assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]
 
 
+def test_every_strategy_the_config_allows_is_a_module_of_that_name():
+    """DIST.STRATEGY's choices (config/validate.py) are the registry: strategy_class imports the module so named."""
+    from distribuuuu import strategies
+    from distribuuuu.config.validate import STRATEGIES
+
+    for name in (*STRATEGIES, "single"):
+        cls = strategies.strategy_class(name)
+        assert issubclass(cls, strategies.Strategy) and cls.__module__ == f"distribuuuu.strategies.{name}"
+
+
 def test_an_older_metrics_file_reads_with_todays_field_names(tmp_path):
     """metrics.jsonl's top-k field was named "top5" (it held top-TRAIN.TOPK): readers accept it as "topk_acc"."""
     from distribuuuu.run_folder.metrics_files import read_jsonl

@@ -23,7 +23,9 @@ BEST_METRICS = ("top1", "ema_top1")
 LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
-STRATEGIES = ("ddp", "zero1", "fsdp", "dp")
+STRATEGIES = ("ddp", "zero1", "fsdp", "dp")  # each a module of distribuuuu/strategies/ (and "single")
+DATA_PIPELINES = ("auto", "memory", "loader")  # 'auto', then the names of data.loaders.PIPELINES
+IMAGE_DECODERS = ("fast", "pil")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
@@ -46,7 +48,7 @@ _NON_NEGATIVE = ("MODEL.NUM_CLASSES", "TEST.IM_SIZE", "TRAIN.CKPT_PERIOD_STEPS",
 _NON_NEGATIVE_RECIPE = ("TRAIN.CLIP_GRAD_NORM", "TRAIN.MIXUP_ALPHA", "TRAIN.CUTMIX_ALPHA", "TRAIN.PATIENCE",
                         "TRAIN.TARGET_TOP1")
 _CHOICES = (("TRAIN.AMP", AMP_MODES), ("TRAIN.COMPILE_BACKEND", COMPILE_BACKENDS), ("OPTIM.OPTIMIZER", OPTIMIZERS), ("DIST.STRATEGY", STRATEGIES),
-            ("TRAIN.DATA_PIPELINE", ("auto", "memory", "loader")), ("TRAIN.IMAGE_DECODE", ("fast", "pil")),
+            ("TRAIN.DATA_PIPELINE", DATA_PIPELINES), ("TRAIN.IMAGE_DECODE", IMAGE_DECODERS),
             ("TRAIN.BEST_METRIC", BEST_METRICS), ("TRAIN.AUTO_AUGMENT", AUTO_AUGMENTS),
             ("DIST.FSDP_STATE_DICT", FSDP_STATE_DICTS))
 

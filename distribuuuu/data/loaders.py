@@ -9,7 +9,8 @@ contract every loader keeps) that reads cfg[key]:
                                pipeline for mnist5k, CIFAR and TensorSources that fit its budget, else
                                the DataLoader
 build_train_loader / build_val_loader / build_test_loader are thin calls to the chosen pipeline.
-Adding a pipeline is one Pipeline subclass and one line in PIPELINES.
+Adding a pipeline is one Pipeline subclass and one line in PIPELINES (its name also among the
+config's TRAIN.DATA_PIPELINE choices, config/validate.py DATA_PIPELINES, which load_config checks).
 
 TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (datasets.part_of): the train loader reads the kept
 part, the val loader the held-out part with the eval transforms; the test loader always reads TEST.
@@ -39,12 +40,11 @@ PIPELINES: dict[str, type[Pipeline]] = {
     "memory": MemoryPipeline,
     "loader": LoaderPipeline,
 }
-IMAGE_DECODERS = ("fast", "pil")  # TRAIN.IMAGE_DECODE
 
 log = logging.getLogger("distribuuuu")
 _build_dataset = build_split_dataset  # its name when it lived here (tests read it)
 # build_dataset and SplitPart are datasets.py's, still importable from here as before.
-__all__ = ["PIPELINES", "IMAGE_DECODERS", "pipeline_class", "data_pipeline", "build_train_loader",
+__all__ = ["PIPELINES", "pipeline_class", "data_pipeline", "build_train_loader",
            "build_val_loader", "build_test_loader", "take_bad_image_count", "build_dataset", "SplitPart"]
 
 
@@ -53,9 +53,6 @@ def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
     choice, names = cfg.TRAIN.DATA_PIPELINE, ("auto", *PIPELINES)
     if choice not in names:
         raise UserError(f"TRAIN.DATA_PIPELINE must be one of {', '.join(names)}, got {choice!r}")
-    if cfg.TRAIN.IMAGE_DECODE not in IMAGE_DECODERS:
-        raise UserError(f"TRAIN.IMAGE_DECODE must be one of {', '.join(IMAGE_DECODERS)}, "
-                        f"got {cfg.TRAIN.IMAGE_DECODE!r}")
     if cfg.MODEL.DUMMY_INPUT:
         return LoaderPipeline  # random tensors, whatever the choice
     forced = PIPELINES.get(choice)

@@ -6,7 +6,7 @@ chosen pipeline's train_loader or eval_loader. The pipelines:
   memory.MemoryPipeline       the whole split as one tensor on the device (mnist5k, CIFAR, TensorSources)
   dataloader.LoaderPipeline   a torch DataLoader over per-sample items (folders, synthetic, Datasets)
   shards.loader.ShardPipeline a shard set, read as a stream (every sample once per epoch)
-Adding one is a subclass here and one line in loaders.PIPELINES.
+Adding one is a subclass and one line in loaders.PIPELINES (and its name in config/validate.py).
 
 The samplers here are the pipelines' shared part: a resumable shuffled one for training (it restarts
 mid-epoch at the next unseen sample) and an exact one for evaluation (every sample once over all ranks).

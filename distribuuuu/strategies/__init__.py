@@ -1,12 +1,12 @@
-"""The ways of training (DIST.STRATEGY): the Strategy interface here, one module per way, one registry line each.
+"""The ways of training (DIST.STRATEGY): the Strategy interface here, one module per way, named as it.
 
 ``build(cfg, ctx)`` picks the Strategy for this run. With one process there is nothing to
 distribute: ddp / zero1 / fsdp train as ``single`` (fsdp says so), and dp drives all the GPUs
 of its one process; dp with several processes is refused before any starts (DP.check_config).
 ``strategy_class(name)`` is the class that DIST.STRATEGY names, asked before the run for its
-config rules, process-group backend and collectives. Adding a strategy: a module here with a
-``STRATEGY`` class (a subclass of Strategy), one line in ``_MODULES``, and its name in the
-config's DIST.STRATEGY choices.
+config rules, process-group backend and collectives. Adding a strategy: a module here, named as
+the strategy, with a ``STRATEGY`` class (a subclass of Strategy), and that name among the config's
+DIST.STRATEGY choices (config/validate.py STRATEGIES, which load_config checks).
 
 The Strategy interface is everything that differs between the ways of training. The engine, the
 stepper and the run-state code call these methods and never test the strategy's name. The defaults
@@ -213,23 +213,15 @@ class Strategy:
 # ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
-_MODULES = {  # name -> module of distribuuuu.strategies (imported when chosen)
-    "single": "single",
-    "ddp": "ddp",
-    "zero1": "zero1",
-    "fsdp": "fsdp",
-    "dp": "dp",
-}
-
-
 def resolve(name: str, distributed: bool) -> str:
     """The strategy that trains DIST.STRATEGY ``name`` with one process or several."""
     return name if distributed or name == "dp" else "single"
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The Strategy subclass of DIST.STRATEGY ``name`` (its module imported on first use)."""
-    return importlib.import_module(f"distribuuuu.strategies.{_MODULES[name]}").STRATEGY
+    """The Strategy subclass of DIST.STRATEGY ``name`` (the validated config's choices, or "single"):
+    the ``STRATEGY`` of the module of that name, imported on first use."""
+    return importlib.import_module(f"distribuuuu.strategies.{name}").STRATEGY
 
 
 def build(cfg: CfgNode, ctx: Any) -> Strategy:
