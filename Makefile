@@ -22,16 +22,16 @@ demo: $(STAMP)
 	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_fast.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
 
 # Every test, the CI command (.ci/run). Two pytest-xdist workers, one test file each at a time
-# (tests/conftest.py groups them): 32 minutes on a 2-core machine (861 tests, a fresh-clone .ci/run);
-# most of it is the e2e tests' process starts (about 5 s of imports each) and the README's demo.
+# (tests/conftest.py groups them): 17 minutes of pytest on a 2-core machine (862 tests; 18 minutes
+# for a fresh-clone .ci/run with its installs); most of it is the e2e tests' process starts (about
+# 4 s of imports each) and the README's commands.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # The in-process tier: every test not marked e2e (none starts the command, a launcher or a
 # spawner) nor slow (an in-process training run checked for accuracy: tests/conftest.py), on two
-# xdist workers: about 120 s of CPU (15 of them importing torch, torchvision and timm per worker);
-# on an idle 2-core machine 74 s, against 117 s in one process (both measured one after the other).
-# On cores busy with other jobs one process can be quicker (138 s against 172 s): FAST_JOBS=0 runs it so.
+# xdist workers: 27 s on an idle 2-core machine, against 42 s in one process (FAST_JOBS=0), both
+# measured one after the other. On cores busy with other jobs one process can be the quicker.
 FAST_JOBS ?= 2
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(if $(filter-out 0,$(FAST_JOBS)),-n $(FAST_JOBS)) -m "not e2e and not slow" tests
