@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from distribuuuu import inference
-from distribuuuu.data import loaders, sources, transforms
+from distribuuuu.data import datasets, loaders, sources, transforms
 from distribuuuu.data.memory import pad_crop_flip
 from distribuuuu.data.recipe import Recipe, log_recipe, recipe_of
 from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
@@ -87,7 +87,7 @@ def test_default_fast_decode_draws_the_same_crops_as_before(tmp_path):
 
 def test_default_mnist5k_keeps_pad_crop_without_flip():
     cfg = make_cfg(MNIST)
-    ds = loaders.build_dataset(cfg, train=True)
+    ds = datasets.build_dataset(cfg, train=True)
     kinds = [type(t) for t in ds.transform.transforms]
     assert v2.RandomCrop in kinds and v2.RandomResizedCrop not in kinds and v2.RandomHorizontalFlip not in kinds
     assert loaders.data_pipeline(cfg, "TRAIN") == "memory"
@@ -151,7 +151,7 @@ def test_mean_std_and_crop_pct_reach_the_folder_loaders(tmp_path, decode):
     want = (torch.tensor([120 / 255] * 3) - torch.tensor([0.5, 0.4, 0.3])) / torch.tensor([0.2, 0.25, 0.5])
     assert images.shape == (2, 3, 8, 8)
     assert torch.allclose(images[0, :, 0, 0], want, atol=1e-5)
-    dataset = loaders._build_dataset(cfg, "TEST", False, batched=decode == "fast")
+    dataset = datasets.build_split_dataset(cfg, "TEST", False, batched=decode == "fast")
     resize = dataset.loader.resize_to if decode == "fast" else dataset.transform.transforms[0].size[0]
     assert resize == 16  # floor(TRAIN.IM_SIZE 8 / CROP_PCT 0.5), not TEST.IM_SIZE 10
 
@@ -169,7 +169,7 @@ def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cropped = make_cfg({**MNIST, "TRAIN.CROP_SCALE": [0.8, 1.0], "TRAIN.INTERPOLATION": "bicubic"})
     assert loaders.data_pipeline(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
     assert loaders.data_pipeline(cropped, "TEST") == "memory"
-    tf = loaders.build_dataset(cropped, train=True).transform
+    tf = datasets.build_dataset(cropped, train=True).transform
     want = v2.Compose([v2.RandomResizedCrop(28, scale=(0.8, 1.0), interpolation=BICUBIC, antialias=True),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.1307], [0.3081])])
     for seed in range(3):
@@ -182,7 +182,7 @@ def test_predict_uses_the_eval_recipe(tmp_path):
                                "TRAIN.STD": [0.1, 0.2, 0.4], "TEST.CROP_PCT": 0.5, "TRAIN.INTERPOLATION": "bicubic"})
     path = _photo(os.path.join(root, "val", "a", "0.png"), (30, 24))
     prepare = _card_transform(cfg)
-    evaluated = loaders.build_dataset(cfg, train=False)
+    evaluated = datasets.build_dataset(cfg, train=False)
     index = [p for p, _ in evaluated.samples].index(path)
     assert torch.equal(prepare(path), evaluated[index][0])
     plain = _folder_cfg(str(tmp_path / "e"), **{"TRAIN.IMAGE_DECODE": "pil"})

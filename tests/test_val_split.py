@@ -10,7 +10,7 @@ import torch
 
 from distribuuuu import data
 from distribuuuu.data import sources, split, transforms
-from distribuuuu.data.loaders import SplitPart
+from distribuuuu.data.datasets import SplitPart
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import (

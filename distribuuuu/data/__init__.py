@@ -38,13 +38,8 @@ each rank.
 """
 
 from distribuuuu.data.check import check_datasets
-from distribuuuu.data.loaders import (
-                                      build_dataset,
-                                      build_test_loader,
-                                      build_train_loader,
-                                      build_val_loader,
-                                      take_bad_image_count,
-)
+from distribuuuu.data.datasets import build_dataset
+from distribuuuu.data.loaders import build_test_loader, build_train_loader, build_val_loader, take_bad_image_count
 from distribuuuu.data.mnist5k import export_mnist5k
 from distribuuuu.data.pipeline import ShardedEvalSampler
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source

@@ -27,7 +27,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import registry, sources
 from distribuuuu.data.dataloader import LoaderPipeline
-from distribuuuu.data.datasets import SplitPart, build_dataset, build_split_dataset, registered_data
+from distribuuuu.data.datasets import registered_data
 from distribuuuu.data.memory import MemoryPipeline
 from distribuuuu.data.pipeline import Pipeline
 from distribuuuu.data.recipe import log_recipe
@@ -42,10 +42,8 @@ PIPELINES: dict[str, type[Pipeline]] = {
 }
 
 log = logging.getLogger("distribuuuu")
-_build_dataset = build_split_dataset  # its name when it lived here (tests read it)
-# build_dataset and SplitPart are datasets.py's, still importable from here as before.
-__all__ = ["PIPELINES", "pipeline_class", "data_pipeline", "build_train_loader",
-           "build_val_loader", "build_test_loader", "take_bad_image_count", "build_dataset", "SplitPart"]
+__all__ = ["PIPELINES", "pipeline_class", "data_pipeline", "build_train_loader", "build_val_loader",
+           "build_test_loader", "take_bad_image_count"]
 
 
 def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
