@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import cli_help, data_cli  # light: argparse only; the data code is imported when a command runs
-from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError
+from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError, report_line
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
@@ -323,10 +323,7 @@ def _guarded(fn: Callable[[], int]) -> int:
         return fn()
     except (UserError, RunNotSaved) as e:  # RunNotSaved: every rank agreed on it (an any_rank vote)
         rank = rank_label()
-        # One write of the whole line: print() writes text and newline apart, and the ranks of a
-        # spawned job share stderr (two ranks' lines were seen glued together).
-        sys.stderr.write(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}\n")
-        sys.stderr.flush()
+        report_line(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}")
         return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (launch.signals.Terminated): see handle_stop_signals
         signum = int(getattr(e, "signum", signal.SIGINT))
@@ -334,7 +331,7 @@ def _guarded(fn: Callable[[], int]) -> int:
         who = "" if rank == "0" else f" (rank {rank})"
         peer = getattr(e, "peer", None)  # launch.signals.PeerStopped: the signal reached another rank
         who += "" if peer is None else f": rank {peer} got it, and this process ended with it"
-        print(f"stopped by {signal.Signals(signum).name}{who}", file=sys.stderr, flush=True)
+        report_line(f"stopped by {signal.Signals(signum).name}{who}")
         return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
 
 

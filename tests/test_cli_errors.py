@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from distribuuuu.errors import UserError
 from tests.conftest import (
     ROOT,
     TINY,
@@ -195,6 +196,37 @@ def test_config_explain_prints_a_keys_comment_type_and_default():
 # ---------------------------------------------------------------------------------------------
 # End to end: the installed command and the spawner
 # ---------------------------------------------------------------------------------------------
+
+
+class _Writes:
+    """A stderr that keeps each write() apart, as two processes sharing one stderr see them."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("raised, line", [
+    (KeyboardInterrupt(), "stopped by SIGINT\n"),
+    (UserError("no such folder"), "error: no such folder\n"),
+], ids=["stop", "error"])
+def test_each_ranks_last_line_is_one_write(monkeypatch, raised, line):
+    """The ranks of a spawned job share stderr: a line written as text and then newline came out as
+    `stopped by SIGTERM (rank 1)stopped by SIGTERM` in CI."""
+    from distribuuuu import cli
+
+    def fails():
+        raise raised
+
+    fake = _Writes()
+    monkeypatch.setattr(sys, "stderr", fake)
+    cli._guarded(fails)
+    assert fake.writes == [line]
 
 
 @pytest.mark.e2e

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distribuuuu.errors import USER_ERROR_EXIT, UserError
+from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_line
 from distribuuuu.launch import launcher, signals
 from distribuuuu.launch.group import is_addr_in_use
 from distribuuuu.launch.launcher import SPAWN_MASTER_ADDR
@@ -77,7 +77,7 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
     try:
         worker(*args)
     except UserError as e:  # the CLI normally reports these itself; this is the safety net
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_line(f"error: {e}")
         sys.exit(USER_ERROR_EXIT)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
         sys.exit(signals.stop_status(e))
