@@ -40,7 +40,7 @@ def all_reduce_worker(out_dir: str) -> None:
     t = comm.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]))
     obj = comm.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
     comm.barrier()
-    facts = (f"{t.item()} {ctx.info.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
+    facts = (f"{t.item()} {ctx.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
              f"{torch.distributed.get_rank()} {comm.get_world_size()} {int(ctx.is_main)} {obj['from']} {ctx.backend}")
     group.teardown()
     group.teardown()  # safe twice

@@ -251,7 +251,7 @@ def test_setup_plain_single_process(plain_env, capsys):
     threads = torch.get_num_threads()
     try:
         with group.session(cpu_cfg()) as ctx:
-            assert ctx.info.launcher == "plain"
+            assert ctx.launcher == "plain"
             assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 0, 1, True, False)
             assert ctx.device == torch.device("cpu") and ctx.backend == "gloo"
             assert not dist.is_initialized()  # no process group for one process

@@ -26,7 +26,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,36 +41,19 @@ __all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is
 
 
 @dataclass(frozen=True)
-class DistContext:
-    """The launch, plus the device and backend this process uses."""
+class DistContext(LaunchInfo):
+    """The launch (rank, world size, launcher, master...), plus the device and backend this process uses."""
 
-    info: LaunchInfo
     device: torch.device
     backend: str  # the backend of the process group ("nccl"/"gloo"); chosen even for one process
 
     @property
-    def rank(self) -> int:
-        return self.info.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.info.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.info.world_size
-
-    @property
-    def local_world_size(self) -> int:
-        return self.info.local_world_size
-
-    @property
     def is_main(self) -> bool:
-        return self.info.rank == 0
+        return self.rank == 0
 
     @property
     def distributed(self) -> bool:
-        return self.info.world_size > 1
+        return self.world_size > 1
 
 
 def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
@@ -300,7 +283,7 @@ def setup(cfg: Any) -> DistContext:
     # Only now: until the group exists a signal may end the process at once (nothing to clean
     # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
     signals.handle_stop_signals()
-    return DistContext(info, device, backend)
+    return DistContext(**asdict(info), device=device, backend=backend)
 
 
 def teardown() -> None:

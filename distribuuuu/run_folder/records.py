@@ -70,7 +70,7 @@ def _cpu_name() -> str:
 def _placement(ctx: DistContext) -> dict[str, Any]:
     device = ctx.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    return {"rank": ctx.rank, "local_rank": ctx.local_rank, "node_rank": ctx.info.node_rank,
+    return {"rank": ctx.rank, "local_rank": ctx.local_rank, "node_rank": ctx.node_rank,
             "host": socket.gethostname(), "pid": os.getpid(), "device": str(device), "device_name": name}
 
 
@@ -102,8 +102,8 @@ def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]],
                      "numpy": _version("numpy"), "cuda": cuda,
                      "cudnn": torch.backends.cudnn.version() if cuda else None},
         "git": git_commit(),
-        "launcher": ctx.info.launcher, "world_size": ctx.world_size, "backend": ctx.backend,
-        "master": f"{ctx.info.master_addr}:{ctx.info.master_port}" if ctx.distributed else None,
+        "launcher": ctx.launcher, "world_size": ctx.world_size, "backend": ctx.backend,
+        "master": f"{ctx.master_addr}:{ctx.master_port}" if ctx.distributed else None,
         "hosts": sorted({p["host"] for p in placements}), "ranks": placements,
         "devices": [p["device"] for p in placements], "num_threads": torch.get_num_threads(),
         "platform": platform.platform(),
