@@ -39,4 +39,3 @@ def checkpoint_dir(out_dir: str) -> str:
 def best_path(out_dir: str) -> str:
     """Where a run in out_dir keeps the checkpoint it chose (messages name it; best_or_last reads it)."""
     return os.path.join(checkpoint_dir(out_dir), BEST)
-
