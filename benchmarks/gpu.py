@@ -251,13 +251,13 @@ def inner_sync_debug(a: argparse.Namespace) -> dict:
 
     from benchmarks.overhead import _Batches, make_cfg, quiet_metrics
     from distribuuuu import engine
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     size, batch, steps = (16, 4, 20) if a.small else (32, 64, 300)
     cfg = make_cfg({"MODEL.ARCH": "resnet18", "MODEL.NUM_CLASSES": 10, "TRAIN.IM_SIZE": size, "TEST.IM_SIZE": size,
                     "TRAIN.BATCH_SIZE": batch, "TRAIN.PRINT_FREQ": 10**6, "OPTIM.MAX_EPOCH": 10**6,
                     "DEVICE": a.device, "RNG_SEED": 0, "TRAIN.NONFINITE": "skip"})
-    ctx = group.setup(cfg)
+    ctx = comm.setup(cfg)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(batch, 3, size, size, generator=g).to(ctx.device),
                 torch.randint(0, 10, (batch,), generator=g).to(ctx.device)) for _ in range(steps)]
@@ -289,7 +289,7 @@ def inner_sync_debug(a: argparse.Namespace) -> dict:
     quiet_metrics(trainer)
     with watch:
         metrics = trainer.train_epoch(_Batches(batches))
-    group.teardown()
+    comm.teardown()
     result = {"steps": steps, "watched_steps": steps - 2, "sync_calls_while_watched": watch.calls,
               "cuda_sync_debug_mode": "error" if cuda else "not on the CPU", "skipped_steps": metrics["skipped_steps"],
               "global_step": trainer.state.global_step, "ok": watch.calls == 0 and metrics["skipped_steps"] == 1}
@@ -347,7 +347,7 @@ def inner_overhead(a: argparse.Namespace) -> dict:
 
     from benchmarks.overhead import _Batches, interleaved, make_cfg, med, quiet_metrics
     from distribuuuu import engine, models
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     size, batch, steps, reps = (32, 16, 4, 2) if a.small else (224, 256, 15, 5)
     opts = {"MODEL.ARCH": "resnet18" if a.small else "resnet50", "MODEL.NUM_CLASSES": 1000,
@@ -356,7 +356,7 @@ def inner_overhead(a: argparse.Namespace) -> dict:
             "OPTIM.WARMUP_EPOCHS": 0, "OPTIM.BASE_LR": 0.01, "DEVICE": a.device, "RNG_SEED": 0,
             "TRAIN.AMP": "bf16", "TRAIN.CHANNELS_LAST": True}
     cfg = make_cfg({**opts, "TRAIN.NONFINITE": "off"})
-    ctx = group.setup(cfg)
+    ctx = comm.setup(cfg)
     dev = ctx.device
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(batch, 3, size, size, generator=g).to(dev), torch.randint(0, 1000, (batch,), generator=g).to(dev))
@@ -389,7 +389,7 @@ def inner_overhead(a: argparse.Namespace) -> dict:
     for mode in ("off", "skip"):
         out[f"ratio distribuuuu NONFINITE {mode} / minimal"] = round(
             med(res[f"distribuuuu NONFINITE {mode}"]) / med(res["minimal loop"]), 3)
-    group.teardown()
+    comm.teardown()
     return out
 
 

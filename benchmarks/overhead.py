@@ -157,7 +157,7 @@ def quiet_metrics(trainer: Any) -> None:
 
 def _minimal(cfg: Any, model: torch.nn.Module) -> Callable[[list], float]:
     """The hand-written loop: forward, loss, backward, step, zero_grad(set_to_none) - nothing else.
-    The same SGD (Nesterov momentum, weight decay, fused kernel) as optim.build_optimizer builds."""
+    The same SGD (Nesterov momentum, weight decay, fused kernel) as strategies.build_optimizer builds."""
     o = cfg.OPTIM
     opt = torch.optim.SGD(model.parameters(), lr=o.BASE_LR, momentum=o.MOMENTUM, nesterov=o.NESTEROV,
                           weight_decay=o.WEIGHT_DECAY, fused=True)
@@ -178,7 +178,7 @@ def _minimal(cfg: Any, model: torch.nn.Module) -> Callable[[list], float]:
 
 def section_overhead(args: argparse.Namespace) -> None:
     from distribuuuu import models
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     print(f"\n[overhead] ResNet-18, 32 px, batch 32, CPU, 1 thread ({load()})", flush=True)
     torch.set_num_threads(1)
@@ -191,7 +191,7 @@ def section_overhead(args: argparse.Namespace) -> None:
     variants["minimal loop"] = lambda: minimal(batches)
     for mode in ("off", "skip"):
         cfg = make_cfg({**OVERHEAD_CFG, "TRAIN.NONFINITE": mode})
-        ctx = group.setup(cfg)
+        ctx = comm.setup(cfg)
         model = copy.deepcopy(base)
         run = _framework(cfg, ctx, model)
         variants[f"distribuuuu NONFINITE {mode}"] = (lambda run=run: run(_Batches(batches)))
@@ -224,7 +224,7 @@ def section_overhead(args: argparse.Namespace) -> None:
     check_ms = (time.perf_counter() - t0) / 20 * 1e3
     report("overhead", "grads_finite() per step (NONFINITE skip/stop)",
            f"{check_ms:.2f} ms = {check_ms / (32 / base_ips * 1e3) * 100:.1f}% of a minimal step")
-    group.teardown()
+    comm.teardown()
     if not args.one_process:
         _ddp_overhead(args)
 
@@ -235,10 +235,10 @@ def _ddp_worker(rank: int, world: int, port: int, reps: int, steps: int, out: st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distribuuuu import models
-    from distribuuuu.launch import comm, group
+    from distribuuuu.launch import comm
 
     cfg = make_cfg({**OVERHEAD_CFG, "TRAIN.NONFINITE": "off"})
-    ctx = group.setup(cfg)
+    ctx = comm.setup(cfg)
     batches = _make_batches(steps, 32, 32, seed=1 + rank)
     torch.manual_seed(0)
     base = models.build_model(cfg)
@@ -258,7 +258,7 @@ def _ddp_worker(rank: int, world: int, port: int, reps: int, steps: int, out: st
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"res": res, "any_rank_ms": any_rank_ms}, f)
-    group.teardown()
+    comm.teardown()
 
 
 def _free_port() -> int:

@@ -24,14 +24,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu import config
-from distribuuuu.launch import comm, group, spawn
+from distribuuuu.launch import comm, spawn
 
 
 def _worker(votes: int, out_path: str) -> None:
     """One rank: join the group, warm up, time each vote, rank 0 writes the times."""
     cfg = config.get_defaults()
     cfg.DEVICE, cfg.NUM_THREADS = "cpu", 1
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         for _ in range(50):
             comm.any_rank([False, False])
         times = []

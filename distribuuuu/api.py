@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -32,10 +33,12 @@ from distribuuuu.data.batches import stop_workers
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
-from distribuuuu.launch import group, launcher, signals
+from distribuuuu.launch import comm, launcher, signals, store
 from distribuuuu.logger import LOG_FILE, LOGGER_NAME, discard_log, release_log, setup_logging
 
-__all__ = ["train", "evaluate", "load_model", "run_command", "preflight", "LoadedModel"]
+__all__ = ["train", "evaluate", "load_model", "run_command", "run_eval", "preflight", "LoadedModel"]
+
+log = logging.getLogger(LOGGER_NAME)
 
 ConfigLike = Union[CfgNode, str, "os.PathLike[str]"]
 
@@ -115,7 +118,7 @@ def _as_cfg(cfg: ConfigLike) -> CfgNode:
                     f"not {type(cfg).__name__}")
 
 
-def _fit(cfg: CfgNode, ctx: group.DistContext, hooks: Sequence[HookBase]) -> dict[str, Any]:
+def _fit(cfg: CfgNode, ctx: comm.DistContext, hooks: Sequence[HookBase]) -> dict[str, Any]:
     """engine.fit with the preemption signals recorded; requeue (rank 0) before Preempted goes up."""
     try:
         with signals.preemption_signals(cfg.TRAIN.PREEMPT_SIGNALS):
@@ -125,12 +128,12 @@ def _fit(cfg: CfgNode, ctx: group.DistContext, hooks: Sequence[HookBase]) -> dic
             signals.slurm_requeue()
         raise  # "ended by this signal", after the checkpoint: the CLI exits with 128 + signal
     except Exception as e:  # a crash: name the rank in log.txt, where every rank's errors go
-        stopped = group.stopped_peer(e)
+        stopped = store.stopped_peer(e)
         if stopped is not None:  # another rank's stop signal broke the collective: a stop here too
             raise stopped from None
         # A UserError (e.g. engine.NonFiniteLoss) is printed once by the CLI: log.txt only here.
-        logging.getLogger(LOGGER_NAME).error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e,
-                                             extra={"console": not isinstance(e, UserError)})
+        log.error("rank %d failed: %s: %s", ctx.rank, type(e).__name__, e,
+                  extra={"console": not isinstance(e, UserError)})
         raise
 
 
@@ -157,7 +160,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
     info = launcher.detect()
     cfg = inferred.resolve(cfg, info.local_world_size)  # a no-op for load_config's: resolved there
     preflight(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
-    with group.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
+    with comm.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
         # (engine.fit: RunFolder.write_record): a refused command leaves OUT_DIR as it was.
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank, hold=True)
@@ -167,7 +170,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
             if ctx.is_main:
                 inferred.log_facts(cfg)  # the values decided from the data, with their origins
             if command == "eval":
-                return engine.run_eval(cfg, ctx)
+                return run_eval(cfg, ctx)
             return _fit(cfg, ctx, hooks)
         except UserError:
             refused = True
@@ -178,6 +181,29 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
             if not refused:  # a crash or a stop: its lines are kept
                 release_log()
 
+
+
+def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
+    """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
+    cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
+    weights = cfg.MODEL.WEIGHTS
+    run = run_folder.RunFolder(cfg)
+    engine.seed_everything(cfg, ctx.rank)
+    model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
+    if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(cfg):  # a folder of class folders: its held-out part
+        log.info("[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g held out",
+                 cfg.TRAIN.VAL_SPLIT)
+        loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+    else:
+        loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
+    start = time.perf_counter()
+    result = engine.evaluate(model, loader, cfg, ctx)
+    log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
+             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"],
+             time.perf_counter() - start)
+    record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
+    run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
+    return record
 
 def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:
     """Train as ``distribuuuu train`` does, in this process; return the run's summary.

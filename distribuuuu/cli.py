@@ -170,9 +170,6 @@ def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--batch", type=int, default=4, help="batch size of the check")
 
 
-TOOLS = ("plot", "bench", "predict", "export")
-
-
 def package_version() -> str:
     """The installed distribution's version; the package's own __version__ when run from a
     checkout that is not installed."""
@@ -213,25 +210,6 @@ def arrange(argv: list[str]) -> list[str]:
     if argv and argv[0] != "data":  # data's subcommands take plain positionals, parsed as usual
         return [argv[0], *cli_help.options_first(argv[1:])]
     return argv
-
-
-def _run_tool(args: argparse.Namespace) -> int:
-    """plot, bench, predict, export: each tool module (distribuuuu/tools/) is imported only when
-    chosen; `distribuuuu --help` and train/eval load none of them."""
-    opts = list(getattr(args, "opts", None) or [])
-    if args.command == "plot":
-        from distribuuuu.tools import plot
-
-        return plot.main(args.run_dirs, args.out)
-    if args.command == "bench":
-        return _run_bench(args, opts)
-    if args.command == "predict":
-        from distribuuuu.tools import predict
-
-        return predict.main(args.cfg_file, opts, args.topk, args.output, args.fmt)
-    from distribuuuu.tools import export
-
-    return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
 
 
 def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
@@ -340,31 +318,52 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv[:1] == ["--version"]:  # here rather than argparse's action, which exits the process
         print(f"distribuuuu {package_version()}")
         return 0
-    argv = arrange(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(arrange(argv))
     except SystemExit as e:  # --help (bad arguments raise UserError): printed; main returns the status
         return int(e.code or 0)
-    if getattr(args, "imports", None):  # --import M: an IMPORTS override, so spawned ranks get it too
-        from distribuuuu import config
-
-        args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
-    if getattr(args, "checkpoint", None) is not None or args.command in ("eval", "export"):
-        args.opts = cli_help.with_checkpoint(args.command, getattr(args, "checkpoint", None), list(args.opts or []))
-    if args.command in TOOLS:
-        return _run_tool(args)
-    if args.command == "data":
-        return data_cli.run(args)
-    opts = list(args.opts or [])
-    if args.command == "config":
-        return _print_config(args, opts)
-    nproc = _resolve_nproc(args.nproc)
+    _flags_as_overrides(args)
+    if args.command not in ("train", "eval"):
+        return _other_command(args)
+    opts, nproc = list(args.opts or []), _resolve_nproc(args.nproc)
     if nproc is None:
         if args.master_port is not None:
             raise UserError("--master-port goes with --nproc-per-node; under torchrun or "
                             "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT")
         return run(args.command, args.cfg_file, opts)
     return _spawn(args.command, args.cfg_file, opts, nproc, args.master_port)
+
+
+def _flags_as_overrides(args: argparse.Namespace) -> None:
+    """--import M and --checkpoint PATH become KEY VALUE overrides (IMPORTS, MODEL.WEIGHTS), so that
+    spawned ranks get them too."""
+    if getattr(args, "imports", None):
+        from distribuuuu import config
+
+        args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
+    if getattr(args, "checkpoint", None) is not None or args.command in ("eval", "export"):
+        args.opts = cli_help.with_checkpoint(args.command, getattr(args, "checkpoint", None), list(args.opts or []))
+
+
+def _other_command(args: argparse.Namespace) -> int:
+    """plot, bench, predict, export, data, config: each tool module (distribuuuu/tools/) is imported
+    only when chosen; `distribuuuu --help` and train/eval load none of them."""
+    opts = list(getattr(args, "opts", None) or [])
+    if args.command == "plot":
+        from distribuuuu.tools import plot
+
+        return plot.main(args.run_dirs, args.out)
+    if args.command == "bench":
+        return _run_bench(args, opts)
+    if args.command == "predict":
+        from distribuuuu.tools import predict
+
+        return predict.main(args.cfg_file, opts, args.topk, args.output, args.fmt)
+    if args.command == "export":
+        from distribuuuu.tools import export
+
+        return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
+    return data_cli.run(args) if args.command == "data" else _print_config(args, opts)
 
 
 def _spawn(command: str, cfg_file: str | None, opts: list[str], nproc: int, port: int | None) -> int:

@@ -16,7 +16,7 @@ warnings.warn("distribuuuu.dist is now distribuuuu.launch (and dist.launch is la
               "the old name goes in the next release", DeprecationWarning, stacklevel=2)
 
 # old submodule name -> new module: registered in sys.modules so `import distribuuuu.dist.X` works too
-_RENAMED = {"comm": "comm", "gloo_cuda": "gloo_cuda", "group": "group", "hostlist": "hostlist",
+_RENAMED = {"comm": "comm", "gloo_cuda": "gloo_cuda", "group": "comm", "hostlist": "hostlist",
             "launch": "launcher", "signals": "signals", "spawn": "spawn"}
 for _old, _new in _RENAMED.items():
     _module = importlib.import_module(f"distribuuuu.launch.{_new}")

@@ -3,7 +3,7 @@
 
 The one path from a checkpoint to a model, for eval, predict, export and ``api.load_model``:
   chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint (checkpoint.best_or_last);
-                  eval resolves its weights here too (preflight, engine/evaluation.run_eval)
+                  eval resolves its weights here too (preflight, api.run_eval)
   prepared        predict's and export's (config, card): load_config, chosen_weights, card_for
   build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform, classes
   load            ``api.load_model``: a checkpoint file -> its stored config and card -> build

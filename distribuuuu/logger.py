@@ -71,22 +71,26 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
         handler.close()
     log.propagate = False
     log.setLevel(logging.INFO if is_main else logging.WARNING)
-    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     console = _ConsoleHandler(sys.stdout if is_main else sys.stderr)
-    console.setFormatter(fmt)
+    console.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
     console.addFilter(_to_console)
     log.addHandler(console)
     if out_dir:
-        file_handler: logging.Handler
-        if hold:
-            file_handler = HeldFileHandler(os.path.join(out_dir, LOG_FILE))
-        else:
-            os.makedirs(out_dir, exist_ok=True)
-            file_handler = logging.FileHandler(os.path.join(out_dir, LOG_FILE))
-        file_handler.setFormatter(fmt if is_main else logging.Formatter(
-            f"[%(asctime)s] [rank {rank}] %(message)s", datefmt="%H:%M:%S"))
-        log.addHandler(file_handler)
+        log.addHandler(_file_handler(out_dir, is_main, rank, hold))
     return log
+
+
+def _file_handler(out_dir: str, is_main: bool, rank: int, hold: bool) -> logging.Handler:
+    """OUT_DIR/log.txt, held (HeldFileHandler) or made now; other ranks' lines tagged with the rank."""
+    path = os.path.join(out_dir, LOG_FILE)
+    if hold:
+        handler: logging.Handler = HeldFileHandler(path)
+    else:
+        os.makedirs(out_dir, exist_ok=True)
+        handler = logging.FileHandler(path)
+    tag = "" if is_main else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s] {tag}%(message)s", datefmt="%H:%M:%S"))
+    return handler
 
 
 def format_seconds(seconds: float) -> str:
@@ -157,9 +161,7 @@ class Progress:
         left = (self.iters - it - 1) + (self.max_epoch - self.epoch - 1) * self.iters
         img_s = batch * self.world_size / step_s
         if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"loss {stats['loss']:.4f}, acc@1 {stats['top1']:.2f}, acc@{self.topk} {stats['topk_acc']:.2f}, "
-                f"{img_s:.0f} img/s, run eta {format_seconds(left * step_s)}", refresh=False)
+            self._show_on_bar(stats, img_s, left * step_s)
         self.log.info(
             "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | "
             "acc@1 %.2f | acc@%d %.2f | lr %.5f | %.0f img/s",
@@ -169,6 +171,11 @@ class Progress:
         )
         self._reset_window()
         return {"loss": stats["loss"], "top1": stats["top1"], "topk_acc": stats["topk_acc"], "lr": lr, "img_per_s": img_s}
+
+    def _show_on_bar(self, stats: dict[str, float], img_s: float, eta_s: float) -> None:
+        self.bar.set_postfix_str(
+            f"loss {stats['loss']:.4f}, acc@1 {stats['top1']:.2f}, acc@{self.topk} {stats['topk_acc']:.2f}, "
+            f"{img_s:.0f} img/s, run eta {format_seconds(eta_s)}", refresh=False)
 
     def close(self) -> None:
         """End of the epoch: the bar stays on screen, finished."""

@@ -135,39 +135,44 @@ def _check_timm_tag(arch: str) -> None:
                         f"use one of those as {name}.TAG, or {name} alone for its default")
 
 
-def resolve_arch(arch: str) -> tuple[str, str]:
-    """MODEL.ARCH -> (library, name): an alias first, then torchvision, then timm."""
-    if arch in ALIASES:
-        return ALIASES[arch]
-    if arch in _USER_MODELS:
-        return "user", arch
-    if arch in _torchvision_names():
-        return "torchvision", arch
-    # timm also takes "name.pretrained_tag". Asked live, not from the cached list: an IMPORTS module
-    # may have registered the name after the first lookup.
-    if timm.is_model(arch.split(".", 1)[0]):
-        _check_timm_tag(arch)
-        return "timm", arch
+def _unknown_arch(arch: str) -> UserError:
+    """The error for a MODEL.ARCH that no library has, with the closest names."""
     known = sorted(set(ALIASES) | _torchvision_names() | _timm_names())
     close = difflib.get_close_matches(arch, known, n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-    raise UserError(
+    return UserError(
         f"unknown MODEL.ARCH {arch!r}{hint}; any torchvision or timm classification model name works, "
         f"or one of {', '.join(ALIASES)}, or a function registered with distribuuuu.models.register_model in a "
         "module that IMPORTS names"
     )
 
 
+def resolve_arch(arch: str) -> tuple[str, str]:
+    """MODEL.ARCH -> (library, name): an alias, a registered function, torchvision, then timm."""
+    if arch in ALIASES:
+        return ALIASES[arch]
+    if arch in _USER_MODELS:
+        return "user", arch
+    if arch in _torchvision_names():
+        return "torchvision", arch
+    # timm also takes "name.pretrained_tag"; asked live: an IMPORTS module may have registered the name since.
+    if timm.is_model(arch.split(".", 1)[0]):
+        _check_timm_tag(arch)
+        return "timm", arch
+    raise _unknown_arch(arch)
+
+
 # ---------------------------------------------------------------------------------------------
 # Construction
 # ---------------------------------------------------------------------------------------------
-def _tiny_resnet(widths: tuple[int, ...], num_classes: int, in_chans: int) -> nn.Module:
-    """A ResNet with one BasicBlock per stage, built from timm's ResNet class.
+def _create_tiny(name: str, num_classes: int, in_chans: int, im_size: int) -> nn.Module:
+    """A ResNet with one BasicBlock per stage of widths TINY_WIDTHS[name], built from timm's ResNet class.
 
     timm's plain 7x7 stem is always 64 wide, which would cost more than a 16-wide network; its
     'deep' stem (3x3 convs of widths w/2, w/2, w) scales with the stage widths instead.
     zero_init_last=False here: MODEL.ZERO_INIT_RESIDUAL decides (init_residual_bn), as for every model.
     """
+    widths = TINY_WIDTHS[name]
     return TimmResNet(BasicBlock, [1, 1, 1, 1], channels=widths, stem_type="deep", stem_width=widths[0] // 2,
                       zero_init_last=False, num_classes=num_classes, in_chans=in_chans)
 
@@ -254,6 +259,11 @@ def init_residual_bn(model: nn.Module, zero: bool) -> int:
     return count
 
 
+# resolve_arch's library -> its constructor (name, num_classes, in_chans, im_size)
+_CREATE: dict[str, Callable[..., nn.Module]] = {"tiny": _create_tiny, "user": _build_user, "timm": _create_timm,
+                                                "torchvision": _create_torchvision}
+
+
 def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Module:
     """The model named by cfg.MODEL.ARCH, on the CPU, not wrapped and not SyncBN-converted.
 
@@ -261,21 +271,11 @@ def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Mo
     with the classifier re-initialised (eval / predict / export refuse it). with_weights False: the
     architecture only, for callers that load a checkpoint's weights themselves.
     """
-    # load_config imported them already; a cfg built by hand (the Python API) may not have been.
-    import_user_modules(cfg.get("IMPORTS", ()))
-    arch = cfg.MODEL.ARCH
-    lib, name = resolve_arch(arch)
-    args = (cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
-    if lib == "tiny":
-        model = _tiny_resnet(TINY_WIDTHS[name], *args[:2])
-    elif lib == "user":
-        model = _build_user(name, *args)
-    elif lib == "timm":
-        model = _create_timm(name, *args)
-    else:
-        model = _create_torchvision(name, *args)
+    import_user_modules(cfg.get("IMPORTS", ()))  # load_config did; a cfg built by hand (Python API) may not have
+    lib, name = resolve_arch(cfg.MODEL.ARCH)
+    model = _CREATE[lib](name, cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
     if cfg.MODEL.SMALL_STEM:
-        _use_small_stem(model, arch)
+        _use_small_stem(model, cfg.MODEL.ARCH)
     init_residual_bn(model, bool(cfg.MODEL.get("ZERO_INIT_RESIDUAL", True)))
     if with_weights:
         _load_initial_weights(model, cfg, new_head)

@@ -33,17 +33,17 @@ def _wait_for(path: str, timeout_s: float = 30.0) -> None:
 
 def all_reduce_worker(out_dir: str) -> None:
     """Each rank contributes rank + 1 and writes the sum and its launch facts."""
-    from distribuuuu.launch import comm, group
+    from distribuuuu.launch import comm
 
     torch.set_num_threads(1)
-    ctx = group.setup(_cfg())
+    ctx = comm.setup(_cfg())
     t = comm.all_reduce_sum(torch.tensor([float(ctx.rank + 1)]))
     obj = comm.broadcast_object({"from": ctx.rank} if ctx.is_main else None)
     comm.barrier()
     facts = (f"{t.item()} {ctx.launcher} {ctx.rank} {ctx.world_size} {ctx.local_rank} "
              f"{torch.distributed.get_rank()} {comm.get_world_size()} {int(ctx.is_main)} {obj['from']} {ctx.backend}")
-    group.teardown()
-    group.teardown()  # safe twice
+    comm.teardown()
+    comm.teardown()  # safe twice
     _write(out_dir, f"rank{ctx.rank}.txt", facts)
     session_worker(out_dir)  # one spawn for both: a child's start-up costs seconds
 
@@ -79,13 +79,13 @@ def session_worker(out_dir: str) -> None:
     """The body raises (ValueError, then KeyboardInterrupt); the group must be gone each time."""
     import torch.distributed as dist
 
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     torch.set_num_threads(1)
     results = []
     for exc in (ValueError("body failed"), KeyboardInterrupt()):
         try:
-            with group.session(_cfg()) as ctx:
+            with comm.session(_cfg()) as ctx:
                 assert dist.is_initialized() and ctx.distributed
                 raise exc
         except (ValueError, KeyboardInterrupt) as e:
@@ -95,10 +95,10 @@ def session_worker(out_dir: str) -> None:
 
 def setup_worker(out_dir: str) -> None:
     """Only joins the group (used with a master port that is taken)."""
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     torch.set_num_threads(1)
-    with group.session(_cfg()):
+    with comm.session(_cfg()):
         pass
 
 

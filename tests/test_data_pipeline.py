@@ -1,20 +1,21 @@
 """The input pipelines' seam (issue #28 item 6): one Pipeline class per pipeline, chosen in one place
-(loaders.pipeline_class) once per split key, every loader keeping the contract of pipeline.Pipeline;
-a new pipeline is one class and one line in loaders.PIPELINES."""
+(pipeline.pipeline_class) once per split key, every loader keeping the contract of pipeline.Pipeline;
+a new pipeline is one module (its class as PIPELINE) and one line in pipeline.PIPELINES."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 import torch
 
 from distribuuuu import data
-from distribuuuu.data import loaders, memory, shards
-from distribuuuu.data.dataloader import LoaderPipeline
+from distribuuuu.data import memory, pipeline, shards
 from distribuuuu.data.datasets import build_split_dataset, part_of
 from distribuuuu.data.memory import MemoryLoader, MemoryPipeline
-from distribuuuu.data.pipeline import Pipeline
+from distribuuuu.data.pipeline import LoaderPipeline, Pipeline
 from distribuuuu.data.shards.loader import ShardLoader, ShardPipeline
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_image_tree
@@ -78,8 +79,8 @@ def _cfg(sources_on_disk: dict, source: str, overrides: dict):
 def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, source, overrides, expected):
     cfg = _cfg(sources_on_disk, source, overrides)
     for key, cls in expected.items():
-        assert loaders.pipeline_class(cfg, key) is cls, f"{case}, {key}"
-        assert loaders.data_pipeline(cfg, key) == cls.name
+        assert pipeline.pipeline_class(cfg, key) is cls, f"{case}, {key}"
+        assert pipeline.data_pipeline(cfg, key) == cls.name
 
 
 @pytest.mark.parametrize("source,overrides,message", [
@@ -89,16 +90,16 @@ def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, sourc
 ])
 def test_the_chooser_refuses_what_the_forced_pipeline_cannot_read(sources_on_disk, source, overrides, message):
     with pytest.raises(UserError, match=message):
-        loaders.pipeline_class(_cfg(sources_on_disk, source, overrides), "TRAIN")
+        pipeline.pipeline_class(_cfg(sources_on_disk, source, overrides), "TRAIN")
 
 
 def test_auto_falls_back_to_the_dataloader_above_the_memory_budget(sources_on_disk, monkeypatch, caplog):
     cfg = _cfg(sources_on_disk, "cifar", {})
     monkeypatch.setattr(memory, "MEMORY_PIPELINE_BUDGET_BYTES", memory.memory_pipeline_bytes(cfg, "TRAIN") - 1)
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
-        assert loaders.pipeline_class(cfg, "TRAIN") is LoaderPipeline
+        assert pipeline.pipeline_class(cfg, "TRAIN") is LoaderPipeline
     assert "using the DataLoader instead" in caplog.text
-    assert loaders.pipeline_class(cfg, "TEST") is MemoryPipeline  # 7 test images fit
+    assert pipeline.pipeline_class(cfg, "TEST") is MemoryPipeline  # 7 test images fit
 
 
 @pytest.mark.parametrize("source,overrides,loader_type", [
@@ -121,7 +122,7 @@ def test_every_pipeline_keeps_the_train_loader_contract(sources_on_disk, source,
     assert len(loader) == whole - 1
 
 
-# -- a new pipeline: one class and one line in loaders.PIPELINES ----------------------------------------
+# -- a new pipeline: one module and one line in pipeline.PIPELINES --------------------------------------
 class _Batches:
     """The loader of the pipeline below: batches cut from a plain list of items (no DataLoader)."""
 
@@ -166,15 +167,23 @@ class AutoListPipeline(ListPipeline):
 def _forced(overrides: dict, name: str):
     cfg = make_cfg(overrides)
     cfg.defrost()
-    cfg.TRAIN.DATA_PIPELINE = name  # (config/validate.py lists the shipped names; the loaders read PIPELINES)
+    cfg.TRAIN.DATA_PIPELINE = name  # (config/validate.py lists the shipped names; the chooser reads PIPELINES)
     cfg.freeze()
     return cfg
 
 
+def _module_of(monkeypatch, cls) -> str:
+    """The name of a module whose PIPELINE is cls (as a user's file ending in `PIPELINE = ListPipeline`)."""
+    module = types.ModuleType(f"{__name__}_{cls.__name__}")
+    module.PIPELINE = cls
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__name__
+
+
 def test_a_new_pipeline_is_one_class_and_one_registry_line(monkeypatch):
-    monkeypatch.setitem(loaders.PIPELINES, "lists", ListPipeline)  # the one line
+    monkeypatch.setitem(pipeline.PIPELINES, "lists", _module_of(monkeypatch, ListPipeline))  # the one line
     cfg = _forced({**SYN, "TRAIN.VAL_SPLIT": 0.2}, "lists")
-    assert loaders.pipeline_class(cfg, "TRAIN") is ListPipeline
+    assert pipeline.pipeline_class(cfg, "TRAIN") is ListPipeline
     train = data.build_train_loader(cfg, 0, 2, CPU)
     assert isinstance(train, _Batches) and len(train.dataset) == 32  # TRAIN.VAL_SPLIT's kept part (2 of 10 per class held out)
     train.sampler.set_epoch(3, 8)
@@ -185,7 +194,7 @@ def test_a_new_pipeline_is_one_class_and_one_registry_line(monkeypatch):
     assert sum(held) == 8  # the held-out part, each image on one rank
     assert len(data.build_test_loader(cfg, 0, 1, CPU).dataset) == 13
     with pytest.raises(UserError, match="must be one of auto, memory, loader, lists, got 'nope'"):
-        loaders.pipeline_class(_forced(SYN, "nope"), "TRAIN")
+        pipeline.pipeline_class(_forced(SYN, "nope"), "TRAIN")
 
 
 def test_the_configs_pipeline_choices_are_the_registrys_names():
@@ -193,12 +202,13 @@ def test_the_configs_pipeline_choices_are_the_registrys_names():
     its choices are 'auto' and the registry's names, in the order 'auto' asks them."""
     from distribuuuu.config.validate import DATA_PIPELINES
 
-    assert DATA_PIPELINES == ("auto", *loaders.PIPELINES)
-    assert all(cls.name == name for name, cls in loaders.PIPELINES.items())
+    assert DATA_PIPELINES == ("auto", *pipeline.PIPELINES)
+    assert all(pipeline.registered(name).name == name for name in pipeline.PIPELINES)
 
 
 def test_auto_asks_the_pipelines_in_registry_order_once_per_split(monkeypatch):
-    monkeypatch.setattr(loaders, "PIPELINES", {"lists": AutoListPipeline, **loaders.PIPELINES})
+    registry = {"lists": _module_of(monkeypatch, AutoListPipeline), **pipeline.PIPELINES}
+    monkeypatch.setattr(pipeline, "PIPELINES", registry)
     monkeypatch.setattr(AutoListPipeline, "auto_calls", 0)
     cfg = make_cfg(MNIST)  # what the memory pipeline takes under 'auto' without the new line
     assert isinstance(data.build_train_loader(cfg, 0, 1, CPU), _Batches)

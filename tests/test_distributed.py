@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
-from distribuuuu.launch import comm, group, launcher, spawn
+from distribuuuu.launch import comm, launcher, spawn
 from tests import _dist_workers as workers
 from tests.conftest import free_port
 
@@ -250,7 +250,7 @@ def test_parse_tasks_per_node_errors(spec):
 def test_setup_plain_single_process(plain_env, capsys):
     threads = torch.get_num_threads()
     try:
-        with group.session(cpu_cfg()) as ctx:
+        with comm.session(cpu_cfg()) as ctx:
             assert ctx.launcher == "plain"
             assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 0, 1, True, False)
             assert ctx.device == torch.device("cpu") and ctx.backend == "gloo"
@@ -269,20 +269,20 @@ def test_helpers_without_process_group():
     t = torch.tensor([2.0])
     assert comm.all_reduce_sum(t) is t and t.item() == 2.0
     assert comm.broadcast_object({"a": 1}) == {"a": 1}
-    group.teardown()
-    group.teardown()
+    comm.teardown()
+    comm.teardown()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_cuda_without_gpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="no CUDA GPU"):
-        group.setup(load_config(None, ["DEVICE", "cuda"]))
+        comm.setup(load_config(None, ["DEVICE", "cuda"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_nccl_on_cpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="nccl"):
-        group.setup(load_config(None, ["DIST.BACKEND", "nccl"]))
+        comm.setup(load_config(None, ["DIST.BACKEND", "nccl"]))
 
 
 def test_free_port_is_bindable():
@@ -405,8 +405,8 @@ def test_under_real_torchrun(tmp_path):
         sys.path.insert(0, {ROOT!r})
         import torch
         from distribuuuu.config import load_config
-        from distribuuuu.launch import comm, group
-        with group.session(load_config(None, ["DEVICE", "cpu"])) as ctx:
+        from distribuuuu.launch import comm
+        with comm.session(load_config(None, ["DEVICE", "cpu"])) as ctx:
             t = comm.all_reduce_sum(torch.tensor([ctx.rank + 1.0]))
             print(f"sum {{ctx.rank}} {{t.item()}} threads {{torch.get_num_threads()}}", flush=True)
     """))
@@ -428,12 +428,12 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(1)
-        group.setup(load_config(None, ["DEVICE", "cpu"]))
+        comm.setup(load_config(None, ["DEVICE", "cpu"]))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        group.setup(load_config(None, ["DEVICE", "cpu"]))
+        comm.setup(load_config(None, ["DEVICE", "cpu"]))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # left as torch has it
-        group.setup(cpu_cfg())
+        comm.setup(cpu_cfg())
         assert torch.get_num_threads() == 1  # NUM_THREADS wins
     finally:
         torch.set_num_threads(threads)
@@ -442,11 +442,11 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
 def test_setup_cudnn_flags(plain_env):
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
-        group.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
+        comm.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-        group.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
+        comm.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
         assert not torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     finally:

@@ -17,10 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from distribuuuu import engine, heads, models, optim
+from distribuuuu import engine, heads, models, optim, strategies
 from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
-from distribuuuu.launch import group
+from distribuuuu.launch import comm
 from distribuuuu.model_card import from_checkpoint
 from distribuuuu.run_folder import checkpoint
 from distribuuuu.weights import adapt_input_channels
@@ -38,7 +38,7 @@ def _build(*opts, new_head=True):
 
 
 def _fit(cfg, hooks=()):
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         return engine.fit(cfg, ctx, hooks=hooks)
 
 
@@ -281,7 +281,7 @@ def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
     cfg = _cfg("MODEL.ARCH", "resnet_tiny", "OPTIM.BACKBONE_LR_SCALE", "0.1", "OPTIM.NO_WD_NORM_BIAS", str(no_wd),
                "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.MAX_EPOCH", "10")
     model = models.build_model(cfg)
-    opt = optim.build_optimizer(cfg, model)
+    opt = strategies.build_optimizer(cfg, model)
     head = {id(p) for p in model.fc.parameters()}
     assert len(opt.param_groups) == (4 if no_wd else 2)
     for g in opt.param_groups:
@@ -294,7 +294,7 @@ def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
         for g in opt.param_groups:
             assert g["lr"] == pytest.approx(lr * g["lr_scale"], rel=1e-12)
     default = _cfg("MODEL.ARCH", "resnet_tiny")
-    groups = optim.build_optimizer(default, models.build_model(default)).param_groups
+    groups = strategies.build_optimizer(default, models.build_model(default)).param_groups
     assert len(groups) == 1 and "lr_scale" not in groups[0]  # as before the key existed: old checkpoints resume
 
 

@@ -20,8 +20,8 @@ def _strategy_worker(out_dir):
 
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.engine.stepper import Stepper
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
+    from distribuuuu.optim import Stepper
     from distribuuuu.strategies import fsdp
 
     variants = {"ddp": [], "fsdp": ["DIST.STRATEGY", "fsdp"],
@@ -30,7 +30,7 @@ def _strategy_worker(out_dir):
                 "ddp_ac": ["TRAIN.ACTIVATION_CHECKPOINTING", "True"]}
     common = [*ADAMW, "TRAIN.ACCUM_STEPS", "2", "TRAIN.CLIP_GRAD_NORM", "0.5"]
     results = {}
-    with group.session(load_config(TINY, common)) as ctx:
+    with comm.session(load_config(TINY, common)) as ctx:
         for name, opts in variants.items():
             cfg = load_config(TINY, [*common, *opts])
             torch.manual_seed(0)

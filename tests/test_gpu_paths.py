@@ -33,12 +33,13 @@ def _tiny_model() -> nn.Module:
 
 def _fp16_stepper(init_scale: float, *opts: str):
     """A Stepper under TRAIN.AMP fp16 on the CPU, with a CPU GradScaler starting at init_scale."""
-    from distribuuuu.engine.stepper import Stepper
+    from distribuuuu.optim import Stepper
+    from distribuuuu.strategies import Strategy
 
     cfg = _cfg("TRAIN.AMP", "fp16", *opts)
     model = _tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    stepper = Stepper(cfg, torch.device("cpu"), model, opt, global_batch=16)
+    stepper = Stepper(cfg, torch.device("cpu"), model, opt, global_batch=16, strategy=Strategy(cfg, None))
     assert stepper.scaler.is_enabled()
     stepper.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     return stepper, model
@@ -95,7 +96,7 @@ def test_fp16_non_finite_loss_in_an_early_micro_batch_is_a_failure():
 def test_fp16_overflow_below_the_scale_floor_is_a_failure():
     """Gradients that stay infinite (a real hook multiplies one by inf) with a finite loss: an
     overflow while the scale is high, a failure once it is below FP16_MIN_LOSS_SCALE."""
-    from distribuuuu.engine.stepper import FP16_MIN_LOSS_SCALE
+    from distribuuuu.nonfinite import FP16_MIN_LOSS_SCALE
 
     stepper, model = _fp16_stepper(4 * FP16_MIN_LOSS_SCALE)
     model[1].weight.register_hook(lambda g: g * float("inf"))
@@ -163,19 +164,19 @@ def _slurm_info(local_rank: int, local_world: int):
 
 def test_slurm_more_tasks_than_gpus_is_a_user_error(monkeypatch):
     from distribuuuu.errors import UserError
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     _fake_gpus(monkeypatch, 4)
     monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
     cfg = _cfg("DEVICE", "auto")
     with pytest.raises(UserError) as e:  # --ntasks-per-node 8 --gres gpu:4: two ranks per GPU
-        group._choose_device(cfg, _slurm_info(5, 8))
+        comm._choose_device(cfg, _slurm_info(5, 8))
     assert "8 processes on this node but only 4 GPU(s)" in str(e.value)
     assert "--gpus-per-task=1" in str(e.value)
-    assert group._choose_device(cfg, _slurm_info(3, 4)) == torch.device("cuda", 3)  # one per GPU
+    assert comm._choose_device(cfg, _slurm_info(3, 4)) == torch.device("cuda", 3)  # one per GPU
     _fake_gpus(monkeypatch, 1)  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
     monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
-    assert group._choose_device(cfg, _slurm_info(5, 8)) == torch.device("cuda", 0)
+    assert comm._choose_device(cfg, _slurm_info(5, 8)) == torch.device("cuda", 0)
 
 
 @pytest.mark.e2e
@@ -206,7 +207,7 @@ def test_cli_exits_2_when_slurm_tasks_outnumber_gpus(tmp_path):
 
 def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, caplog):
     """A patched CUDA RNG: 8 GPUs whose states are distinct byte strings; this process is on GPU 3."""
-    from distribuuuu.engine import state as engine_state
+    from distribuuuu.engine import rng as engine_state
 
     states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
     restored = {}
@@ -238,7 +239,7 @@ def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, 
 
 
 def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path, caplog):
-    from distribuuuu.data import loaders
+    from distribuuuu.data import pipeline
 
     full, subset = tmp_path / "full" / "cifar-10-batches-py", tmp_path / "subset" / "cifar-10-batches-py"
     for folder, per_batch in ((full, 10000), (subset, 100)):
@@ -251,16 +252,16 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
         return _cfg("TRAIN.DATASET", str(folder), "TEST.DATASET", str(folder), "TRAIN.IM_SIZE", str(size),
                     "MODEL.IN_CHANS", "3")
 
-    assert loaders.data_pipeline(cfg(full, 32), "TRAIN") == "memory"  # ~0.4 GB
+    assert pipeline.data_pipeline(cfg(full, 32), "TRAIN") == "memory"  # ~0.4 GB
     with caplog.at_level("WARNING", logger="distribuuuu"):
-        assert loaders.data_pipeline(cfg(full, 224), "TRAIN") == "loader"  # ~15 GB
+        assert pipeline.data_pipeline(cfg(full, 224), "TRAIN") == "loader"  # ~15 GB
     assert "would take 15.6 GB per process" in caplog.text and "DATA_PIPELINE memory forces it" in caplog.text
-    assert loaders.data_pipeline(cfg(full, 224), "TEST") == "loader"  # 10,000 test images: ~3 GB
-    assert loaders.data_pipeline(cfg(subset, 224), "TRAIN") == "memory"  # 500 images: ~0.16 GB
+    assert pipeline.data_pipeline(cfg(full, 224), "TEST") == "loader"  # 10,000 test images: ~3 GB
+    assert pipeline.data_pipeline(cfg(subset, 224), "TRAIN") == "memory"  # 500 images: ~0.16 GB
     forced = cfg(full, 224)
     forced.defrost()
     forced.TRAIN.DATA_PIPELINE = "memory"
-    assert loaders.data_pipeline(forced, "TRAIN") == "memory"  # asked for: kept
+    assert pipeline.data_pipeline(forced, "TRAIN") == "memory"  # asked for: kept
 
 
 # --- item 10: bench's synchronizations -----------------------------------------------------------
@@ -269,14 +270,14 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
 def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monkeypatch):
     """bench._synchronize is the one place bench waits for the GPU; counting its calls on the CPU
     shows where a GPU run would wait (the code runs unpatched otherwise)."""
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
     from distribuuuu.tools import bench
 
     calls = []
     monkeypatch.setattr(bench, "_synchronize", lambda device: calls.append(time.perf_counter()))
     cfg = _cfg("TRAIN.DATASET", "mnist5k", "TEST.DATASET", "mnist5k", "MODEL.IN_CHANS", "1",
                "MODEL.NUM_CLASSES", "10", "TRAIN.IM_SIZE", "28", "TRAIN.BATCH_SIZE", "8")
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         for iters in (4, 12):
             calls.clear()
             step = bench.bench_step(cfg, ctx, iters=iters, warmup=2)
@@ -294,12 +295,12 @@ def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monk
 def _replica_worker(out_dir: str) -> None:
     """2 gloo ranks: an FSDP model (with CPU offload), one step, then the evaluation replica."""
     from distribuuuu import models, strategies
-    from distribuuuu.engine.stepper import Stepper
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
+    from distribuuuu.optim import Stepper
     from distribuuuu.strategies import fsdp
 
     cfg = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", "TRAIN.CLIP_GRAD_NORM", "1.0")
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         torch.manual_seed(0)
         strategy = strategies.build(cfg, ctx)
         model = strategy.wrap_model(models.build_model(cfg))
@@ -334,14 +335,14 @@ def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
 def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     """The default group's backend: NCCL cannot reduce the CPU tensors of FSDP's CPU offload (the
     clipping norm, the non-finite vote). The run below does those CPU collectives for real (gloo)."""
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
-    assert group._strategy_class(offload).group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
-    assert group._strategy_class(offload).group_backend(offload, "gloo") == "gloo"
+    assert comm._strategy_class(offload).group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
+    assert comm._strategy_class(offload).group_backend(offload, "gloo") == "gloo"
     fsdp = _cfg("DIST.STRATEGY", "fsdp")
-    assert group._strategy_class(fsdp).group_backend(fsdp, "nccl") == "nccl"
-    assert group._strategy_class(_cfg()).group_backend(_cfg(), "nccl") == "nccl"
+    assert comm._strategy_class(fsdp).group_backend(fsdp, "nccl") == "nccl"
+    assert comm._strategy_class(_cfg()).group_backend(_cfg(), "nccl") == "nccl"
 
 
 @pytest.mark.e2e
@@ -358,10 +359,10 @@ def test_fsdp_cpu_offload_clipping_and_nonfinite_skip_train_and_evaluate(tmp_pat
 
 def _timeout_worker(out_dir: str) -> None:
     """Rank 0 votes on a gloo side group made with a 3 s timeout; rank 1 does not join for 8 s."""
-    from distribuuuu.launch import comm, group
+    from distribuuuu.launch import comm
 
-    with group.session(_cfg()) as ctx:
-        comm.set_control_group(group.gloo_side_group(datetime.timedelta(seconds=3)))
+    with comm.session(_cfg()) as ctx:
+        comm.set_control_group(comm.gloo_side_group(datetime.timedelta(seconds=3)))
         start = time.monotonic()
         if ctx.rank == 0:
             try:
@@ -417,17 +418,17 @@ def test_vote_period_auto_and_explicit():
 def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
     """Both APIs read back consistently: dynamo reads the legacy cuBLAS flag (raises after the new
     setters), inductor the new fp32_precision."""
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     try:
         for value, on in (("False", False), ("True", True)):
-            group._set_cudnn(_cfg("CUDNN.TF32", value))
+            comm._set_cudnn(_cfg("CUDNN.TF32", value))
             assert torch._C._get_cublas_allow_tf32() is on  # what torch._dynamo reads
             assert torch.backends.cudnn.allow_tf32 is on
             assert (torch.backends.cuda.matmul.fp32_precision == "tf32") is on  # what inductor reads
             assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is on
     finally:
-        group._set_cudnn(_cfg())
+        comm._set_cudnn(_cfg())
 
 
 # --- benchmarks/gpu.py: the script that runs these paths on a GPU ---------------------------------
@@ -523,10 +524,10 @@ def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, mon
     monkeypatch.setenv("DISTRIBUUUU_PROGRESS", "lines")  # overhead.py sets it when unset
     from benchmarks.overhead import _Batches, quiet_metrics
     from distribuuuu import engine
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
 
     cfg = _cfg("OUT_DIR", str(tmp_path), "TRAIN.PRINT_FREQ", "1000", "TRAIN.BATCH_SIZE", "8")
-    ctx = group.setup(cfg)
+    ctx = comm.setup(cfg)
     try:
         trainer = engine.Trainer(cfg, ctx)
         trainer.build_model(_tiny_model())
@@ -535,7 +536,7 @@ def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, mon
         assert trainer.state.global_step == 3
         assert not os.path.exists(tmp_path / "metrics.jsonl")
     finally:
-        group.teardown()
+        comm.teardown()
 
 
 def test_the_jpeg_job_says_whether_the_target_is_met_and_by_how_much():

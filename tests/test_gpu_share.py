@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
-from distribuuuu.launch import gloo_cuda, group
+from distribuuuu.launch import comm, gloo_cuda
 from distribuuuu.launch.launcher import LaunchInfo
 from tests.conftest import TINY, free_port
 
@@ -33,10 +33,10 @@ def _torchrun_info(local_rank: int, local_world: int) -> LaunchInfo:
 def test_gloo_lets_ranks_share_a_gpu_round_robin(monkeypatch):
     _fake_gpus(monkeypatch, 1)
     cfg = load_config(TINY, ["DEVICE", "cuda", "DIST.BACKEND", "gloo"])
-    assert [group._choose_device(cfg, _torchrun_info(r, 2)) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    assert [comm._choose_device(cfg, _torchrun_info(r, 2)) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
     _fake_gpus(monkeypatch, 2)
-    assert [group._choose_device(cfg, _torchrun_info(r, 4)).index for r in range(4)] == [0, 1, 0, 1]
-    assert group._choose_backend(cfg, torch.device("cuda", 0)) == "gloo"
+    assert [comm._choose_device(cfg, _torchrun_info(r, 4)).index for r in range(4)] == [0, 1, 0, 1]
+    assert comm._choose_backend(cfg, torch.device("cuda", 0)) == "gloo"
 
 
 @pytest.mark.parametrize("backend", ["auto", "nccl"])
@@ -44,7 +44,7 @@ def test_nccl_on_a_shared_gpu_is_refused_naming_gloo(monkeypatch, backend):
     _fake_gpus(monkeypatch, 1)
     cfg = load_config(TINY, ["DEVICE", "cuda", "DIST.BACKEND", backend])
     with pytest.raises(UserError) as e:
-        group._choose_device(cfg, _torchrun_info(1, 2))
+        comm._choose_device(cfg, _torchrun_info(1, 2))
     msg = str(e.value)
     assert "2 processes on this node but only 1 GPU(s)" in msg and "NCCL refuses" in msg
     assert "DIST.BACKEND gloo" in msg and "\n" not in msg

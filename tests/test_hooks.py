@@ -8,7 +8,7 @@ import pytest
 from distribuuuu import engine
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
-from distribuuuu.launch import group
+from distribuuuu.launch import comm
 from tests.conftest import ROOT, TINY, read_metrics
 
 STEPS_PER_EPOCH = 8  # synthetic_tiny: 128 samples, batch 16, one process
@@ -19,7 +19,7 @@ def _cfg(tmp_path, *opts: str):
 
 
 def _fit(cfg, hooks=()):
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         return engine.fit(cfg, ctx, hooks=hooks)
 
 
@@ -84,10 +84,10 @@ def test_a_hook_from_the_config_can_stop_training(tmp_path, caplog):
 
 def test_a_hook_that_cannot_be_imported_is_a_user_error_naming_it(tmp_path):
     cfg = _cfg(tmp_path, "TRAIN.HOOKS", "['no_such_package.hooks:Nothing']")
-    with group.session(cfg) as ctx, pytest.raises(UserError, match="no_such_package.hooks:Nothing"):
+    with comm.session(cfg) as ctx, pytest.raises(UserError, match="no_such_package.hooks:Nothing"):
         engine.Trainer(cfg, ctx)
     cfg = _cfg(tmp_path, "TRAIN.HOOKS", "['tests.test_hooks:NoSuchClass']")
-    with group.session(cfg) as ctx, pytest.raises(UserError, match="tests.test_hooks:NoSuchClass"):
+    with comm.session(cfg) as ctx, pytest.raises(UserError, match="tests.test_hooks:NoSuchClass"):
         engine.Trainer(cfg, ctx)
 
 

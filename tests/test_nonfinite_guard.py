@@ -14,12 +14,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from distribuuuu import engine, optim
+from distribuuuu import engine, nonfinite, strategies
 from distribuuuu.config import load_config
 from distribuuuu.data import register_source, unregister_source
-from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
-from distribuuuu.launch import group
+from distribuuuu.launch import comm
+from distribuuuu.optim import Stepper
+from distribuuuu.strategies import Strategy
 from tests.conftest import ROOT, TINY, env, read_metrics
 
 CPU = torch.device("cpu")
@@ -69,7 +70,7 @@ def _cfg(out, *opts: str):
 
 
 def _fit(cfg, hooks=()):
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         return engine.fit(cfg, ctx, hooks=hooks)
 
 
@@ -103,7 +104,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
     cfg = load_config(TINY, ["TRAIN.EMA_DECAY", "0.9", *opts])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
     assert stepper.on_device == (opts[1] != "lamb")  # LAMB has no fused kernel: the synced check
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
@@ -115,7 +116,7 @@ def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
     skipped = out.skipped if out.skipped is not None else torch.tensor(out.stepped is False)
     assert bool(skipped)
     assert _same(_state(stepper), before)  # params, momentum/moments/step, BN stats + count, EMA
-    assert stepper.take_skips()["skips"] == (1 if stepper.on_device else 0)
+    assert (stepper.skips.take() if stepper.on_device else dict(skips=0))["skips"] == (1 if stepper.on_device else 0)
     assert stepper.micro_step(x, y).stepped and not _same(_state(stepper), before)  # and it trains on
 
 
@@ -128,7 +129,7 @@ def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
     runs = []
     for first_bad in (True, False):
         model = _net()
-        stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+        stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
         if first_bad:
             assert stepper.micro_step(torch.full_like(x, float("nan")), y).stepped is False
             assert not stepper.optimizer.state or all(
@@ -211,7 +212,7 @@ def test_sync_calls_do_not_grow_with_the_steps(tmp_path, optimizer):
                                  "TRAIN.SYNTHETIC_SAMPLES", str(samples), "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8",
                                  "TEST.SYNTHETIC_SAMPLES", "8", "TRAIN.PRINT_FREQ", "1000"])
         mode = CountSyncs()
-        with group.session(cfg) as ctx:
+        with comm.session(cfg) as ctx:
             trainer = engine.Trainer(cfg, ctx)
             with mode:
                 trainer.fit()
@@ -268,7 +269,7 @@ def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
     takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16)
+    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     model[0].requires_grad_(False)
@@ -278,7 +279,7 @@ def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
     bufs = [stepper.optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(torch.isfinite(b).all() for b in bufs)
     assert all(group["fused"] for group in stepper.optimizer.param_groups)  # back on the fused kernel
-    assert stepper.on_device and not stepper._momentum_unborn()
+    assert stepper.on_device and not nonfinite.momentum_unborn(stepper.optimizer)
 
 
 def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
@@ -301,8 +302,8 @@ def test_a_checkpoint_from_before_the_fused_kernels_resumes_on_them():
     the stepper puts back the fused kernel its device-side skip needs."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     model = _net()
-    opt = optim.build_optimizer(cfg, model)
-    stepper = Stepper(cfg, CPU, model, opt, global_batch=16)
+    opt = strategies.build_optimizer(cfg, model)
+    stepper = Stepper(cfg, CPU, model, opt, global_batch=16, strategy=Strategy(cfg, None))
     old = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     opt.load_state_dict(old.state_dict())
     stepper.load_state_dict({})

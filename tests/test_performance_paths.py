@@ -23,7 +23,7 @@ from PIL import Image
 
 from distribuuuu import data
 from distribuuuu.config import load_config
-from distribuuuu.data import loaders, transforms
+from distribuuuu.data import pipeline, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
@@ -320,15 +320,15 @@ def test_fast_folder_loader_matches_the_pil_loader_statistics(tmp_path):
 # choosing the path, and the speedrun config
 # ---------------------------------------------------------------------------------------------
 def test_pipeline_choice_and_its_errors(tmp_path):
-    assert loaders.data_pipeline(make_cfg(MNIST), "TRAIN") == "memory"
-    assert loaders.data_pipeline(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), "TRAIN") == "loader"
+    assert pipeline.data_pipeline(make_cfg(MNIST), "TRAIN") == "memory"
+    assert pipeline.data_pipeline(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), "TRAIN") == "loader"
     assert not isinstance(data.build_train_loader(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), 0, 1, CPU),
                           MemoryLoader)
     syn = {"TRAIN.DATASET": "synthetic", "TEST.DATASET": "synthetic", "MODEL.NUM_CLASSES": 4, "TRAIN.TOPK": 2}
-    assert loaders.data_pipeline(make_cfg(syn), "TRAIN") == "loader"  # auto: synthetic stays on the DataLoader
+    assert pipeline.data_pipeline(make_cfg(syn), "TRAIN") == "loader"  # auto: synthetic stays on the DataLoader
     folder = make_cfg({**syn, "TRAIN.DATASET": str(tmp_path), "TRAIN.DATA_PIPELINE": "memory"})
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE memory.*image folder"):
-        loaders.data_pipeline(folder, "TRAIN")
+        pipeline.data_pipeline(folder, "TRAIN")
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE must be one of auto, memory, loader"):
         make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "gpu"})  # the config's choices (load_config)
     with pytest.raises(UserError, match="TRAIN.IMAGE_DECODE must be one of fast, pil"):

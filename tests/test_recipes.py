@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from distribuuuu import inference
-from distribuuuu.data import datasets, loaders, sources, transforms
+from distribuuuu.data import datasets, pipeline, sources, transforms
 from distribuuuu.data.memory import pad_crop_flip
 from distribuuuu.data.recipe import Recipe, log_recipe, recipe_of
 from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
@@ -90,8 +90,8 @@ def test_default_mnist5k_keeps_pad_crop_without_flip():
     ds = datasets.build_dataset(cfg, train=True)
     kinds = [type(t) for t in ds.transform.transforms]
     assert v2.RandomCrop in kinds and v2.RandomResizedCrop not in kinds and v2.RandomHorizontalFlip not in kinds
-    assert loaders.data_pipeline(cfg, "TRAIN") == "memory"
-    loader = loaders.build_train_loader(cfg, 0, 1, CPU)
+    assert pipeline.data_pipeline(cfg, "TRAIN") == "memory"
+    loader = pipeline.build_train_loader(cfg, 0, 1, CPU)
     assert (loader.pad, loader.flip) == (2, 0.0)
 
 
@@ -147,7 +147,7 @@ def test_interpolation_changes_the_fast_and_pil_eval_resize(tmp_path):
 def test_mean_std_and_crop_pct_reach_the_folder_loaders(tmp_path, decode):
     cfg = _folder_cfg(str(tmp_path / "d"), **{"TRAIN.IMAGE_DECODE": decode, "TRAIN.MEAN": [0.5, 0.4, 0.3],
                                               "TRAIN.STD": [0.2, 0.25, 0.5], "TEST.CROP_PCT": 0.5})
-    images, _ = next(iter(loaders.build_test_loader(cfg, 0, 1, CPU)))
+    images, _ = next(iter(pipeline.build_test_loader(cfg, 0, 1, CPU)))
     want = (torch.tensor([120 / 255] * 3) - torch.tensor([0.5, 0.4, 0.3])) / torch.tensor([0.2, 0.25, 0.5])
     assert images.shape == (2, 3, 8, 8)
     assert torch.allclose(images[0, :, 0, 0], want, atol=1e-5)
@@ -158,17 +158,17 @@ def test_mean_std_and_crop_pct_reach_the_folder_loaders(tmp_path, decode):
 
 def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cfg = make_cfg({**MNIST, "TRAIN.MEAN": [0.5], "TRAIN.STD": [0.25], "TRAIN.FLIP_PROB": 1.0})
-    loader = loaders.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
+    loader = pipeline.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
     images, _ = next(iter(loader))
     raw, _ = sources.load_mnist5k("val", "TEST")
     assert torch.allclose(images[0], (raw[0].float() / 255 - 0.5) / 0.25, atol=1e-5)
-    assert loaders.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
+    assert pipeline.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
     digits = raw[:4]
     assert torch.equal(pad_crop_flip(digits, torch.arange(4), 28, 0, 1.0), digits.flip(-1))  # p 1: every one
     assert torch.equal(pad_crop_flip(digits, torch.arange(4), 28, 0, 0.0), digits)
     cropped = make_cfg({**MNIST, "TRAIN.CROP_SCALE": [0.8, 1.0], "TRAIN.INTERPOLATION": "bicubic"})
-    assert loaders.data_pipeline(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
-    assert loaders.data_pipeline(cropped, "TEST") == "memory"
+    assert pipeline.data_pipeline(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
+    assert pipeline.data_pipeline(cropped, "TEST") == "memory"
     tf = datasets.build_dataset(cropped, train=True).transform
     want = v2.Compose([v2.RandomResizedCrop(28, scale=(0.8, 1.0), interpolation=BICUBIC, antialias=True),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.1307], [0.3081])])
@@ -250,7 +250,7 @@ def test_memory_pipeline_with_crop_scale_is_a_user_error():
 
     cfg = make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "memory", "TRAIN.CROP_SCALE": [0.8, 1.0]})
     with pytest.raises(UserError, match="TRAIN.CROP_SCALE needs TRAIN.DATA_PIPELINE auto or loader"):
-        loaders.data_pipeline(cfg, "TRAIN")
+        pipeline.data_pipeline(cfg, "TRAIN")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from distribuuuu import optim
+from distribuuuu import strategies
 from distribuuuu.config import load_config
-from distribuuuu.engine.stepper import Stepper, ema_decay_per_step
+from distribuuuu.optim import Stepper, ema_decay_per_step
+from distribuuuu.strategies import Strategy
 from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics, torchrun
 
 CPU = torch.device("cpu")
@@ -25,8 +26,8 @@ def _cfg(*opts):
 
 def _one_step(cfg, batches):
     model = _net()
-    opt = optim.build_optimizer(cfg, model)
-    stepper = Stepper(cfg, CPU, model, opt, global_batch=16)
+    opt = strategies.build_optimizer(cfg, model)
+    stepper = Stepper(cfg, CPU, model, opt, global_batch=16, strategy=Strategy(cfg, None))
     outs = [stepper.micro_step(x, y) for x, y in batches]
     return model, outs
 
@@ -72,7 +73,7 @@ def test_optimizers_build_and_step(name, cls):
     cfg = _cfg("OPTIM.OPTIMIZER", name, "OPTIM.NO_WD_NORM_BIAS", "True", "OPTIM.WEIGHT_DECAY", "0.1",
                "OPTIM.BASE_LR", "0.01")
     model, outs = _one_step(cfg, [(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3]))])
-    opt = optim.build_optimizer(cfg, model)
+    opt = strategies.build_optimizer(cfg, model)
     assert type(opt).__name__ == cls
     assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.1]  # biases exempt
     assert outs[0].stepped is True
@@ -140,12 +141,12 @@ def _zero_vs_ddp_worker(out_dir):
 
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
-    from distribuuuu.engine.stepper import Stepper
-    from distribuuuu.launch import group
+    from distribuuuu.launch import comm
+    from distribuuuu.optim import Stepper
 
     results = {}
     base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
-    with group.session(base) as ctx:
+    with comm.session(base) as ctx:
         for strategy in ("ddp", "zero1"):
             cfg = load_config(TINY, ["DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
             torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 
 from distribuuuu import optim
 from distribuuuu.config import load_config
-from distribuuuu.engine import state as engine_state
+from distribuuuu.engine import rng as engine_state
 from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder import checkpoint
@@ -215,14 +215,19 @@ def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
     assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]
 
 
-def test_every_strategy_the_config_allows_is_a_module_of_that_name():
-    """DIST.STRATEGY's choices (config/validate.py) are the registry: strategy_class imports the module so named."""
+def test_every_strategy_the_config_allows_is_in_the_registry():
+    """DIST.STRATEGY's choices (config/validate.py) are the registry: ddp, the default, is built into
+    strategies/__init__.py (no module of its name); strategy_class imports the module of any other."""
+    import importlib.util
+
     from distribuuuu import strategies
     from distribuuuu.config.validate import STRATEGIES
 
+    assert set(strategies.BUILT_IN) == {"ddp"} and importlib.util.find_spec("distribuuuu.strategies.ddp") is None
     for name in (*STRATEGIES, "single"):
         cls = strategies.strategy_class(name)
-        assert issubclass(cls, strategies.Strategy) and cls.__module__ == f"distribuuuu.strategies.{name}"
+        module = "distribuuuu.strategies" if name in strategies.BUILT_IN else f"distribuuuu.strategies.{name}"
+        assert issubclass(cls, strategies.Strategy) and cls.name == name and cls.__module__ == module
 
 
 def test_an_older_metrics_file_reads_with_todays_field_names(tmp_path):

@@ -21,9 +21,9 @@ Three loaders per rank:
   build_val_loader    what picks the best checkpoint: with TRAIN.VAL_SPLIT > 0 the images held
                       out of TRAIN (eval transforms), else the TEST data
   build_test_loader   always the TEST data
-Each is the train_loader / eval_loader of the pipeline chosen once for its split (loaders.pipeline_class,
+Each is the train_loader / eval_loader of the pipeline chosen once for its split (pipeline.pipeline_class,
 from TRAIN.DATA_PIPELINE, the source and the memory budget): one Pipeline class each (pipeline.py, the
-contract every loader keeps): memory.MemoryPipeline, dataloader.LoaderPipeline, shards.loader.ShardPipeline.
+contract every loader keeps): memory.MemoryPipeline, pipeline.LoaderPipeline, shards.loader.ShardPipeline.
 TRAIN.VAL_SPLIT (a fraction < 1, or a number of images) holds out, from each class of the TRAIN
 data, round(fraction x class size) images chosen by a constant seed (split.HOLDOUT_SEED, never
 RNG_SEED): the same images on every rank, in every run and on resume, and never in training.
@@ -39,9 +39,14 @@ each rank.
 
 from distribuuuu.data.check import check_datasets
 from distribuuuu.data.datasets import build_dataset
-from distribuuuu.data.loaders import build_test_loader, build_train_loader, build_val_loader, take_bad_image_count
 from distribuuuu.data.mnist5k import export_mnist5k
-from distribuuuu.data.pipeline import ShardedEvalSampler
+from distribuuuu.data.pipeline import (
+    ShardedEvalSampler,
+    build_test_loader,
+    build_train_loader,
+    build_val_loader,
+    take_bad_image_count,
+)
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",

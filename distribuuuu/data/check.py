@@ -18,7 +18,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import integrity, registry, sources, split
 from distribuuuu.data.datasets import require_image_chans, tensor_source, val_folder_classes
-from distribuuuu.data.loaders import data_pipeline
+from distribuuuu.data.pipeline import data_pipeline
 from distribuuuu.data.shards import plan
 from distribuuuu.data.shards.index import load_shard_set
 from distribuuuu.errors import UserError

@@ -211,3 +211,6 @@ class MemoryPipeline(Pipeline):
         drop_last = train and len(sampler) >= batch_size
         return MemoryLoader(dataset, images.to(device), targets.to(device), sampler, batch_size, drop_last,
                             pad=pad, flip=flip, train=train, normalize=normalize, policy=policy, erase=erase)
+
+
+PIPELINE = MemoryPipeline  # its class in pipeline.PIPELINES (imported there on first use)

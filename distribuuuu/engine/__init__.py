@@ -1,14 +1,15 @@
-"""Training and evaluation: the Trainer's loop (trainer.py), its hooks (hooks.py), evaluation
-(evaluation.py), the run's state and its checkpoints (state.py), and one optimizer step (stepper.py).
+"""Training and evaluation: the Trainer's loop and the state it saves and resumes (trainer.py), its
+hooks (hooks.py) and evaluation (evaluation.py). One optimizer step is optim.py's; the eval command
+is api.run_eval.
 
-``fit(cfg, ctx, hooks=())`` trains; ``run_eval(cfg, ctx)`` is the ``eval`` command.
+``fit(cfg, ctx, hooks=())`` trains.
 """
 
-from distribuuuu.engine.evaluation import evaluate, run_eval
-from distribuuuu.engine.hooks import HookBase, NonFiniteLoss, vote_period
-from distribuuuu.engine.state import TrainState, seed_everything
-from distribuuuu.engine.trainer import Trainer, fit
+from distribuuuu.engine.evaluation import evaluate
+from distribuuuu.engine.hooks import HookBase, vote_period
+from distribuuuu.engine.trainer import Trainer, TrainState, fit, seed_everything
 from distribuuuu.launch.signals import Preempted  # raised by the CheckpointHook; importable here as before
+from distribuuuu.nonfinite import NonFiniteLoss
 
-__all__ = ["HookBase", "NonFiniteLoss", "Preempted", "Trainer", "TrainState", "evaluate", "fit", "run_eval",
+__all__ = ["HookBase", "NonFiniteLoss", "Preempted", "Trainer", "TrainState", "evaluate", "fit",
            "seed_everything", "vote_period"]

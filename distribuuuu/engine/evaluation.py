@@ -1,6 +1,6 @@
 """Evaluation: exact counting of loss and top-k hits (Counter, also the training epoch's), exact metrics
-over a whole split, the epoch's validation, the test of the chosen checkpoint, and ``run_eval`` (the
-``eval`` command).
+over a whole split, the epoch's validation and the test of the chosen checkpoint (the ``eval``
+command runs ``evaluate`` too: api.run_eval).
 
 A Counter's sums live in one float64 tensor on the training device, so the hot loop never syncs with
 the host; ``reduce()`` is its only collective and runs once, at the end of an epoch or evaluation.
@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, inference, inferred, models
-from distribuuuu.engine.state import seed_everything
-from distribuuuu.engine.stepper import Stepper
+from distribuuuu import data, models
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
-from distribuuuu.launch.group import DistContext
-from distribuuuu.run_folder import RunFolder
+from distribuuuu.launch.comm import DistContext
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer
+    from distribuuuu.optim import Stepper
 
 log = logging.getLogger("distribuuuu")
 
@@ -114,10 +111,16 @@ def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext
             log.info("[val] iter %d/%d", it + 1, iters)
     result = counter.reduce().result()
     # Unreadable images are left out, not replaced (data.batches.collate_readable): n counts the readable ones.
+    return {**result, "bad_images": bad_images(loader, ctx, "unreadable images left out of the evaluation")}
+
+
+def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
+    """Collective: the unreadable images the loader met since the last call, over all ranks, and rank
+    0's warning (each file was named in the log when it was met)."""
     bad = int(comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
-    if bad and ctx.is_main:  # each file was named in the log when it was met
-        log.warning("evaluation: %d unreadable images left out; n counts the %d readable ones", bad, result["n"])
-    return {**result, "bad_images": bad}
+    if bad and ctx.is_main:
+        log.warning("%d %s", bad, what)
+    return bad
 
 
 def validate(trainer: Trainer) -> None:
@@ -168,27 +171,4 @@ def test_chosen_checkpoint(trainer: Trainer) -> dict:
              path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
     trainer.eval_split, trainer.eval_records = "test", [record]
     trainer.call("after_eval")
-    return record
-
-
-def run_eval(cfg: CfgNode, ctx: DistContext) -> dict[str, Any]:
-    """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
-    cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
-    weights = cfg.MODEL.WEIGHTS
-    run = RunFolder(cfg)
-    seed_everything(cfg, ctx.rank)
-    model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
-    if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(cfg):  # a folder of class folders: its held-out part
-        log.info("[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g held out",
-                 cfg.TRAIN.VAL_SPLIT)
-        loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-    else:
-        loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
-    start = time.perf_counter()
-    result = evaluate(model, loader, cfg, ctx)
-    log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
-             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"],
-             time.perf_counter() - start)
-    record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
-    run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
     return record

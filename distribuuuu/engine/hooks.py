@@ -43,11 +43,11 @@ from yacs.config import CfgNode
 
 from distribuuuu import heads, models
 from distribuuuu.engine import evaluation
-from distribuuuu.engine.state import CheckpointTimer, save_run
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.launch.signals import Preempted
 from distribuuuu.logger import format_seconds
+from distribuuuu.nonfinite import NonFiniteLoss, nonfinite_advice, reconcile
 
 if TYPE_CHECKING:
     from distribuuuu.engine.trainer import Trainer
@@ -112,7 +112,7 @@ class FreezeBackboneHook(HookBase):
     optimizer update, no weight decay) and its BatchNorm layers run in eval mode, so its statistics stay
     as loaded too (timm's freeze does the same); the head trains. Decided from the epoch alone, so a
     resumed run is frozen exactly when the uninterrupted run was. Under DDP the strategy sets
-    find_unused_parameters (strategies/ddp.py): the frozen parameters are registered but get no gradient.
+    find_unused_parameters (strategies/__init__.py's DDPStrategy): the frozen parameters are registered but get no gradient.
     """
 
     def __init__(self, cfg: CfgNode) -> None:
@@ -140,23 +140,6 @@ class FreezeBackboneHook(HookBase):
         if frozen:  # after the trainer's model.train(): the statistics stay fixed this epoch
             for m in self.norms:
                 m.eval()
-
-
-class NonFiniteLoss(UserError, RuntimeError):
-    """The loss or the gradients stayed non-finite (TRAIN.NONFINITE).
-
-    A UserError: the cure is a setting (the LR, clipping) or the data, so every rank ends with one
-    message and exit status 2, no traceback. The ranks agree on it (the step's vote, or the
-    epoch's reduced loss), so none is left waiting; checkpoints and metrics so far stay.
-    """
-
-
-def nonfinite_advice(cfg: CfgNode) -> str:
-    """What to change after non-finite numbers, and what is kept (the end of NonFiniteLoss's message)."""
-    clip = ("lower TRAIN.CLIP_GRAD_NORM" if cfg.TRAIN.CLIP_GRAD_NORM > 0
-            else "clip the gradients (e.g. TRAIN.CLIP_GRAD_NORM 1.0)")
-    return (f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad values; "
-            f"the checkpoints and metrics so far are kept in {cfg.OUT_DIR}")
 
 
 class MetricsHook(HookBase):
@@ -230,6 +213,19 @@ class EarlyStopHook(HookBase):
             trainer.stop_reason = f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations"
 
 
+class CheckpointTimer:
+    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.period_s, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+
 def vote_period(cfg: CfgNode, world_size: int) -> int:
     """Optimizer steps between two stop/checkpoint votes: DIST.VOTE_PERIOD_STEPS, or with 0 (auto)
     every step up to 8 processes and every 10 beyond (a vote's latency grows with the processes)."""
@@ -257,7 +253,7 @@ class CheckpointHook(HookBase):
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
         self.timer.reset()
-        save_run(trainer, **kwargs)
+        trainer.save(**kwargs)
 
     def after_step(self, trainer: Trainer) -> None:
         if trainer.step_out.stepped is None:  # not an optimizer-step boundary
@@ -273,7 +269,7 @@ class CheckpointHook(HookBase):
         stop, by_time = comm.any_rank([stop_signal is not None, ctx.is_main and self.timer.due()]) if vote else (
             False, False)
         if (stop or by_steps or by_time) and not epoch_done:
-            trainer.reconcile()  # the exact global_step (skipped steps on the device path): a host sync
+            reconcile(trainer)  # the exact global_step (skipped steps on the device path): a host sync
             by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
             if (stop or by_steps or by_time) and state.global_step != self.saved_step:
                 self.saved_step = state.global_step

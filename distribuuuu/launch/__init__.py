@@ -2,9 +2,10 @@
 
 - ``launch.launcher``: who started this process (``detect() -> LaunchInfo``); the only reader of the
   launchers' variables (RANK, WORLD_SIZE, LOCAL_RANK, SLURM_*, ...). Slurm notations: ``launch.hostlist``.
-- ``launch.group``: ``setup(cfg) -> DistContext`` / ``teardown()`` / ``session(cfg)``: device,
-  backend, threads, cuDNN flags, the process group.
-- ``launch.comm``: rank helpers and small collectives that also work without a process group.
+- ``launch.comm``: ``setup(cfg) -> DistContext`` / ``teardown()`` / ``session(cfg)``: device,
+  backend, threads, cuDNN flags, the process group; and the small collectives over it, which also
+  work without a process group. ``launch.store``: the group's store (restart-private keys, stop
+  announcements between ranks).
 - ``launch.spawn``: ``spawn(worker, nprocs)``, the ``--nproc-per-node`` spawner.
 - ``launch.signals``: Ctrl-C/SIGTERM handling, preemption signals, ``Preempted``, Slurm requeue.
 

@@ -1,28 +1,292 @@
-"""Rank helpers and small collectives: they all work without a process group (rank 0 of 1).
+"""The process group of a run (setup, teardown, and what each process chooses once), and the
+collectives over it, which all work without a process group too (rank 0 of 1).
 
-Every collective must be called by every rank, in the same order; with nccl, tensors must be on
-this rank's GPU. ``any_rank`` runs on a gloo side group under nccl (set by launch.group.setup), so
-a per-step vote costs no host-device sync.
+What ``setup(cfg)`` chooses, once per process (the launch itself comes from launch.launcher.detect):
+- device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
+  visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
+  GPUs) is right: ``cuda:0`` then; or ``DIST.BACKEND gloo``, which lets ranks share a GPU
+  (``cuda:<local_rank % GPUs>``, a test mode); anything else is a UserError (NCCL refuses a shared GPU).
+- backend: ``DIST.BACKEND auto`` is nccl on CUDA, gloo on CPU.
+- intra-op threads: ``NUM_THREADS`` if > 0; else an ``OMP_NUM_THREADS`` already in the environment
+  (torchrun sets 1 for several processes per node); else the usable cores / processes on the node.
+- cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
+  ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
+  convolutions as ``CUDNN.TF32`` says (on by default).
+- the process group (``env://``, its store: launch.store), only with more than one process, and
+  under nccl a gloo side group for ``any_rank``; under gloo on CUDA, a check that gloo serves the collectives the
+  run needs on CUDA tensors (launch.gloo_cuda), before any work.
+- stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
+  with 130 / 143 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
+
+Collectives: every rank must call them, in the same order; with nccl, tensors must be on this rank's
+GPU. ``any_rank`` runs on the gloo side group under nccl, so a per-step vote costs no host-device sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["get_world_size", "barrier", "all_reduce_sum", "average_buffers",
-           "broadcast_object", "all_gather_object", "any_rank", "set_control_group"]
+from distribuuuu.errors import UserError
+from distribuuuu.launch import gloo_cuda, launcher, signals, store
+from distribuuuu.launch.launcher import LaunchInfo
 
+__all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use",
+           "get_world_size", "barrier", "all_reduce_sum", "average_buffers", "broadcast_object",
+           "all_gather_object", "any_rank", "set_control_group"]
+
+
+@dataclass(frozen=True)
+class DistContext(LaunchInfo):
+    """The launch (rank, world size, launcher, master...), plus the device and backend this process uses."""
+
+    device: torch.device
+    backend: str  # the backend of the process group ("nccl"/"gloo"); chosen even for one process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _choose_device(cfg: Any, info: LaunchInfo) -> torch.device:
+    want = cfg.DEVICE
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("DEVICE is cuda but no CUDA GPU is visible to this process; use DEVICE cpu or auto")
+    if info.local_world_size <= torch.cuda.device_count():  # every process of the node sees every GPU: one each
+        return torch.device("cuda", info.local_rank)
+    return _fewer_gpus_than_processes(cfg, info)
+
+
+def _fewer_gpus_than_processes(cfg: Any, info: LaunchInfo) -> torch.device:
+    """Right only when srun gave each task its own GPUs (--gpus-per-task: CUDA_VISIBLE_DEVICES differs
+    per task), or under gloo; otherwise two processes would share a GPU and NCCL stops with
+    "Duplicate GPU detected"."""
+    count = torch.cuda.device_count()
+    if info.launcher == "slurm" and launcher.slurm_gpus_per_task():
+        return torch.device("cuda", 0)  # the first of this task's own GPUs
+    if cfg.DIST.BACKEND == "gloo":
+        # gloo copies CUDA tensors through host memory, so several ranks may share a GPU (NCCL refuses
+        # that): the way to run the multi-rank GPU paths on one GPU (docs/launching.md). Round robin.
+        return torch.device("cuda", info.local_rank % count)
+    hint = ("request as many GPUs as tasks per node (--gres gpu:N with --ntasks-per-node N) or bind one "
+            "GPU per task (srun --gpus-per-task=1)" if info.launcher == "slurm"
+            else "start at most one process per GPU")
+    raise UserError(
+        f"{info.local_world_size} processes on this node but only {count} GPU(s) visible to each, so two "
+        f"would share a GPU, which NCCL refuses; {hint}, or use DEVICE cpu, or DIST.BACKEND gloo to share "
+        "the GPU (a test mode: slow collectives through host memory)"
+    )
+
+
+def _choose_backend(cfg: Any, device: torch.device) -> str:
+    backend = cfg.DIST.BACKEND
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("DIST.BACKEND nccl needs CUDA GPUs, but this run uses the CPU; use DIST.BACKEND gloo or auto")
+    return backend
+
+
+def _num_threads(cfg: Any, info: LaunchInfo) -> int | None:
+    """Intra-op threads for this process, or None to keep what torch read from OMP_NUM_THREADS.
+
+    Order: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS is kept (torchrun sets it
+    to 1 when it starts several processes per node and prints so; NUM_THREADS overrides it);
+    else the cores this process may use, split evenly between the processes on the node.
+    """
+    if cfg.NUM_THREADS > 0:
+        return cfg.NUM_THREADS
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm_cpus = launcher.slurm_cpus_per_task() if info.launcher == "slurm" else None
+    if slurm_cpus is not None:
+        return max(1, min(cores, slurm_cpus))
+    return max(1, cores // info.local_world_size)
+
+
+def _set_threads(cfg: Any, info: LaunchInfo) -> None:
+    threads = _num_threads(cfg, info)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _set_cudnn(cfg: Any) -> None:
+    deterministic = bool(cfg.CUDNN.DETERMINISTIC)
+    if deterministic:
+        # cuBLAS needs this before its first call to be deterministic; a user's value is kept.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = bool(cfg.CUDNN.BENCHMARK) and not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    # TF32 (Ampere and newer): float32 matmuls and convolutions on tensor cores with a 10-bit mantissa.
+    # The legacy flags, on purpose: after torch 2.14's fp32_precision setters, reading a legacy flag
+    # raises, and torch.compile's dynamo still reads one; the new getters follow the legacy flags.
+    torch.backends.cuda.matmul.allow_tf32 = bool(cfg.CUDNN.TF32)
+    torch.backends.cudnn.allow_tf32 = bool(cfg.CUDNN.TF32)
+    # warn_only: ops without a deterministic kernel warn instead of stopping the run. Called only
+    # on a change: the first call imports parts of torch that cost seconds at every start.
+    if deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    elif deterministic and not torch.is_deterministic_algorithms_warn_only_enabled():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def is_addr_in_use(err: BaseException) -> bool:
+    """Whether a store or group failed because its port is taken."""
+    text = str(err).lower()
+    return "address already in use" in text or "eaddrinuse" in text
+
+
+def gloo_side_group(timeout: datetime.timedelta) -> Any:
+    """Collective: a gloo group of all ranks for any_rank() beside an nccl main group.
+
+    With the main group's timeout (DIST.TIMEOUT_S; torch's default for a gloo group is 30 minutes),
+    so that a vote with a dead or hung rank fails as soon as an nccl collective would. Gloo finds
+    its network interface from the hostname: where that resolves to a loopback address, set
+    GLOO_SOCKET_IFNAME as NCCL_SOCKET_IFNAME (docs/launching.md).
+    """
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _strategy_class(cfg: Any) -> Any:
+    """The class of DIST.STRATEGY: it says which backend string its default group needs."""
+    from distribuuuu import strategies  # the strategy owns its needs; imported here, when a group is made
+
+    return strategies.strategy_class(cfg.DIST.STRATEGY)
+
+
+def _export_launch_env(info: LaunchInfo) -> None:
+    """init_method="env://" reads these; torchrun and launch have set them already."""
+    if info.launcher in ("slurm", "spawn"):
+        os.environ.update(
+            MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port), RANK=str(info.rank),
+            WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+            LOCAL_WORLD_SIZE=str(info.local_world_size),
+        )
+
+
+def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
+                        group_backend: str | None = None) -> None:
+    if not dist.is_available():
+        raise UserError("this PyTorch build has no torch.distributed; run a single process")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; call launch.comm.teardown() before setup() again")
+    _export_launch_env(info)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group(
+            backend=group_backend or backend, store=store.private_store(info.rank, info.world_size, timeout),
+            rank=info.rank, world_size=info.world_size, timeout=timeout,
+            device_id=device if backend == "nccl" else None,  # binds NCCL to our GPU eagerly
+        )
+        if backend == "nccl":
+            set_control_group(gloo_side_group(timeout))
+    except (dist.DistNetworkError, RuntimeError) as e:
+        if is_addr_in_use(e):
+            raise _port_taken(info) from None
+        raise
+
+
+def _port_taken(info: LaunchInfo) -> UserError:
+    return UserError(f"master port {info.master_port} on {info.master_addr} is already in use; "
+                     "pick another with MASTER_PORT=... or --master-port ...")
+
+
+def _check_gloo_cuda(cfg: Any, device: torch.device) -> None:
+    """Collective: gloo on CUDA tensors serves every collective this run needs, or every rank stops
+    here with the same UserError (launch.gloo_cuda), its process group destroyed."""
+    try:
+        gloo_cuda.check(cfg, device)
+    except UserError:
+        dist.destroy_process_group()
+        raise
+
+
+def setup(cfg: Any) -> DistContext:
+    """Detect the launch, pick device/backend/threads/cuDNN flags, join the process group (only with
+    more than one process), and print one ``[dist]`` line per process."""
+    info = launcher.detect()
+    device = _choose_device(cfg, info)
+    backend = _choose_backend(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _set_threads(cfg, info)
+    _set_cudnn(cfg)
+    if info.world_size > 1:
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _strategy_class(cfg).group_backend(cfg, backend))
+        if backend == "gloo" and device.type == "cuda":
+            _check_gloo_cuda(cfg, device)
+    _print_dist_line(info, device, backend)
+    # Only now: until the group exists a signal may end the process at once (nothing to clean
+    # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
+    signals.handle_stop_signals()
+    return DistContext(**asdict(info), device=device, backend=backend)
+
+
+def _print_dist_line(info: LaunchInfo, device: torch.device, backend: str) -> None:
+    """One write of the whole line: print() writes the text and the newline apart, so the ranks'
+    lines could interleave in a shared output file (seen in Slurm job logs)."""
+    master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
+    sys.stdout.write(
+        f"[dist] rank {info.rank}/{info.world_size} | local rank {info.local_rank}/{info.local_world_size} "
+        f"| node {info.node_rank} | master {master} | device {device} "
+        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}\n")
+    sys.stdout.flush()
+
+
+def teardown() -> None:
+    """Destroy the process group if there is one, restore the signal handlers setup() replaced.
+
+    Safe to call twice or without setup().
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    store.forget()
+    set_control_group(None)
+    signals.restore_signal_handlers()
+
+
+@contextmanager
+def session(cfg: Any) -> Iterator[DistContext]:
+    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
+    ctx = setup(cfg)
+    try:
+        yield ctx
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM on this rank: say so to the others first
+        if not isinstance(stop, signals.PeerStopped):
+            store.announce_stop(ctx.rank, stop)
+        raise
+    finally:
+        try:
+            teardown()
+        except KeyboardInterrupt:  # the stop signal landed in this cleanup: finish it, then go on
+            teardown()
+            raise
+
+
+# -- collectives ------------------------------------------------------------------------------------
 # A gloo group beside an nccl one, for any_rank(): its CPU all-reduce does not wait for the GPU
 # queue, so a per-step decision costs no host-device sync. None: the default group (gloo).
 _control_group: Any = None
 
 
 def set_control_group(group: Any) -> None:
-    """The group any_rank() votes on (None: the default group). Set by launch.group.setup/teardown."""
+    """The group any_rank() votes on (None: the default group). Set by launch.comm.setup/teardown."""
     global _control_group
     _control_group = group
 
@@ -50,12 +314,9 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def average_buffers(module: torch.nn.Module) -> None:
-    """Average floating-point buffers (BatchNorm running statistics) over all processes.
-
-    DDP keeps parameters identical but each rank's running statistics follow its own batches
-    (DDP only copies rank 0's at the start of the next forward). Averaging them once per epoch
-    makes every rank evaluate, and rank 0 save, the same model. One coalesced all-reduce.
-    """
+    """Average floating-point buffers (BatchNorm running statistics) over all processes, with one
+    coalesced all-reduce: DDP keeps the parameters identical, but each rank's running statistics
+    follow its own batches, so every rank then evaluates, and rank 0 saves, the same model."""
     buffers = [b for b in module.buffers() if b.is_floating_point()]
     if not _initialized() or not buffers:
         return

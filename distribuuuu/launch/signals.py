@@ -3,7 +3,7 @@
 Two policies, both here:
 
 - Stop signals (``handle_stop_signals``): SIGINT and SIGTERM unwind the process cleanly and end
-  it with 130 / 143. Installed by ``launch.group.setup`` and ``launch.spawn.spawn``.
+  it with 130 / 143. Installed by ``launch.comm.setup`` and ``launch.spawn.spawn``.
 - Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
   signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
   SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
@@ -40,7 +40,7 @@ class Terminated(KeyboardInterrupt):
 
 class PeerStopped(KeyboardInterrupt):
     """Another rank was ended by a stop signal, which broke this rank's collective: this rank ends
-    as stopped by the same signal (one line, 128 + signal), not as a crash (launch.group.stopped_peer)."""
+    as stopped by the same signal (one line, 128 + signal), not as a crash (launch.store.stopped_peer)."""
 
     def __init__(self, signum: int, peer: int) -> None:
         super().__init__(f"rank {peer} was stopped by {signal.Signals(signum).name}")
@@ -93,13 +93,13 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 
 def handle_stop_signals() -> None:
-    """Make SIGINT and SIGTERM stop this process cleanly. Called by group.setup() and spawn.spawn().
+    """Make SIGINT and SIGTERM stop this process cleanly. Called by comm.setup() and spawn.spawn().
 
     The policy, in one place:
 
     - The first SIGINT or SIGTERM raises in the main thread: KeyboardInterrupt for SIGINT (what
       Python does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM. Both unwind through
-      the same code: ``group.session()`` destroys the process group, the CLI prints one line and
+      the same code: ``comm.session()`` destroys the process group, the CLI prints one line and
       exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM. The spawner first passes
       the same signal to its children and waits for them (``STOP_GRACE_S``); its children run
       in sessions of their own (as torchrun's do), so a signal to the job's process group

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_line
 from distribuuuu.launch import launcher, signals
-from distribuuuu.launch.group import is_addr_in_use
+from distribuuuu.launch.comm import is_addr_in_use
 from distribuuuu.launch.launcher import SPAWN_MASTER_ADDR
 
 __all__ = ["spawn", "STOP_GRACE_S", "FAILURE_GRACE_S"]

@@ -1,6 +1,6 @@
 """Checkpoint files: atomic writes, keep-k pruning, finding the newest intact one, safe and
 verified loading. Their names under OUT_DIR/checkpoints/ are layout.py's; what a checkpoint holds, and
-resuming from one, is the training side's (engine/state.py, with the strategy's model and optimizer
+resuming from one, is the training side's (engine/trainer.py, with the strategy's model and optimizer
 entries). Only rank 0 writes. Every read uses ``torch.load(weights_only=True)``: no code runs.
 
 Integrity: every checkpoint written by ``save`` holds ``integrity``, a SHA-256 of each other top-level

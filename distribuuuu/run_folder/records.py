@@ -27,7 +27,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu.launch import comm
-from distribuuuu.launch.group import DistContext
+from distribuuuu.launch.comm import DistContext
 from distribuuuu.run_folder.layout import ENV, ENV_HISTORY, MODEL_TABLE, checkpoint_dir
 
 log = logging.getLogger("distribuuuu")
@@ -177,7 +177,7 @@ def previous_seed(cfg: CfgNode) -> int | None:
         with open(os.path.join(cfg.OUT_DIR, ENV)) as f:
             seed = json.load(f).get("seed")
     except (OSError, ValueError, AttributeError):
-        return None  # the checkpoint's own seed is applied on resume (engine.state)
+        return None  # the checkpoint's own seed is applied on resume (engine.trainer)
     return seed if isinstance(seed, int) else None
 
 

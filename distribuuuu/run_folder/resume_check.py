@@ -18,7 +18,7 @@ A differing dataset size, a model whose state dict does not fit, and an optimize
 optimizer are refused with one message each (never a traceback from deep inside torch). Every rank
 reads the same file and takes the same decision. ``preflight`` runs the config comparison in the
 launching process, before config.yaml or any checkpoint is written; ``check`` runs it again inside
-``engine.state.resume_run`` (for callers of engine.fit) together with the facts and the state.
+``engine.trainer.Trainer.resume`` (for callers of engine.fit) together with the facts and the state.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def peek_cfg(path: str) -> str | None:
 
 def preflight(cfg: Any) -> None:
     """In the launching process, before config.yaml or any checkpoint is written: refuse a resume
-    whose config differs where it may not (the full check runs again in resume_run)."""
+    whose config differs where it may not (the full check runs again in Trainer.resume)."""
     if not cfg.TRAIN.AUTO_RESUME:
         return
     for path in checkpoint.resume_candidates(cfg.OUT_DIR):
@@ -213,7 +213,7 @@ def optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> str | No
 
 def check(ckpt: dict[str, Any], path: str, cfg: Any, facts: dict[str, Any], model: torch.nn.Module | None,
           optimizer: torch.optim.Optimizer | None) -> None:
-    """Everything resume_run verifies before it loads: config, facts, model and optimizer state.
+    """Everything Trainer.resume verifies before it loads: config, facts, model and optimizer state.
     Raises UserError; logs ``resume: KEY changed old -> new`` for each accepted change."""
     if ckpt.get("cfg"):
         for key, old, new in compare_configs(ckpt["cfg"], cfg, path):

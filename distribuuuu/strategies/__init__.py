@@ -1,17 +1,23 @@
-"""The ways of training (DIST.STRATEGY): the Strategy interface here, one module per way, named as it.
+"""The ways of training (DIST.STRATEGY): the Strategy interface and the default, DDPStrategy, here;
+one module per other way, named as it.
 
 ``build(cfg, ctx)`` picks the Strategy for this run. With one process there is nothing to
 distribute: ddp / zero1 / fsdp train as ``single`` (fsdp says so), and dp drives all the GPUs
 of its one process; dp with several processes is refused before any starts (DP.check_config).
 ``strategy_class(name)`` is the class that DIST.STRATEGY names, asked before the run for its
-config rules, process-group backend and collectives. Adding a strategy: a module here, named as
-the strategy, with a ``STRATEGY`` class (a subclass of Strategy), and that name among the config's
-DIST.STRATEGY choices (config/validate.py STRATEGIES, which load_config checks).
+config rules, process-group backend and collectives: ``BUILT_IN`` (ddp, defined here), else the
+``STRATEGY`` of the module of that name, imported on first use. Adding a strategy: a module here,
+named as the strategy, with a ``STRATEGY`` class (a subclass of Strategy), and that name among the
+config's DIST.STRATEGY choices (config/validate.py STRATEGIES, which load_config checks).
+
+The optimizer of one replica is built here too (build_optimizer: param groups, OPTIM.OPTIMIZER's class
+with its fused kernel), since the strategy decides over which parameters it runs: ZeRO shards its
+state (zero1.py), FSDP builds it over the sharded parameters without fused SGD (fsdp.py).
 
 The Strategy interface is everything that differs between the ways of training. The engine, the
 stepper and the run-state code call these methods and never test the strategy's name. The defaults
-here are those of one plain process; a subclass (single.py, ddp.py, zero1.py, fsdp.py, dp.py)
-overrides what differs:
+here are those of one plain process; a subclass (DDPStrategy below, single.py, zero1.py, fsdp.py,
+dp.py) overrides what differs:
   wrap_model       SyncBN -> device -> channels_last -> activation checkpointing -> ``wrap``
                    (DDP, FSDP, DataParallel) -> torch.compile
   build_optimizer  the optimizer over the wrapped model's parameters (ZeRO differs)
@@ -20,7 +26,7 @@ overrides what differs:
   checkpoint_state / load_checkpoint   the model and optimizer entries of a checkpoint
   eval_model / release_eval / test_model   the module that evaluation runs
 
-and, asked of the class before any process group or model exists (api.preflight, launch.group):
+and, asked of the class before any process group or model exists (api.preflight, launch.comm):
 
   check_config     the settings this strategy cannot train: a UserError naming the way out
   group_backend    the default process group's backend string for this strategy
@@ -35,12 +41,14 @@ import logging
 from typing import Any
 
 import torch
+from timm.optim import get_optimizer_info, param_groups_weight_decay
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import models, optim
+from distribuuuu import heads, models
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -66,6 +74,67 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(torch.nn.utils.get_total_norm(floats, foreach=True))
 
 
+# -- the optimizer of one replica -------------------------------------------------------------------
+def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
+    """One group with weight decay on everything (Distribuuuu), or, with OPTIM.NO_WD_NORM_BIAS, a
+    second without it for 1-d parameters (norm weights, biases), as timm does."""
+    if not cfg.OPTIM.NO_WD_NORM_BIAS:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        groups = param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
+    scale = cfg.OPTIM.BACKBONE_LR_SCALE
+    return groups if scale == 1.0 else _split_backbone(model, groups, scale)
+
+
+def _split_backbone(model: torch.nn.Module, groups: list[dict], scale: float) -> list[dict]:
+    """OPTIM.BACKBONE_LR_SCALE != 1: each group split into the backbone's and the head's (heads.py);
+    every group then carries ``lr_scale`` (timm's name), which ``set_lr`` multiplies the LR by.
+    Groups are the same as before that key existed when it is 1, so older checkpoints resume."""
+    split = []
+    for group in groups:
+        backbone, head = heads.split_parameters(models.unwrap(model), group["params"])
+        split += [{**group, "params": params, "lr_scale": s}
+                  for params, s in ((backbone, scale), (head, 1.0)) if params]  # ZeRO wants no empty group
+    return split
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """'0.309M parameters at 0.1 x the LR, 0.000645M parameters at 1 x the LR' (for the log)."""
+    by_scale: dict[float, int] = {}
+    for group in optimizer.param_groups:
+        scale = group.get("lr_scale", 1.0)
+        by_scale[scale] = by_scale.get(scale, 0) + sum(p.numel() for p in group["params"])
+    return ", ".join(f"{n / 1e6:.3g}M parameters at {s:g} x the LR" for s, n in by_scale.items())
+
+
+FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # torch's optimizers with fused CPU/CUDA kernels
+
+
+def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD with
+    Distribuuuu's keys, or timm's (MOMENTUM where the optimizer has one). FUSED ones take the found_inf
+    flag that lets the non-finite guard skip a step without a host sync (nonfinite.py)."""
+    o = cfg.OPTIM
+    if o.OPTIMIZER == "sgd":
+        kernel = dict(fused=True) if fused_sgd else dict(foreach=True)
+        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
+    info = get_optimizer_info(o.OPTIMIZER)
+    kwargs = dict(info.defaults or {})
+    if info.has_momentum:
+        kwargs.setdefault("momentum", o.MOMENTUM)
+    if info.opt_class in FUSED:
+        kwargs["fused"] = True
+    return info.opt_class, kwargs
+
+
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module, fused_sgd: bool = True) -> torch.optim.Optimizer:
+    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py); ``fused_sgd`` False:
+    SGD's multi-tensor kernels (FSDP: torch has no sharding rule for the fused SGD kernel)."""
+    cls, kwargs = optimizer_class(cfg, fused_sgd)
+    return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
+
+
+# -- the strategies --------------------------------------------------------------------------------
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated units: the children of its top-level Sequential / ModuleList stages
     (ResNet's BasicBlocks and Bottlenecks, ViT's blocks, EfficientNet's stages), with parameters.
@@ -93,6 +162,17 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> int:
                 setattr(parent, name, checkpoint_wrapper(child))
                 count += 1
     return count
+
+
+def sync_batchnorm(model: nn.Module, cfg: CfgNode, ctx: Any) -> nn.Module:
+    """MODEL.SYNCBN: BatchNorm -> SyncBatchNorm when several processes train on CUDA."""
+    if not (cfg.MODEL.SYNCBN and ctx.distributed):
+        return model
+    if ctx.device.type == "cuda":
+        return models.convert_syncbn(model)
+    # torch's DDP accepts SyncBatchNorm on CUDA modules only
+    log.warning("MODEL.SYNCBN True: SyncBatchNorm needs CUDA; this CPU run keeps per-process BatchNorm")
+    return model
 
 
 class Strategy:
@@ -125,15 +205,10 @@ class Strategy:
     # -- the model and the optimizer ------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """SyncBN -> device -> channels_last -> activation checkpointing -> ``wrap`` -> torch.compile."""
-        cfg, ctx = self.cfg, self.ctx
-        if cfg.MODEL.SYNCBN and ctx.distributed:
-            if ctx.device.type == "cuda":
-                model = models.convert_syncbn(model)
-            else:  # torch's DDP accepts SyncBatchNorm on CUDA modules only
-                log.warning("MODEL.SYNCBN True: SyncBatchNorm needs CUDA; this CPU run keeps per-process BatchNorm")
+        cfg = self.cfg
+        model = sync_batchnorm(model, cfg, self.ctx)
         log.info("model %s: %.2fM parameters", cfg.MODEL.ARCH, models.count_parameters(model) / 1e6)
-        # With CPU offload FSDP moves the parameters to the CPU itself; the compute stays on the device.
-        model = model.to(ctx.device)
+        model = model.to(self.ctx.device)  # under CPU offload too: FSDP moves the parameters to the CPU itself
         if cfg.TRAIN.CHANNELS_LAST:
             model = model.to(memory_format=torch.channels_last)
         units = blocks(model)
@@ -141,8 +216,8 @@ class Strategy:
             log.info("activation checkpointing: %d blocks recompute their activations in the backward pass",
                      checkpoint_activations(model, units))
         model = self.wrap(model, units)
-        if cfg.TRAIN.COMPILE:
-            model = torch.compile(model, backend=cfg.TRAIN.COMPILE_BACKEND)  # compiles lazily, at the first step (timed apart)
+        if cfg.TRAIN.COMPILE:  # compiles lazily, at the first step (timed apart)
+            model = torch.compile(model, backend=cfg.TRAIN.COMPILE_BACKEND)
         return model
 
     def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
@@ -150,7 +225,7 @@ class Strategy:
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return optim.build_optimizer(self.cfg, model)
+        return build_optimizer(self.cfg, model)
 
     def gpus(self) -> list[torch.device]:
         """The GPUs this process computes on (none on CPU)."""
@@ -162,20 +237,16 @@ class Strategy:
         return contextlib.nullcontext()
 
     def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet).
-
-        DDP has already averaged the gradients, so a NaN on any rank is a NaN on all of them and
-        every rank reaches the same answer without a collective.
-        """
+        """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet). Under DDP the
+        gradients are already averaged: every rank gets the same answer without a collective."""
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         return all_finite(grads) if grads else torch.tensor(True)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                          shards: str) -> tuple[dict[str, Any], bool]:
-        """Collective: the model/optimizer entries of rank 0's checkpoint file, and whether the
-        weights are finite (decided on rank 0; other ranks answer True). ``shards``: the folder a
-        sharded strategy may write into."""
+        """Collective: rank 0's model/optimizer entries and whether its weights are finite (other ranks:
+        {}, True). ``shards``: a folder a sharded strategy may write into."""
         if not self.ctx.is_main:
             return {}, True
         weights = models.state_dict_for_saving(model)
@@ -210,18 +281,50 @@ class Strategy:
         return net
 
 
+def find_unused_parameters(cfg: CfgNode) -> bool:
+    """DIST.FIND_UNUSED_PARAMETERS, or on while TRAIN.FREEZE_BACKBONE_EPOCHS leaves the backbone
+    without gradients (DDP would wait for them; docs/recipes.md, Fine-tuning)."""
+    if cfg.DIST.FIND_UNUSED_PARAMETERS:
+        return True
+    if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS != 0:
+        log.info("DDP find_unused_parameters on: TRAIN.FREEZE_BACKBONE_EPOCHS leaves the backbone without gradients")
+        return True
+    return False
+
+
+class DDPStrategy(Strategy):
+    """The default: DistributedDataParallel, a whole replica per process, gradients all-reduced in buckets."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        d, device = self.cfg.DIST, self.ctx.device
+        # BUCKET_CAP_MB 0 -> None: torch's small first bucket, which starts communicating sooner.
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                       bucket_cap_mb=d.BUCKET_CAP_MB or None, static_graph=d.STATIC_GRAPH,
+                       gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
+                       find_unused_parameters=find_unused_parameters(self.cfg))
+        return self.ddp
+
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        # All-reduce on the last micro-batch only; self.ddp is the DDP module even under torch.compile.
+        return contextlib.nullcontext() if sync else self.ddp.no_sync()
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
+BUILT_IN: dict[str, type[Strategy]] = {"ddp": DDPStrategy}  # the others: a module each, imported on first use
+
+
 def resolve(name: str, distributed: bool) -> str:
     """The strategy that trains DIST.STRATEGY ``name`` with one process or several."""
     return name if distributed or name == "dp" else "single"
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The Strategy subclass of DIST.STRATEGY ``name`` (the validated config's choices, or "single"):
-    the ``STRATEGY`` of the module of that name, imported on first use."""
-    return importlib.import_module(f"distribuuuu.strategies.{name}").STRATEGY
+    """The Strategy subclass of DIST.STRATEGY ``name`` (the validated config's choices, or "single")."""
+    return BUILT_IN.get(name) or importlib.import_module(f"distribuuuu.strategies.{name}").STRATEGY
 
 
 def build(cfg: CfgNode, ctx: Any) -> Strategy:

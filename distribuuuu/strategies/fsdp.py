@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distribuuuu import models, optim
+from distribuuuu import models, strategies
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.strategies import Strategy, all_finite, local_tensor
@@ -196,7 +196,7 @@ class FSDP(Strategy):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         # torch has no DTensor rule for aten._fused_sgd_: SGD runs its multi-tensor kernels and keeps
         # the synced non-finite check; fused Adam/AdamW have one and skip on the device.
-        return optim.build_optimizer(self.cfg, model, fused_sgd=False)
+        return strategies.build_optimizer(self.cfg, model, fused_sgd=False)
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.

@@ -13,17 +13,17 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distribuuuu import optim
-from distribuuuu.strategies.ddp import DDPStrategy
+from distribuuuu import strategies
+from distribuuuu.strategies import DDPStrategy
 
 
 class Zero1(DDPStrategy):
     name = "zero1"
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        cls, kwargs = optim.optimizer_class(self.cfg)
+        cls, kwargs = strategies.optimizer_class(self.cfg)
         o = self.cfg.OPTIM
-        return ZeroRedundancyOptimizer(optim.param_groups(self.cfg, model), optimizer_class=cls, lr=o.BASE_LR,
+        return ZeroRedundancyOptimizer(strategies.param_groups(self.cfg, model), optimizer_class=cls, lr=o.BASE_LR,
                                        weight_decay=o.WEIGHT_DECAY, **kwargs)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -25,10 +25,10 @@ import torch
 from torch.utils.benchmark import Measurement, Timer
 
 from distribuuuu import config, data, models, optim, strategies
-from distribuuuu.engine.stepper import Stepper
 from distribuuuu.errors import UserError
-from distribuuuu.launch import group, launcher
+from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
+from distribuuuu.optim import Stepper
 
 MIN_RUN_S = 0.2  # torch's Timer default: enough blocks for a median and an IQR
 
@@ -77,7 +77,7 @@ def time_call(fn: Callable[[], Any], device: torch.device, iters: int, warmup: i
 # ---------------------------------------------------------------------------------------------
 # (a) - (c)
 # ---------------------------------------------------------------------------------------------
-def _stepper(cfg: Any, ctx: group.DistContext) -> Stepper:
+def _stepper(cfg: Any, ctx: comm.DistContext) -> Stepper:
     """The model and the engine's Stepper (AMP, channels_last, accumulation, clipping, EMA as configured)."""
     strategy = strategies.build(cfg, ctx)
     model = strategy.wrap_model(models.build_model(cfg, new_head=True))  # as training builds it (fine-tuning too)
@@ -86,7 +86,7 @@ def _stepper(cfg: Any, ctx: group.DistContext) -> Stepper:
     return Stepper(cfg, ctx.device, model, optimizer, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS, strategy)
 
 
-def bench_model(cfg: Any, ctx: group.DistContext, iters: int, warmup: int,
+def bench_model(cfg: Any, ctx: comm.DistContext, iters: int, warmup: int,
                 stepper: Stepper | None = None) -> dict[str, float]:
     """(a) the model on one random batch: a training step (the engine's Stepper.micro_step), its
     forward alone, and the eval-mode forward; median ms per call, its IQR, and img/s."""
@@ -117,14 +117,14 @@ def bench_model(cfg: Any, ctx: group.DistContext, iters: int, warmup: int,
                                                                           ("eval_forward", ev))}}
 
 
-def _train_loader(cfg: Any, ctx: group.DistContext) -> Any:
+def _train_loader(cfg: Any, ctx: comm.DistContext) -> Any:
     loader = data.build_train_loader(cfg, 0, 1, ctx.device)
     if len(loader) == 0:
         raise UserError("the training loader has no batches; lower TRAIN.BATCH_SIZE or use more data")
     return loader
 
 
-def bench_data(cfg: Any, ctx: group.DistContext, iters: int, loader: Any = None) -> dict[str, float]:
+def bench_data(cfg: Any, ctx: comm.DistContext, iters: int, loader: Any = None) -> dict[str, float]:
     """(b) the training loader alone: img/s after the first batch, per worker, first-batch latency.
     A loop over a loader, not a callable: timed by hand, with a clock that waits for the device."""
     loader = loader or _train_loader(cfg, ctx)
@@ -150,7 +150,7 @@ def bench_data(cfg: Any, ctx: group.DistContext, iters: int, loader: Any = None)
             "first_batch_s": first_s or 0.0, "batches": batches - 1}
 
 
-def bench_step(cfg: Any, ctx: group.DistContext, iters: int, warmup: int, stepper: Stepper | None = None,
+def bench_step(cfg: Any, ctx: comm.DistContext, iters: int, warmup: int, stepper: Stepper | None = None,
                loader: Any = None) -> dict[str, float]:
     """(c) training steps on real batches of the training loader: img/s and the data-wait share.
 
@@ -218,7 +218,7 @@ def run_local(cfg: Any, iters: int, warmup: int, out_dir: str) -> dict[str, Any]
     if launcher.detect().launcher != "plain":
         raise UserError("`distribuuuu bench` measures one process; start it without a launcher, and use "
                         "--scaling 1,2,4 to measure several processes")
-    with group.session(cfg) as ctx:
+    with comm.session(cfg) as ctx:
         setup_logging(None, True)
         result = {"arch": cfg.MODEL.ARCH, "batch": cfg.TRAIN.BATCH_SIZE,
                   "input": [cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE],

@@ -38,7 +38,7 @@ import torch
 from distribuuuu import config, data
 from distribuuuu.data import shards, sources
 from distribuuuu.errors import UserError
-from distribuuuu.launch import group, launcher
+from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
 from distribuuuu.tools.bench import _clock
 from distribuuuu.tools.plot import pyplot
@@ -308,7 +308,7 @@ def run_io(cfg: Any, workers: list[int], timing: tuple[int, int, int], io_shards
     formats, tmp = _formats(cfg, io_shards, out_dir)
     rows = []
     try:
-        with group.session(cfg) as ctx:
+        with comm.session(cfg) as ctx:
             setup_logging(None, True)
             # Formats alternate at each worker count, so that a slow spell of the machine hits both alike.
             for w in workers:

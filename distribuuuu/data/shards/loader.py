@@ -130,7 +130,7 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
 
 
 class ShardPipeline(Pipeline):
-    """A shard set (loaders.pipeline_class chooses it by the source's kind). part is always None:
+    """A shard set (pipeline.pipeline_class chooses it by the source's kind). part is always None:
     check_datasets refuses TRAIN.VAL_SPLIT with shards."""
 
     name = "shards"
@@ -140,3 +140,6 @@ class ShardPipeline(Pipeline):
 
     def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
         return build_shard_loader(self.cfg, self.key, False, rank, world_size, device, 0)
+
+
+PIPELINE = ShardPipeline  # pipeline.SHARD_PIPELINE names this module (imported there on first use)

@@ -1,0 +1,62 @@
+"""The RNG streams of one process as plain values, for the checkpoint (every rank's) and a resume.
+
+Plain Python values (bytes, ints, lists): they pickle for all_gather_object and load with
+torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("distribuuuu")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain Python values (bytes, ints, lists): they pickle for
+    all_gather_object and load with weights_only=True."""
+    name, key, *rest = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, key.tobytes(), *rest],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    if torch.cuda.is_available():  # this process's GPU only: a resumed task may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device()).numpy().tobytes()
+    return state
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.frombuffer(key, dtype=np.uint32).copy(), *rest))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        _set_cuda_rng_state(state["cuda"])
+
+
+def _set_cuda_rng_state(saved: bytes | list[bytes]) -> None:
+    """Restore the CUDA RNG of this process's GPU from bytes, or from an older checkpoint's list of
+    every visible GPU's state (by this GPU's index; skipped when that list is shorter, as after
+    torchrun with 8 visible GPUs resumed by srun with one GPU per task)."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, (list, tuple)):
+        if device >= len(saved):
+            log.warning("the checkpoint holds the CUDA RNG states of %d GPU(s), none for GPU %d: its CUDA "
+                        "RNG keeps the fresh seed", len(saved), device)
+            return
+        saved = saved[device]
+    torch.cuda.set_rng_state(_byte_tensor(saved), device)
+
+
+def _as_tuple(x: Any) -> Any:
+    """random.setstate wants tuples all the way down; pickling may give lists."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
