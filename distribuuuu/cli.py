@@ -378,7 +378,8 @@ def _spawn(command: str, cfg_file: str | None, opts: list[str], nproc: int, port
     new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
         api.preflight(command, cfg, nproc)
-        status = spawn.spawn(_spawned, nproc, args=(command, cfg_file, opts), port=port)
+        relay = cfg.TRAIN.PREEMPT_SIGNALS if command == "train" else ()  # e.g. SIGUSR1: a checkpoint, not a kill
+        status = spawn.spawn(_spawned, nproc, args=(command, cfg_file, opts), port=port, relay=relay)
     finally:  # a refused run takes a folder it made away again (an empty one only: rmdir)
         if new_folder and status == USER_ERROR_EXIT:
             run_folder.remove_if_empty(cfg.OUT_DIR)

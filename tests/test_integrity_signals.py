@@ -111,6 +111,19 @@ def test_sigterm_to_the_launcher_pid_checkpoints_and_the_rerun_resumes(tmp_path,
         _assert_rerun_resumes(out, LAUNCH[launcher], ckpt)
 
 
+def test_a_preemption_signal_to_the_spawner_pid_is_relayed_to_the_ranks(tmp_path):
+    """`kill -USR1 PID` of the spawner (sbatch --signal=B:USR1, or a user): SIGUSR1, a default
+    TRAIN.PREEMPT_SIGNALS signal, is passed on to the ranks, which write their step checkpoint and
+    exit 138; the spawner waits for them and exits 138 too, and the same command resumes. Before, the
+    signal's default action ended the spawner at once and its ranks with it (SIGINT, no checkpoint)."""
+    out = tmp_path / "run"
+    status, console, job = _stop_while_training(out, LAUNCH["spawn"], signal.SIGUSR1)
+    assert status == 128 + signal.SIGUSR1, f"exit {status}\n{console[-4000:]}"
+    assert "Traceback" not in console and "stopped by SIGINT" not in console, console[-6000:]
+    assert len(job) >= 3, job  # the spawner and its 2 ranks were seen, and are gone
+    _assert_rerun_resumes(out, LAUNCH["spawn"], _assert_step_checkpoint(out))
+
+
 def test_sigterm_to_the_spawners_group_reaches_each_rank_once(tmp_path):
     """`kill -TERM -PGID` (a terminal, some supervisors): the same as `kill PID`.
 

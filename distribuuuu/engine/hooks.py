@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -261,13 +260,13 @@ class CheckpointHook(HookBase):
         cfg, ctx, state = trainer.cfg, trainer.ctx, trainer.state
         stop_signal = signals.stop_signal()
         by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
-        # One small all-reduce: all ranks must take the same decision, or a collective would hang. Its
-        # latency grows with the ranks, so the ranks vote every vote_period() steps and at the epoch's
-        # end: a signal or a due time-based checkpoint is acted on at the next vote.
+        # One small all-reduce: all ranks must take the same decision (and stop for the same signal: the
+        # highest number any rank got), or a collective would hang. Its latency grows with the ranks, so
+        # they vote every vote_period() steps and at the epoch's end: a signal or a due time-based
+        # checkpoint is acted on at the next vote.
         epoch_done = state.samples_in_epoch >= trainer.epoch_samples
         vote = state.global_step % vote_period(cfg, ctx.world_size) == 0 or epoch_done
-        stop, by_time = comm.any_rank([stop_signal is not None, ctx.is_main and self.timer.due()]) if vote else (
-            False, False)
+        stop, by_time = comm.max_over_ranks([stop_signal or 0, ctx.is_main and self.timer.due()]) if vote else (0, 0)
         if (stop or by_steps or by_time) and not epoch_done:
             reconcile(trainer)  # the exact global_step (skipped steps on the device path): a host sync
             by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
@@ -275,9 +274,9 @@ class CheckpointHook(HookBase):
                 self.saved_step = state.global_step
                 self.save(trainer, train_sums=trainer.counter.sums_with_n())
         if stop and epoch_done:
-            state.stop_signal = stop_signal or signal.SIGTERM  # the epoch is complete: end it, then stop
+            state.stop_signal = stop  # the epoch is complete: end it, then stop
         elif stop:
-            raise Preempted(stop_signal or signal.SIGTERM)
+            raise Preempted(stop)
 
     def after_epoch(self, trainer: Trainer) -> None:
         self.save(trainer, is_best=trainer.is_best)

@@ -41,7 +41,7 @@ from distribuuuu.launch.launcher import LaunchInfo
 
 __all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use",
            "get_world_size", "barrier", "all_reduce_sum", "average_buffers", "broadcast_object",
-           "all_gather_object", "any_rank", "set_control_group"]
+           "all_gather_object", "any_rank", "max_over_ranks", "set_control_group"]
 
 
 @dataclass(frozen=True)
@@ -349,15 +349,16 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def any_rank(flags: Sequence[bool]) -> list[bool]:
-    """For each flag, whether it is set on ANY rank: one small all-reduce, so all ranks agree.
+    """For each flag, whether it is set on ANY rank (max_over_ranks), so that all ranks agree."""
+    return [bool(v) for v in max_over_ranks([bool(f) for f in flags])]
 
-    Used at step boundaries for decisions that must be collective (stop after a signal, a
-    time-based checkpoint): a rank acting alone would leave the others waiting in a collective.
-    Under nccl it runs on a gloo side group with a CPU tensor: no GPU sync per step.
-    """
+
+def max_over_ranks(values: Sequence[int]) -> list[int]:
+    """For each int, its maximum over all ranks: one small all-reduce, for the decisions at step
+    boundaries that must be collective (a stop signal, a time-based checkpoint): a rank acting alone
+    would leave the others waiting. Under nccl it runs on the gloo side group: no GPU sync per step."""
     if not _initialized():
-        return [bool(f) for f in flags]
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group)  # None: the default (gloo) group
-    return [bool(v) for v in t.tolist()]
-
+    return t.tolist()

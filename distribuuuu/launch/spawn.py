@@ -97,6 +97,13 @@ def _signal_children(processes: Sequence[Any], signum: int) -> None:
                 pass
 
 
+def _relay_to(children: list[Any], names: Sequence[str]) -> dict[int, Any]:
+    """Handlers that pass each named signal (not SIGINT/SIGTERM: those stop the spawner, _stopped) on
+    to the children, the ones started so far; returns the handlers they replace."""
+    nums = {getattr(signal, name) for name in names} - set(signals.STOP_SIGNALS)
+    return {num: signal.signal(num, lambda n, _f: _signal_children(children, n)) for num in sorted(nums)}
+
+
 @contextmanager
 def _relaying(processes: Sequence[Any]) -> Iterator[None]:
     """While the children wind down, pass every further SIGINT/SIGTERM on to them.
@@ -177,7 +184,8 @@ def _stopped(processes: Sequence[Any], exc: KeyboardInterrupt) -> int:
     return status
 
 
-def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: int | None = None) -> int:
+def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: int | None = None,
+          relay: Sequence[str] = ()) -> int:
     """Run ``worker(*args)`` in nprocs fresh processes on this host; return the exit status.
 
     Each child sees the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -198,16 +206,23 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     exit (then SIGKILL); a further signal is relayed too; the status is 130 or 143. A spawner
     killed outright (SIGKILL) takes the children with it: torch.multiprocessing asks Linux to
     send them SIGINT then (PR_SET_PDEATHSIG).
+
+    relay: more signals, by name (a training's TRAIN.PREEMPT_SIGNALS, e.g. SIGUSR1), that the spawner
+    passes on to every child as they come and then keeps waiting: the children write their preemption
+    checkpoint and exit with 128 + the signal, and so does the spawner. Without it SIGUSR1's default
+    action would end the spawner at once, and its children with it, before any checkpoint.
     """
     port = _check_spawn(nprocs, port)
     signals.handle_stop_signals()
-    context = None
+    context, children, relayed = None, [], {}
     try:
         store, port = _host_store(port)  # kept alive until the children are done
         print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
+        relayed = _relay_to(children, relay)  # one that comes before any child runs finds none: dropped
         with signals.held_stop_signals():
             context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
                                          nprocs=nprocs, join=False, start_method="spawn")
+        children.extend(context.processes)
         # join() returns True once all exited 0, and on the first failure stops the rest and raises.
         while not context.join(grace_period=FAILURE_GRACE_S):
             pass
@@ -226,4 +241,6 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
         # Belt and braces for any other way out: no child may outlive the parent's return.
         if context is not None:
             _stop(context.processes, grace_s=1.0)
+        for signum, previous in relayed.items():
+            signal.signal(signum, previous)
         signals.restore_signal_handlers()
