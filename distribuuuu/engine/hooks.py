@@ -213,7 +213,7 @@ class EarlyStopHook(HookBase):
 
 
 class CheckpointTimer:
-    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with any_rank)."""
+    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with max_over_ranks)."""
 
     def __init__(self, minutes: float) -> None:
         self.period_s, self.last = minutes * 60.0, time.monotonic()

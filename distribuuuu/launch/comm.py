@@ -19,7 +19,8 @@ What ``setup(cfg)`` chooses, once per process (the launch itself comes from laun
   with 130 / 143 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
 
 Collectives: every rank must call them, in the same order; with nccl, tensors must be on this rank's
-GPU. ``any_rank`` runs on the gloo side group under nccl, so a per-step vote costs no host-device sync.
+GPU. ``any_rank`` and ``max_over_ranks`` run on the gloo side group under nccl, so a per-step vote costs no
+host-device sync.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def is_addr_in_use(err: BaseException) -> bool:
 
 
 def gloo_side_group(timeout: datetime.timedelta) -> Any:
-    """Collective: a gloo group of all ranks for any_rank() beside an nccl main group.
+    """Collective: a gloo group of all ranks for the votes (max_over_ranks) beside an nccl main group.
 
     With the main group's timeout (DIST.TIMEOUT_S; torch's default for a gloo group is 30 minutes),
     so that a vote with a dead or hung rank fails as soon as an nccl collective would. Gloo finds
@@ -280,13 +281,13 @@ def session(cfg: Any) -> Iterator[DistContext]:
 
 
 # -- collectives ------------------------------------------------------------------------------------
-# A gloo group beside an nccl one, for any_rank(): its CPU all-reduce does not wait for the GPU
+# A gloo group beside an nccl one, for the votes (max_over_ranks): its CPU all-reduce does not wait for the GPU
 # queue, so a per-step decision costs no host-device sync. None: the default group (gloo).
 _control_group: Any = None
 
 
 def set_control_group(group: Any) -> None:
-    """The group any_rank() votes on (None: the default group). Set by launch.comm.setup/teardown."""
+    """The group max_over_ranks() votes on (None: the default group). Set by launch.comm.setup/teardown."""
     global _control_group
     _control_group = group
 

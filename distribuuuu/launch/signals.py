@@ -7,7 +7,7 @@ Two policies, both here:
 - Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
   signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
   SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
-  (``stop_signal``); the loop agrees with the other ranks (``launch.comm.any_rank``), writes a step
+  (``stop_signal``); the loop agrees with the other ranks (``launch.comm.max_over_ranks``), writes a step
   checkpoint, and raises ``Preempted``; the run ends with 128 + signal number, after
   ``slurm_requeue`` when TRAIN.REQUEUE asks for it. The same signal a second time runs the
   handler that was there before (usually: stop at once), as a way out of a stuck save.
