@@ -13,17 +13,16 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distribuuuu import strategies
-from distribuuuu.strategies import DDPStrategy
+from distribuuuu.strategies import DDPStrategy, optimizer_class, param_groups
 
 
 class Zero1(DDPStrategy):
     name = "zero1"
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        cls, kwargs = strategies.optimizer_class(self.cfg)
+        cls, kwargs = optimizer_class(self.cfg)
         o = self.cfg.OPTIM
-        return ZeroRedundancyOptimizer(strategies.param_groups(self.cfg, model), optimizer_class=cls, lr=o.BASE_LR,
+        return ZeroRedundancyOptimizer(param_groups(self.cfg, model), optimizer_class=cls, lr=o.BASE_LR,
                                        weight_decay=o.WEIGHT_DECAY, **kwargs)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
