@@ -182,7 +182,6 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
                 release_log()
 
 
-
 def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     """Evaluate MODEL.WEIGHTS (or the run folder's best/last checkpoint) on TEST.DATASET / TEST.SPLIT."""
     cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
@@ -204,6 +203,7 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
     run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
     return record
+
 
 def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:
     """Train as ``distribuuuu train`` does, in this process; return the run's summary.

@@ -55,6 +55,7 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",
 }
 
+
 def with_examples(add_parser: Callable[..., argparse.ArgumentParser],
                   prefix: str = "") -> Callable[..., argparse.ArgumentParser]:
     """sub.add_parser that ends each subcommand's --help with its examples (EXAMPLES[prefix + name])."""

@@ -26,6 +26,7 @@ LOGGER_NAME = "distribuuuu"
 PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
 LOG_FILE = "log.txt"  # in OUT_DIR: every rank's warnings and errors, rank 0's lines
 
+
 def _to_console(record: logging.LogRecord) -> bool:
     """Records logged with extra={"console": False} go to log.txt only (the bar shows them)."""
     return getattr(record, "console", True)

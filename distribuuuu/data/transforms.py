@@ -216,7 +216,6 @@ def match_channels(images: torch.Tensor, chans: int) -> torch.Tensor:
     raise ValueError(f"cannot convert {have}-channel images to {chans} channels")
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The fast folder pipeline (TRAIN.IMAGE_DECODE fast): file -> uint8 [C, S, S] in the worker,
 # normalized per batch on the training device (BatchNormalize). Same geometry and the same random

@@ -244,7 +244,6 @@ def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
     return _validate(info)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Single variables, for the modules that need one fact and no full detect()
 # ---------------------------------------------------------------------------------------------

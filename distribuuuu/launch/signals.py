@@ -139,7 +139,6 @@ def stop_status(exc: KeyboardInterrupt) -> int:
     return 128 + int(getattr(exc, "signum", signal.SIGINT))
 
 
-
 @contextmanager
 def held_stop_signals(act_after: bool = True) -> Iterator[None]:
     """Hold a SIGINT/SIGTERM that arrives inside the block, act on it after (or not: act_after False).

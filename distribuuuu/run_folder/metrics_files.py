@@ -181,8 +181,6 @@ class MetricsWriter:
         atomic_write_bytes(self.csv_path, text.getvalue().encode())
 
 
-
-
 def write_eval_record(out_dir: str, record: dict[str, Any], enabled: bool) -> str:
     """Rank 0 appends an ``eval`` record to OUT_DIR/eval.jsonl; returns that path.
 
