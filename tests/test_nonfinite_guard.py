@@ -104,7 +104,8 @@ def _same(a: dict, b: dict) -> bool:
 def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
     cfg = load_config(TINY, ["TRAIN.EMA_DECAY", "0.9", *opts])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
+    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+                      strategy=Strategy(cfg, None))
     assert stepper.on_device == (opts[1] != "lamb")  # LAMB has no fused kernel: the synced check
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
@@ -129,7 +130,8 @@ def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
     runs = []
     for first_bad in (True, False):
         model = _net()
-        stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
+        stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+                          strategy=Strategy(cfg, None))
         if first_bad:
             assert stepper.micro_step(torch.full_like(x, float("nan")), y).stepped is False
             assert not stepper.optimizer.state or all(
@@ -269,7 +271,8 @@ def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
     takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16, strategy=Strategy(cfg, None))
+    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+                      strategy=Strategy(cfg, None))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     model[0].requires_grad_(False)

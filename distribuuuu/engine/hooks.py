@@ -111,7 +111,8 @@ class FreezeBackboneHook(HookBase):
     optimizer update, no weight decay) and its BatchNorm layers run in eval mode, so its statistics stay
     as loaded too (timm's freeze does the same); the head trains. Decided from the epoch alone, so a
     resumed run is frozen exactly when the uninterrupted run was. Under DDP the strategy sets
-    find_unused_parameters (strategies/__init__.py's DDPStrategy): the frozen parameters are registered but get no gradient.
+    find_unused_parameters (strategies/__init__.py's DDPStrategy): the frozen parameters are registered
+    but get no gradient.
     """
 
     def __init__(self, cfg: CfgNode) -> None:

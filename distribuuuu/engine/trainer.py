@@ -244,7 +244,9 @@ class Trainer:
 
     def _count_step(self, tick: float) -> None:
         state = self.state
-        state.global_step, state.bad_steps = state.global_step + 1, state.bad_steps * (self.step_out.skipped is not None)
+        state.global_step += 1
+        if self.step_out.skipped is None:  # host-checked: a run of skipped steps ends (device path: reconcile)
+            state.bad_steps = 0
         if self.cfg.TRAIN.COMPILE and state.global_step == 1:  # compile time is not throughput
             self.first_step_s = time.perf_counter() - tick
             log.info("torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s)
@@ -356,7 +358,9 @@ def _epoch_samples(loader: Any, micro_batch: int, accum: int) -> int:
     """A full epoch in samples: whole optimizer steps only (a partial accumulation is dropped); a
     shard loader plans its own steps, which run every sample (data/shards/plan.py)."""
     planned = getattr(loader, "epoch_steps", None)
-    return planned * micro_batch if planned is not None else len(loader.dataset) // micro_batch // accum * accum * micro_batch
+    if planned is not None:
+        return planned * micro_batch
+    return len(loader.dataset) // micro_batch // accum * accum * micro_batch
 
 
 def _reset_peak_memory(gpus: list[torch.device]) -> None:
