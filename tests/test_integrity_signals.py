@@ -121,6 +121,7 @@ def test_a_preemption_signal_to_the_spawner_pid_is_relayed_to_the_ranks(tmp_path
     assert status == 128 + signal.SIGUSR1, f"exit {status}\n{console[-4000:]}"
     assert "Traceback" not in console and "stopped by SIGINT" not in console, console[-6000:]
     assert len(job) >= 3, job  # the spawner and its 2 ranks were seen, and are gone
+    assert "[spawn] stopped by SIGUSR1, relayed to every process" in console.splitlines(), console[-4000:]
     _assert_rerun_resumes(out, LAUNCH["spawn"], _assert_step_checkpoint(out))
 
 

@@ -229,6 +229,10 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
         return 0
     except mp.ProcessExitedException as e:
         status = _status_of(e.exit_code)
+        if status - 128 in relayed:  # the ranks' way out of a relayed preemption signal
+            print(f"[spawn] stopped by {signal.Signals(status - 128).name}, relayed to every process",
+                  file=sys.stderr, flush=True)
+            return status
         print(f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; "
               "the other processes were stopped", file=sys.stderr, flush=True)
         return status
