@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -174,6 +174,18 @@ def _check_spawn(nprocs: int, port: int | None) -> int:
     return port
 
 
+def _exited(e: mp.ProcessExitedException, relayed: Collection[int]) -> int:
+    """The first child that ended with a non-zero status: its status, and the spawner's one line."""
+    status = _status_of(e.exit_code)
+    if status - 128 in relayed:  # the ranks' way out of a relayed preemption signal
+        print(f"[spawn] stopped by {signal.Signals(status - 128).name}, relayed to every process",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; "
+              "the other processes were stopped", file=sys.stderr, flush=True)
+    return status
+
+
 def _stopped(processes: Sequence[Any], exc: KeyboardInterrupt) -> int:
     """The spawner was stopped (Ctrl-C or SIGTERM): the same signal, once, to every child."""
     status = signals.stop_status(exc)
@@ -228,14 +240,7 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
             pass
         return 0
     except mp.ProcessExitedException as e:
-        status = _status_of(e.exit_code)
-        if status - 128 in relayed:  # the ranks' way out of a relayed preemption signal
-            print(f"[spawn] stopped by {signal.Signals(status - 128).name}, relayed to every process",
-                  file=sys.stderr, flush=True)
-            return status
-        print(f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; "
-              "the other processes were stopped", file=sys.stderr, flush=True)
-        return status
+        return _exited(e, relayed)
     except mp.ProcessRaisedException as e:  # only if a worker bypassed _spawn_entry's handler
         print(e, file=sys.stderr, flush=True)
         return 1
