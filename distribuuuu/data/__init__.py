@@ -37,6 +37,7 @@ Typical use (the engine): ``check_datasets`` before the process group starts, th
 each rank.
 """
 
+from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.check import check_datasets
 from distribuuuu.data.datasets import build_dataset
 from distribuuuu.data.mnist5k import export_mnist5k
@@ -47,8 +48,11 @@ from distribuuuu.data.pipeline import (
     build_val_loader,
     take_bad_image_count,
 )
+from distribuuuu.data.overlap import check as check_overlap
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
+from distribuuuu.data.shards.plan import plan_of as shard_plan
+from distribuuuu.data.shards.plan import require_same_plan
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
-           "source_names", "TensorSource"]
+           "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan"]
