@@ -277,7 +277,7 @@ def inner_sync_debug(a: argparse.Namespace) -> dict:
             self.calls += self.on and func in syncing
             return func(*args, **(kwargs or {}))
 
-        def after_step(self, trainer: Any) -> None:
+        def after_step(self, trainer: Any, step: Any, printed: Any) -> None:
             self.step += 1
             self.on = 1 <= self.step < steps - 1
             if cuda:

@@ -249,11 +249,11 @@ def _ddp_worker(rank: int, world: int, port: int, reps: int, steps: int, out: st
     for fn in variants.values():
         fn()
     res = interleaved(variants, reps)
-    # comm.any_rank: the one per-step collective the engine adds (stop signal / timed checkpoint).
+    # comm.max_over_ranks: the one per-step collective the engine adds (stop signal / timed checkpoint).
     comm.barrier()
     t0 = time.perf_counter()
     for _ in range(200):
-        comm.any_rank([False, False])
+        comm.max_over_ranks([False, False])
     any_rank_ms = (time.perf_counter() - t0) / 200 * 1e3
     if rank == 0:
         with open(out, "w") as f:
@@ -289,7 +289,7 @@ def _ddp_overhead(args: argparse.Namespace) -> None:
         ratio = med(res["distribuuuu"]) / med(res["minimal DDP loop"])
         report("overhead", f"ratio distribuuuu (NONFINITE off) / minimal, 2 DDP processes, {clock} time", f"{ratio:.3f}")
     step_ms = 32 / med([r[0] for r in got["res"]["minimal DDP loop"]]) * 1e3
-    report("overhead", "comm.any_rank() per step (2 processes)",
+    report("overhead", "comm.max_over_ranks() per step (2 processes)",
            f"{got['any_rank_ms']:.3f} ms = {got['any_rank_ms'] / step_ms * 100:.2f}% of a step")
 
 

@@ -1,4 +1,4 @@
-"""The cost of one step-boundary vote (launch.comm.any_rank) with 2, 4, 8 ... gloo processes.
+"""The cost of one step-boundary vote (launch.comm.max_over_ranks) with 2, 4, 8 ... gloo processes.
 
     python benchmarks/vote_cost.py [--procs 2,4,8] [--votes 2000]
 
@@ -33,11 +33,11 @@ def _worker(votes: int, out_path: str) -> None:
     cfg.DEVICE, cfg.NUM_THREADS = "cpu", 1
     with comm.session(cfg) as ctx:
         for _ in range(50):
-            comm.any_rank([False, False])
+            comm.max_over_ranks([False, False])
         times = []
         for _ in range(votes):
             start = time.perf_counter()
-            comm.any_rank([False, False])
+            comm.max_over_ranks([False, False])
             times.append(time.perf_counter() - start)
         if ctx.is_main:
             with open(out_path, "w") as f:
@@ -63,7 +63,7 @@ def main() -> None:
     for n in (int(p) for p in args.procs.split(",")):
         times = sorted(measure(n, args.votes))
         rows.append((n, statistics.median(times), times[int(0.9 * (len(times) - 1))]))
-    print(f"\nvote cost: launch.comm.any_rank over gloo, one host, {os.cpu_count()} cores, {args.votes} votes")
+    print(f"\nvote cost: launch.comm.max_over_ranks over gloo, one host, {os.cpu_count()} cores, {args.votes} votes")
     print(f"{'processes':>9} {'median us':>10} {'p90 us':>8} {'per step, every step':>21} {'every 10 steps':>15}")
     for n, med, p90 in rows:
         print(f"{n:>9} {1e6 * med:>10.0f} {1e6 * p90:>8.0f} {1e6 * med:>18.0f} us {1e6 * med / 10:>12.0f} us")

@@ -36,7 +36,7 @@ from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import comm, launcher, signals, store
 from distribuuuu.logger import LOG_FILE, LOGGER_NAME, discard_log, release_log, setup_logging
 
-__all__ = ["train", "evaluate", "load_model", "run_command", "run_eval", "preflight", "LoadedModel"]
+__all__ = ["train", "evaluate", "load_model", "run_command", "run_eval", "check_before_start", "LoadedModel"]
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -79,7 +79,7 @@ def _check_cfg_dest(cfg: Any) -> None:
                         "is written to that name: use a file name such as config.yaml")
 
 
-def preflight(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
+def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting (a user
     error here ends every rank alike, at once). Run by ``run_command`` in each process, and once more
     by the CLI before the spawner starts its children, so a bad config fails once, not once per rank.
@@ -157,10 +157,11 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
 
 
 def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
-    info = launcher.detect()
-    cfg = inferred.resolve(cfg, info.local_world_size)  # a no-op for load_config's: resolved there
-    preflight(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
-    with comm.session(cfg) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
+    info = launcher.detect()  # once per process: the process group takes it
+    cfg = inferred.resolve(cfg, info.local_world_size)  # the keys left unset, decided from the data once
+    check_before_start(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
+    strategy = strategies.strategy_class(cfg.DIST.STRATEGY)  # what its process group needs
+    with comm.session(cfg, info, strategy) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
         # (engine.fit: RunFolder.write_record): a refused command leaves OUT_DIR as it was.
         setup_logging(cfg.OUT_DIR, ctx.is_main, ctx.rank, hold=True)

@@ -299,7 +299,7 @@ def _guarded(fn: Callable[[], int]) -> int:
     save one message and status 3, a stop signal one line and 128 + the signal."""
     try:
         return fn()
-    except (UserError, RunNotSaved) as e:  # RunNotSaved: every rank agreed on it (an any_rank vote)
+    except (UserError, RunNotSaved) as e:  # RunNotSaved: every rank agreed on it (a max_over_ranks vote)
         rank = rank_label()
         report_line(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}")
         return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
@@ -377,7 +377,7 @@ def _spawn(command: str, cfg_file: str | None, opts: list[str], nproc: int, port
     cfg = command_config(command, cfg_file, opts)  # fail here, once, before any child starts
     new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
-        api.preflight(command, cfg, nproc)
+        api.check_before_start(command, cfg, nproc)
         relay = cfg.TRAIN.PREEMPT_SIGNALS if command == "train" else ()  # e.g. SIGUSR1: a checkpoint, not a kill
         status = spawn.spawn(_spawned, nproc, args=(command, cfg_file, opts), port=port, relay=relay)
     finally:  # a refused run takes a folder it made away again (an empty one only: rmdir)

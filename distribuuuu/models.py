@@ -271,7 +271,8 @@ def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Mo
     with the classifier re-initialised (eval / predict / export refuse it). with_weights False: the
     architecture only, for callers that load a checkpoint's weights themselves.
     """
-    import_user_modules(cfg.get("IMPORTS", ()))  # load_config did; a cfg built by hand (Python API) may not have
+    if cfg.get("IMPORTS"):  # load_config did; a cfg built by hand (Python API) may not have
+        import_user_modules(cfg.IMPORTS)
     lib, name = resolve_arch(cfg.MODEL.ARCH)
     model = _CREATE[lib](name, cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE)
     if cfg.MODEL.SMALL_STEM:

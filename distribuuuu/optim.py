@@ -1,9 +1,12 @@
-"""The learning-rate schedule, and one optimizer step (``Stepper``); the optimizer itself is built by
-the strategy (strategies.build_optimizer).
+"""The optimizer, its learning-rate schedule, and one optimizer step (``Stepper``).
 
-The schedule is a pure function of the (fractional) epoch, so it has no state to save: a resumed
-run recomputes the same LR from its epoch and step. The engine calls ``Stepper.micro_step`` once per
-batch; the non-finite guard around the step (TRAIN.NONFINITE) is nonfinite.py's.
+- ``build_optimizer``: OPTIM.OPTIMIZER over the model's parameter groups, with torch's fused kernel
+  where it has one (the non-finite guard skips a step on the device through it). The strategy calls
+  it over the parameters it trains (strategies/: ZeRO shards the state, FSDP has no fused SGD).
+- ``Schedule``: the LR as a pure function of the fractional epoch (warmup, then OPTIM.LR_POLICY): it
+  has no state to save; a resumed run recomputes the same LR from its epoch and sample.
+- ``Stepper.micro_step``: once per batch; TRAIN.ACCUM_STEPS micro-batches make one optimizer step,
+  whose tail (the step itself, the EMA, a skip for non-finite numbers) is the guard's (nonfinite.py).
 """
 
 from __future__ import annotations
@@ -11,19 +14,83 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
+from timm.optim import get_optimizer_info, param_groups_weight_decay
 from timm.utils import ModelEmaV3
 from yacs.config import CfgNode
 
-from distribuuuu import models, nonfinite
-from distribuuuu.inferred import warmup_epochs
-from distribuuuu.strategies import AMP_DTYPES, Strategy, local_tensor
+from distribuuuu import heads, models, nonfinite
+
+# TRAIN.AMP's autocast dtypes: the stepper's autocast and dp's replicas use the same ones.
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# -- the learning-rate schedule ---------------------------------------------------------------------
+# -- the optimizer ------------------------------------------------------------------------------------
+def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
+    """One group with weight decay on everything (Distribuuuu), or, with OPTIM.NO_WD_NORM_BIAS, a
+    second without it for 1-d parameters (norm weights, biases), as timm does."""
+    if not cfg.OPTIM.NO_WD_NORM_BIAS:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        groups = param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
+    scale = cfg.OPTIM.BACKBONE_LR_SCALE
+    return groups if scale == 1.0 else _split_backbone(model, groups, scale)
+
+
+def _split_backbone(model: torch.nn.Module, groups: list[dict], scale: float) -> list[dict]:
+    """OPTIM.BACKBONE_LR_SCALE != 1: each group split into the backbone's and the head's (heads.py);
+    every group then carries ``lr_scale`` (timm's name), which the schedule multiplies the LR by.
+    Groups are the same as before that key existed when it is 1, so older checkpoints resume."""
+    split = []
+    for group in groups:
+        backbone, head = heads.split_parameters(models.unwrap(model), group["params"])
+        split += [{**group, "params": params, "lr_scale": s}
+                  for params, s in ((backbone, scale), (head, 1.0)) if params]  # ZeRO wants no empty group
+    return split
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """'0.309M parameters at 0.1 x the LR, 0.000645M parameters at 1 x the LR' (for the log)."""
+    by_scale: dict[float, int] = {}
+    for group in optimizer.param_groups:
+        scale = group.get("lr_scale", 1.0)
+        by_scale[scale] = by_scale.get(scale, 0) + sum(p.numel() for p in group["params"])
+    return ", ".join(f"{n / 1e6:.3g}M parameters at {s:g} x the LR" for s, n in by_scale.items())
+
+
+FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # torch's optimizers with fused CPU/CUDA kernels
+
+
+def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD with
+    Distribuuuu's keys, or timm's (MOMENTUM where the optimizer has one). FUSED ones take the found_inf
+    flag that lets the non-finite guard skip a step without a host sync. SGD with DAMPENING runs the
+    multi-tensor kernel (nonfinite.prime_momentum's zero buffers match torch's first step only without)."""
+    o = cfg.OPTIM
+    if o.OPTIMIZER == "sgd":
+        kernel = dict(fused=True) if fused_sgd and o.DAMPENING == 0 else dict(foreach=True)
+        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
+    info = get_optimizer_info(o.OPTIMIZER)
+    kwargs = dict(info.defaults or {})
+    if info.has_momentum:
+        kwargs.setdefault("momentum", o.MOMENTUM)
+    if info.opt_class in FUSED:
+        kwargs["fused"] = True
+    return info.opt_class, kwargs
+
+
+def build_optimizer(cfg: CfgNode, model: torch.nn.Module, fused_sgd: bool = True) -> torch.optim.Optimizer:
+    """The optimizer of one replica; ``fused_sgd`` False: SGD's multi-tensor kernels (FSDP: torch has no
+    sharding rule for the fused SGD kernel)."""
+    cls, kwargs = optimizer_class(cfg, fused_sgd)
+    return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
+
+
+# -- the learning-rate schedule -----------------------------------------------------------------------
 def peak_lr(cfg: CfgNode, global_batch: int) -> float:
     """BASE_LR, or BASE_LR x global batch / REF_BATCH_SIZE under the linear scaling rule."""
     if cfg.OPTIM.LR_SCALING == "linear":
@@ -31,42 +98,61 @@ def peak_lr(cfg: CfgNode, global_batch: int) -> float:
     return cfg.OPTIM.BASE_LR
 
 
-def lr_factor(cfg: CfgNode, epoch: float) -> float:
-    """Multiplier of the peak LR at a fractional epoch: a linear warmup from WARMUP_FACTOR to exactly 1
-    at warmup_epochs(cfg), then the policy, whose decay runs over the epochs after the warmup."""
+WARMUP_MAX_SHARE = 0.5  # a warmup longer than this share of the run does not fit ...
+WARMUP_SHORT_SHARE = 0.2  # ... and is shortened to this share of it
+
+
+def warmup_epochs(cfg: CfgNode) -> float:
+    """The warmup the schedule runs: OPTIM.WARMUP_EPOCHS, or a fifth of the run when that is over half
+    of OPTIM.MAX_EPOCH (5 warmup epochs of a 3-epoch run never reached the printed peak LR). Computed
+    where used, not written into the config: a run resumed with a longer OPTIM.MAX_EPOCH (a safe key:
+    the schedule follows it, its decay too) is not refused for a changed OPTIM.WARMUP_EPOCHS."""
     o = cfg.OPTIM
-    warm = warmup_epochs(cfg)
-    if epoch < warm:
-        alpha = epoch / warm
-        ramp = o.WARMUP_FACTOR * (1.0 - alpha) + alpha
-        return ramp * (o.LR_MULT ** (sum(1 for s in o.STEPS if epoch >= s) - 1) if o.LR_POLICY == "steps" else 1.0)
-    done = (epoch - warm) / max(o.MAX_EPOCH - warm, 1e-12)  # the fraction of the decay behind
-    if o.LR_POLICY == "cos":
-        return (1.0 - o.MIN_LR) * 0.5 * (1.0 + math.cos(math.pi * done)) + o.MIN_LR
-    if o.LR_POLICY == "steps":  # one LR_MULT per step already passed (STEPS count from the run's start)
-        return o.LR_MULT ** (sum(1 for s in o.STEPS if epoch >= s) - 1)
-    if o.LR_POLICY == "linear":
-        return 1.0 - (1.0 - o.MIN_LR) * done
-    return 1.0  # "constant"
+    if o.WARMUP_EPOCHS <= WARMUP_MAX_SHARE * o.MAX_EPOCH:
+        return float(o.WARMUP_EPOCHS)
+    return round(WARMUP_SHORT_SHARE * o.MAX_EPOCH, 4)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The scheduled LR into every group, times the group's ``lr_scale`` (OPTIM.BACKBONE_LR_SCALE):
-    warmup and decay move all groups together and keep their ratio."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+# OPTIM.LR_POLICY: the multiplier of the peak LR, given the epoch and the fraction of the decay behind
+# (the epochs after the warmup); during the warmup the ramp multiplies the policy's value at 0.
+POLICIES = {
+    "cos": lambda o, epoch, done: (1.0 - o.MIN_LR) * 0.5 * (1.0 + math.cos(math.pi * done)) + o.MIN_LR,
+    "steps": lambda o, epoch, done: o.LR_MULT ** (sum(1 for s in o.STEPS if epoch >= s) - 1),  # STEPS from the start
+    "linear": lambda o, epoch, done: 1.0 - (1.0 - o.MIN_LR) * done,
+    "constant": lambda o, epoch, done: 1.0,
+}
 
 
-# -- one optimizer step ----------------------------------------------------------------------------
+class Schedule:
+    """The LR at a fractional epoch: a linear warmup from WARMUP_FACTOR x peak to exactly the peak at
+    warmup_epochs(cfg), then OPTIM.LR_POLICY over the epochs after the warmup."""
+
+    def __init__(self, cfg: CfgNode, peak: float) -> None:
+        self.o, self.peak, self.warm = cfg.OPTIM, peak, warmup_epochs(cfg)
+        self.policy, self.decay_epochs = POLICIES[cfg.OPTIM.LR_POLICY], max(cfg.OPTIM.MAX_EPOCH - self.warm, 1e-12)
+
+    def __call__(self, epoch: float) -> float:
+        if epoch >= self.warm:
+            return self.peak * self.policy(self.o, epoch, (epoch - self.warm) / self.decay_epochs)
+        alpha = epoch / self.warm
+        return self.peak * (self.o.WARMUP_FACTOR * (1.0 - alpha) + alpha) * self.policy(self.o, epoch, 0.0)
+
+    def apply(self, optimizer: torch.optim.Optimizer, epoch: float) -> float:
+        """The LR into every group, times the group's ``lr_scale`` (OPTIM.BACKBONE_LR_SCALE): warmup and
+        decay move all groups together and keep their ratio. Returns the LR."""
+        lr = self(epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        return lr
+
+
+# -- one optimizer step -------------------------------------------------------------------------------
 @dataclass
 class MicroStep:
     logits: torch.Tensor
     loss: torch.Tensor  # the batch-mean loss, before the 1/ACCUM_STEPS scaling
     target: torch.Tensor  # the hard labels (also under mixup: top-1 is counted against them)
-    # None: not the last micro-batch; False: step skipped (non-finite); True: stepped, or on the
-    # device path (Stepper.on_device) stepped unless ``skipped`` (a 0-d device bool) says otherwise
-    stepped: bool | None
-    skipped: torch.Tensor | None = None
+    last: bool  # the micro-batch that ended an optimizer step (taken, unless the guard skipped it)
 
 
 def ema_decay_per_step(cfg: CfgNode, global_batch: int) -> float:
@@ -78,32 +164,25 @@ def ema_decay_per_step(cfg: CfgNode, global_batch: int) -> float:
 class Stepper:
     """One optimizer step made of TRAIN.ACCUM_STEPS micro-batches, in this order: mixup/cutmix ->
     channels_last -> autocast forward and loss -> (scaled) backward, under the strategy's no_sync for
-    all but the last micro-batch -> unscale -> gradient clipping -> non-finite check -> optimizer step ->
-    EMA update. What differs between strategies (no_sync, the gradient check under sharding) is asked
-    of the Strategy; the non-finite guard's bookkeeping is nonfinite.py's."""
+    all but the last micro-batch -> unscale (fp16) -> gradient clipping -> the guard's step (the
+    optimizer's and the EMA's, unless the numbers are not finite) -> zero_grad."""
 
     def __init__(self, cfg: CfgNode, device: torch.device, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, global_batch: int, strategy: Strategy) -> None:
+                 optimizer: torch.optim.Optimizer, global_batch: int, strategy: Any) -> None:
         t = cfg.TRAIN
-        self.model, self.optimizer, self.device, self.strategy = model, optimizer, device, strategy
-        self.accum, self.micro = t.ACCUM_STEPS, 0
-        self.amp_dtype, self.channels_last = AMP_DTYPES[t.AMP], t.CHANNELS_LAST
-        self.clip, self.check_finite = t.CLIP_GRAD_NORM, t.NONFINITE != "off"
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.accum, self.micro, self.no_sync = t.ACCUM_STEPS, 0, strategy.no_sync
+        self.amp_dtype, self.channels_last, self.clip = AMP_DTYPES[t.AMP], t.CHANNELS_LAST, t.CLIP_GRAD_NORM
         # GradScaler only for fp16: bf16 has fp32's range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(device.type, enabled=t.AMP == "fp16")
         self.mixup, self.criterion = _mixup_and_criterion(cfg)
         decay = ema_decay_per_step(cfg, global_batch)
         self.ema = ModelEmaV3(models.unwrap(model), decay=decay) if t.EMA_DECAY > 0 else None
-        # The skip decided on the device (nonfinite.py); else one host sync per step.
-        self.on_device = (self.check_finite and not self.scaler.is_enabled()
-                          and getattr(optimizer, "_step_supports_amp_scaling", False))
-        # BatchNorm's running statistics (and any buffer a forward pass writes), and their copy from
-        # before this step's first forward pass: a skipped step puts them back.
-        self.buffers = [b for b in model.buffers() if b.numel()] if self.check_finite else []
-        self.saved_buffers = [torch.empty_like(b) for b in self.buffers]
-        self.skips = nonfinite.DeviceSkips(cfg, device)
-        self.loss_finite: torch.Tensor | None = None  # fp16: all micro-batch losses of this step finite
-        self.overflows = 0  # fp16 steps the GradScaler skipped (logged, not failures)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        nonfinite.prime_momentum(optimizer)
+        self.guard = nonfinite.guard_for(cfg, device, model, optimizer, self.scaler, self.ema,
+                                         lambda: strategy.grads_finite(self.params))
+        self.watch_loss = self.scaler.is_enabled() and t.NONFINITE != "off"  # fp16: tell overflow from failure
         # The kernels built here (fused or multi-tensor): a checkpoint's param groups bring theirs back.
         self.kernels = [(g.get("fused"), g.get("foreach")) for g in _groups(optimizer)]
 
@@ -114,76 +193,28 @@ class Stepper:
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def micro_step(self, images: torch.Tensor, target: torch.Tensor) -> MicroStep:
-        last = self.micro == self.accum - 1
-        hard = target
-        if self.micro == 0 and self.buffers:  # before the step's first forward pass writes them
-            torch._foreach_copy_(self.saved_buffers, self.buffers)
+        last, hard = self.micro == self.accum - 1, target
+        if self.micro == 0:
+            self.guard.before_forward()
         if self.mixup is not None:
             images, target = self.mixup(images, target)
         # Gradients are synchronised only on the last micro-batch; before that they just add up.
-        with self.strategy.no_sync(last):
+        with contextlib.nullcontext() if last else self.no_sync():
             with self.autocast():
                 logits = self.model(self.prepare(images))
                 loss = self.criterion(logits, target)
             self.scaler.scale(loss / self.accum).backward()
-        if self.scaler.is_enabled() and self.check_finite:  # on the device: no host sync here
-            ok = torch.isfinite(loss.detach())
-            self.loss_finite = ok if self.loss_finite is None else self.loss_finite & ok
+        if self.watch_loss:
+            self.guard.watch_loss(loss)
         self.micro = 0 if last else self.micro + 1
-        if not last:
-            return MicroStep(logits, loss, hard, None)
-        skipped = None
-        if self.on_device and not nonfinite.momentum_unborn(self.optimizer):
-            skipped, stepped = self._step_on_device(), True
-        else:
-            stepped = self._step()
-        return MicroStep(logits, loss, hard, stepped is not False, skipped=skipped)
-
-    def _finite(self) -> bool | torch.Tensor:
-        """After unscaling: clip (its total norm doubles as the check), or check the gradients."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.clip > 0:  # the total norm is non-finite iff some gradient is
-            norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
-            return torch.isfinite(local_tensor(norm))  # FSDP: a replicated DTensor
-        if self.check_finite:
-            return self.strategy.grads_finite(params)
-        return True
-
-    def _step_on_device(self) -> torch.Tensor:
-        """Step with the skip decided on the device; returns the 0-d bool 'skipped' flag."""
-        skipped = ~torch.as_tensor(self._finite(), device=self.device).reshape(())
-        opt = self.optimizer
-        opt.grad_scale, opt.found_inf = None, skipped.to(torch.float32)  # read by the fused kernel
-        try:
-            opt.step()
-        finally:
-            del opt.grad_scale, opt.found_inf
-        opt.zero_grad(set_to_none=True)
-        for b, saved in zip(self.buffers, self.saved_buffers):
-            b.copy_(torch.where(skipped, saved, b))
-        if self.ema is not None:
-            nonfinite.ema_update_unless(self.ema, self.model, skipped)
-        self.skips.count(skipped)
-        return skipped
-
-    def _step(self) -> bool | None:
-        """True: the optimizer stepped; False: a non-finite step (a failure); None: fp16 overflow."""
-        loss_finite, self.loss_finite = self.loss_finite, None
-        self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the check (fp16 only)
-        finite = self._finite()
-        if self.check_finite and not bool(finite):  # the one host sync this check costs
+        if last:
+            self.scaler.unscale_(self.optimizer)  # fp16: the true gradients, for clipping and the check
+            norm = None
+            if self.clip > 0:  # the total norm is non-finite iff some gradient is: it doubles as the check
+                norm = nonfinite.local_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True))
+            self.guard.step(norm)
             self.optimizer.zero_grad(set_to_none=True)
-            if self.buffers:  # the forward pass never happened
-                torch._foreach_copy_(self.buffers, self.saved_buffers)
-            self.scaler.update()  # under fp16: a smaller loss scale for the next step
-            return None if nonfinite.fp16_overflow(self, loss_finite) else False
-        with nonfinite.kernel_for_new_buffers(self.optimizer):
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(models.unwrap(self.model))
-        return True
+        return MicroStep(logits, loss, hard, last)
 
     def state_dict(self) -> dict:
         state = {"scaler": self.scaler.state_dict()}
@@ -198,6 +229,7 @@ class Stepper:
         if len(groups) == len(self.kernels):
             for g, (fused, foreach) in zip(groups, self.kernels):
                 g["fused"], g["foreach"] = fused, foreach
+        nonfinite.prime_momentum(self.optimizer)  # a checkpoint may lack the buffers of untrained parameters
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "ema" in state:

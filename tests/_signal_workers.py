@@ -20,7 +20,7 @@ def stuck_save_worker(out_dir: str) -> None:
     with signals.preemption_signals(["SIGTERM"]):
         with open(os.path.join(out_dir, f"ready{rank}"), "w") as f:
             f.write(str(os.getpid()))
-        while signals.stop_signal() is None:
+        while signals.received is None:
             time.sleep(0.02)
         with open(os.path.join(out_dir, f"recorded{rank}"), "w") as f:
             f.write("1")

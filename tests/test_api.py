@@ -32,10 +32,10 @@ class _Events(HookBase):
     def before_fit(self, trainer) -> None:
         self.seen.append("before_fit")
 
-    def after_epoch(self, trainer) -> None:
+    def after_epoch(self, trainer, metrics) -> None:
         self.seen.append(f"after_epoch {trainer.state.epoch}")
 
-    def after_fit(self, trainer) -> None:
+    def after_fit(self, trainer, summary) -> None:
         self.seen.append("after_fit")
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from distribuuuu import engine, heads, models, optim, strategies
+from distribuuuu import engine, heads, models, optim
 from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
@@ -281,20 +281,20 @@ def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
     cfg = _cfg("MODEL.ARCH", "resnet_tiny", "OPTIM.BACKBONE_LR_SCALE", "0.1", "OPTIM.NO_WD_NORM_BIAS", str(no_wd),
                "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.MAX_EPOCH", "10")
     model = models.build_model(cfg)
-    opt = strategies.build_optimizer(cfg, model)
+    opt = optim.build_optimizer(cfg, model)
     head = {id(p) for p in model.fc.parameters()}
     assert len(opt.param_groups) == (4 if no_wd else 2)
     for g in opt.param_groups:
         in_head = {id(p) in head for p in g["params"]}
         assert len(in_head) == 1 and g["lr_scale"] == (1.0 if in_head.pop() else 0.1)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    schedule = optim.Schedule(cfg, 0.4)
     for epoch in (0.0, 0.5, 1.9, 2.0, 6.3, 9.99):  # warmup, then cosine
-        lr = 0.4 * optim.lr_factor(cfg, epoch)
-        optim.set_lr(opt, lr)
+        lr = schedule.apply(opt, epoch)
         for g in opt.param_groups:
             assert g["lr"] == pytest.approx(lr * g["lr_scale"], rel=1e-12)
     default = _cfg("MODEL.ARCH", "resnet_tiny")
-    groups = strategies.build_optimizer(default, models.build_model(default)).param_groups
+    groups = optim.build_optimizer(default, models.build_model(default)).param_groups
     assert len(groups) == 1 and "lr_scale" not in groups[0]  # as before the key existed: old checkpoints resume
 
 
@@ -308,7 +308,8 @@ def test_zero1_takes_the_groups_and_keeps_their_ratio(tmp_path):
                "OPTIM.BACKBONE_LR_SCALE", "0.25")
     model = models.build_model(cfg)
     opt = zero1.Zero1(cfg, None).build_optimizer(model)
-    optim.set_lr(opt, 0.08)
+    for group in opt.param_groups:  # what the schedule does at LR 0.08
+        group["lr"] = 0.08 * group["lr_scale"]
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     before = model.fc.weight.detach().clone()
     opt.step()
@@ -326,11 +327,11 @@ class Snapshots(engine.HookBase):
     def __init__(self):
         self.backbone, self.head, self.grad, self.lrs = [], [], [], []
 
-    def after_step(self, trainer):
+    def after_step(self, trainer, step, printed):
         net = models.unwrap(trainer.model)
         self.step_grad = any(p.requires_grad for p in heads.split_parameters(net)[0])
 
-    def after_epoch(self, trainer):
+    def after_epoch(self, trainer, metrics):
         state = models.unwrap(trainer.model).state_dict()
         self.backbone.append(_backbone(state))
         self.head.append(state["fc.weight"].clone())

@@ -21,6 +21,7 @@ def _strategy_worker(out_dir):
     from distribuuuu import models, strategies
     from distribuuuu.config import load_config
     from distribuuuu.launch import comm
+    from distribuuuu.nonfinite import local_tensor
     from distribuuuu.optim import Stepper
     from distribuuuu.strategies import fsdp
 
@@ -44,7 +45,7 @@ def _strategy_worker(out_dir):
                 stepper.micro_step(x, y)
             net = models.unwrap(model)
             weights = fsdp.full_state(net, None)[0] if isinstance(net, FSDPModule) else net.state_dict()
-            held = sum(strategies.local_tensor(t).numel() * t.element_size() for s in opt.state.values()
+            held = sum(local_tensor(t).numel() * t.element_size() for s in opt.state.values()
                        for t in s.values() if torch.is_tensor(t) and t.dim() > 0)  # this rank's shards only
             results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))

@@ -41,8 +41,13 @@ def _fp16_stepper(init_scale: float, *opts: str):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = Stepper(cfg, torch.device("cpu"), model, opt, global_batch=16, strategy=Strategy(cfg, None))
     assert stepper.scaler.is_enabled()
-    stepper.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    _set_scale(stepper, init_scale)
     return stepper, model
+
+
+def _set_scale(stepper, init_scale: float) -> None:
+    """A fresh CPU GradScaler at init_scale for the stepper and its guard (they share one)."""
+    stepper.scaler = stepper.guard.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,19 +61,19 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("clip", ["0.0", "1.0"])
 def test_fp16_overflow_is_a_skipped_step_not_a_failure(clip):
     """A loss scale of 2**100 overflows fp16's backward for real (finite loss, inf gradients): the
-    scaler skips the update and halves the scale, and the step is no failure (stepped, overflow)."""
+    scaler skips the update and halves the scale, and the step is no failure (not a skipped step)."""
     stepper, model = _fp16_stepper(2.0**100, "TRAIN.CLIP_GRAD_NORM", clip, "TRAIN.NONFINITE", "stop")
     before = [p.detach().clone() for p in model.parameters()]
     out = stepper.micro_step(*_batch())
     assert torch.isfinite(out.loss)
-    assert out.stepped is True and stepper.overflows == 1
+    assert out.last and stepper.guard.overflows == 1 and stepper.guard.settle(1) == 0
     assert stepper.scaler.get_scale() == 2.0**99
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no update was applied
     assert all(p.grad is None for p in model.parameters())
     # A scale that fits: the next step updates the weights, and is no overflow.
-    stepper.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    _set_scale(stepper, 2.0**8)
     out = stepper.micro_step(*_batch(1))
-    assert out.stepped is True and stepper.overflows == 1
+    assert out.last and stepper.guard.overflows == 1 and stepper.guard.settle(2) == 0
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -78,7 +83,7 @@ def test_fp16_non_finite_loss_is_a_failure():
     x[0, 0, 0, 0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     out = stepper.micro_step(x, y)
-    assert out.stepped is False and stepper.overflows == 0
+    assert out.last and stepper.guard.overflows == 0 and stepper.guard.settle(1) == 1  # a skipped step
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
@@ -87,10 +92,10 @@ def test_fp16_non_finite_loss_in_an_early_micro_batch_is_a_failure():
     stepper, _ = _fp16_stepper(2.0**8, "TRAIN.ACCUM_STEPS", "2")
     x, y = _batch()
     x[0, 0, 0, 0] = float("nan")
-    assert stepper.micro_step(x, y).stepped is None
-    assert stepper.micro_step(*_batch(1)).stepped is False
-    assert stepper.micro_step(*_batch(2)).stepped is None
-    assert stepper.micro_step(*_batch(3)).stepped is True  # the flag does not outlive its step
+    assert not stepper.micro_step(x, y).last
+    assert stepper.micro_step(*_batch(1)).last and stepper.guard.settle(1) == 1
+    assert not stepper.micro_step(*_batch(2)).last
+    assert stepper.micro_step(*_batch(3)).last and stepper.guard.settle(2) == 0  # the flag does not outlive its step
 
 
 def test_fp16_overflow_below_the_scale_floor_is_a_failure():
@@ -102,9 +107,10 @@ def test_fp16_overflow_below_the_scale_floor_is_a_failure():
     model[1].weight.register_hook(lambda g: g * float("inf"))
     steps = []
     for i in range(3):
-        steps.append((stepper.micro_step(*_batch(i)).stepped, stepper.overflows))
-    # 4 -> 2 -> 1 (overflows, the scale still at or above the floor), then 0.5: a failure.
-    assert steps == [(True, 1), (True, 2), (False, 2)]
+        stepper.micro_step(*_batch(i))
+        steps.append((stepper.guard.settle(i + 1), stepper.guard.overflows))
+    # 4 -> 2 -> 1 (overflows, the scale still at or above the floor), then 0.5: a failure (a skipped step).
+    assert steps == [(0, 1), (0, 2), (1, 2)]
     assert stepper.scaler.get_scale() < FP16_MIN_LOSS_SCALE
 
 
@@ -207,7 +213,7 @@ def test_cli_exits_2_when_slurm_tasks_outnumber_gpus(tmp_path):
 
 def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, caplog):
     """A patched CUDA RNG: 8 GPUs whose states are distinct byte strings; this process is on GPU 3."""
-    from distribuuuu.engine import rng as engine_state
+    from distribuuuu.engine import rng
 
     states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
     restored = {}
@@ -216,22 +222,22 @@ def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[device].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device="cuda": restored.update({device: t.clone()}))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda *a: pytest.fail("every GPU's state restored"))
-    saved = engine_state.rng_state()
+    saved = rng.rng_state()
     assert saved["cuda"] == bytes([3] * 16)  # this process's GPU only
     # Resumed by srun with one GPU per task: the task's GPU is cuda:0.
     _fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    engine_state.set_rng_state(saved)
+    rng.set_rng_state(saved)
     assert list(restored) == [0] and restored[0].tolist() == [3] * 16
     # An older checkpoint holds every visible GPU's state: this GPU's entry, or a warning when none.
     restored.clear()
     old = dict(saved, cuda=[bytes([i] * 16) for i in range(2)])
-    engine_state.set_rng_state(old)
+    rng.set_rng_state(old)
     assert restored[0].tolist() == [0] * 16
     restored.clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
     with caplog.at_level("WARNING", logger="distribuuuu"):
-        engine_state.set_rng_state(old)
+        rng.set_rng_state(old)
     assert not restored and "none for GPU 5" in caplog.text
 
 
@@ -335,14 +341,14 @@ def test_fsdp_eval_replica_gathers_through_host_memory(tmp_path):
 def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     """The default group's backend: NCCL cannot reduce the CPU tensors of FSDP's CPU offload (the
     clipping norm, the non-finite vote). The run below does those CPU collectives for real (gloo)."""
-    from distribuuuu.launch import comm
+    from distribuuuu.strategies import strategy_class
 
     offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
-    assert comm._strategy_class(offload).group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
-    assert comm._strategy_class(offload).group_backend(offload, "gloo") == "gloo"
+    assert strategy_class("fsdp").group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
+    assert strategy_class("fsdp").group_backend(offload, "gloo") == "gloo"
     fsdp = _cfg("DIST.STRATEGY", "fsdp")
-    assert comm._strategy_class(fsdp).group_backend(fsdp, "nccl") == "nccl"
-    assert comm._strategy_class(_cfg()).group_backend(_cfg(), "nccl") == "nccl"
+    assert strategy_class("fsdp").group_backend(fsdp, "nccl") == "nccl"
+    assert strategy_class("ddp").group_backend(_cfg(), "nccl") == "nccl"
 
 
 @pytest.mark.e2e
@@ -366,7 +372,7 @@ def _timeout_worker(out_dir: str) -> None:
         start = time.monotonic()
         if ctx.rank == 0:
             try:
-                comm.any_rank([True])
+                comm.max_over_ranks([True])
                 outcome = "returned"
             except Exception as e:  # noqa: BLE001 - the timeout's exception type is gloo's
                 outcome = f"raised {type(e).__name__}"

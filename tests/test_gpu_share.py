@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distribuuuu import strategies
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, gloo_cuda
@@ -50,13 +51,20 @@ def test_nccl_on_a_shared_gpu_is_refused_naming_gloo(monkeypatch, backend):
     assert "DIST.BACKEND gloo" in msg and "\n" not in msg
 
 
+def _needed(*opts: str) -> list[str]:
+    """The collectives the strategy of a config runs on device tensors, as launch.comm asks them."""
+    cfg = load_config(TINY, list(opts))
+    return strategies.strategy_class(cfg.DIST.STRATEGY).collectives(cfg)
+
+
 def test_the_collectives_each_config_needs():
     base = ["all_reduce", "broadcast"]
-    assert gloo_cuda.needed(load_config(TINY, [])) == base
-    assert gloo_cuda.needed(load_config(TINY, ["DIST.STRATEGY", "zero1"])) == base
-    assert gloo_cuda.needed(load_config(TINY, ["MODEL.SYNCBN", "True"])) == base + ["all_gather"]
-    fsdp = gloo_cuda.needed(load_config(TINY, ["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True"]))
+    assert _needed() == base
+    assert _needed("DIST.STRATEGY", "zero1") == base
+    assert _needed("MODEL.SYNCBN", "True") == base + ["all_gather"]
+    fsdp = _needed("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
     assert fsdp == base + ["all_gather_single", "reduce_scatter_single (AVG)"]
+    assert set(fsdp) <= set(gloo_cuda.PROBES)
 
 
 @pytest.fixture
@@ -70,9 +78,9 @@ def one_rank_gloo():
 
 
 def test_every_probe_passes_on_a_real_gloo_group(one_rank_gloo):
-    cfg = load_config(TINY, ["DIST.STRATEGY", "fsdp", "MODEL.SYNCBN", "True"])
-    gloo_cuda.check(cfg, torch.device("cpu"))  # all five, for real, on CPU tensors
-    for name in gloo_cuda.needed(cfg):
+    needed = _needed("DIST.STRATEGY", "fsdp", "MODEL.SYNCBN", "True")
+    gloo_cuda.check(torch.device("cpu"), needed)  # all five, for real, on CPU tensors
+    for name in needed:
         assert gloo_cuda.PROBES[name][0](torch.device("cpu"), 1) is True
 
 
@@ -88,10 +96,10 @@ def test_a_collective_gloo_refuses_is_one_user_error_line(one_rank_gloo):
     probes = {"all_reduce": gloo_cuda.PROBES["all_reduce"], "reduce_scatter_single (PREMUL_SUM)":
               (premul, "DIST.STRATEGY fsdp")}
     with pytest.raises(UserError) as e:
-        gloo_cuda.check(load_config(TINY, []), torch.device("cpu"), probes)
+        gloo_cuda.check(torch.device("cpu"), [], probes)
     msg = str(e.value)
     assert msg.startswith("DIST.BACKEND gloo cannot run reduce_scatter_single (PREMUL_SUM) on cpu tensors")
     assert "PREMUL_SUM with Gloo" in msg and "which DIST.STRATEGY fsdp needs" in msg
     assert "use DIST.BACKEND nccl with one process per GPU" in msg and "\n" not in msg
     with pytest.raises(UserError, match="returned wrong values for broadcast"):
-        gloo_cuda.check(load_config(TINY, []), torch.device("cpu"), {"broadcast": (lambda d, w: False, "x")})
+        gloo_cuda.check(torch.device("cpu"), [], {"broadcast": (lambda d, w: False, "x")})

@@ -38,24 +38,24 @@ class Recorder(engine.HookBase):
     def before_epoch(self, trainer):
         self._add("before_epoch", trainer)
 
-    def after_step(self, trainer):
+    def after_step(self, trainer, step, printed):
         self._add("after_step", trainer)
 
-    def after_epoch(self, trainer):
+    def after_epoch(self, trainer, metrics):
         self._add("after_epoch", trainer)
 
-    def after_eval(self, trainer):
-        self._add(f"after_eval:{trainer.eval_split}", trainer)
+    def after_eval(self, trainer, split, records):
+        self._add(f"after_eval:{split}", trainer)
 
-    def after_fit(self, trainer):
+    def after_fit(self, trainer, summary):
         self._add("after_fit", trainer)
 
 
 class StopAfterFirstEpoch(engine.HookBase):
     """Made by TRAIN.HOOKS (no arguments): ends the run after its first epoch."""
 
-    def after_epoch(self, trainer):
-        trainer.stop_reason = "stopped by a hook"
+    def after_epoch(self, trainer, metrics):
+        trainer.stop("stopped by a hook")
 
 
 def test_hooks_see_the_documented_order(tmp_path):

@@ -69,7 +69,7 @@ SPAWN_DUMP = textwrap.dedent("""
     from distribuuuu.engine import HookBase
 
     class DumpWeights(HookBase):
-        def after_fit(self, trainer):
+        def after_fit(self, trainer, summary):
             torch.save(models.state_dict_for_saving(trainer.model),
                        os.path.join(trainer.cfg.OUT_DIR, f"rank{trainer.ctx.rank}.pt"))
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from distribuuuu import engine, nonfinite, strategies
+from distribuuuu import engine, nonfinite, optim
 from distribuuuu.config import load_config
 from distribuuuu.data import register_source, unregister_source
 from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
@@ -104,38 +104,38 @@ def _same(a: dict, b: dict) -> bool:
 def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
     cfg = load_config(TINY, ["TRAIN.EMA_DECAY", "0.9", *opts])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16,
                       strategy=Strategy(cfg, None))
-    assert stepper.on_device == (opts[1] != "lamb")  # LAMB has no fused kernel: the synced check
+    # LAMB has no fused kernel: the synced check
+    assert type(stepper.guard) is (nonfinite.OnDevice if opts[1] != "lamb" else nonfinite.Synced)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    assert stepper.micro_step(x, y).stepped  # momentum and moments exist now
+    assert stepper.micro_step(x, y).last  # momentum and moments exist now
     before = _state(stepper)
     bad = x.clone()
     bad[3] = float("nan")
-    out = stepper.micro_step(bad, y)
-    skipped = out.skipped if out.skipped is not None else torch.tensor(out.stepped is False)
-    assert bool(skipped)
+    assert stepper.micro_step(bad, y).last
     assert _same(_state(stepper), before)  # params, momentum/moments/step, BN stats + count, EMA
-    assert (stepper.skips.take() if stepper.on_device else dict(skips=0))["skips"] == (1 if stepper.on_device else 0)
-    assert stepper.micro_step(x, y).stepped and not _same(_state(stepper), before)  # and it trains on
+    assert stepper.guard.settle(2) == 1
+    stepper.micro_step(x, y)
+    assert stepper.guard.settle(3) == 0 and not _same(_state(stepper), before)  # and it trains on
 
 
 def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
-    """Fused SGD's first step makes the momentum buffers; a skipped one must not leave them behind:
-    NaN first, then a good batch, ends where the good batch alone does."""
+    """Fused SGD's first step makes the momentum buffers; a skipped one must not make them from its
+    gradients (they start at zero): NaN first, then a good batch, ends where the good batch alone does."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     runs = []
     for first_bad in (True, False):
         model = _net()
-        stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+        stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16,
                           strategy=Strategy(cfg, None))
         if first_bad:
-            assert stepper.micro_step(torch.full_like(x, float("nan")), y).stepped is False
-            assert not stepper.optimizer.state or all(
-                "momentum_buffer" not in s or s["momentum_buffer"] is None for s in stepper.optimizer.state.values())
+            stepper.micro_step(torch.full_like(x, float("nan")), y)
+            assert stepper.guard.settle(1) == 1
+            assert all(not s["momentum_buffer"].any() for s in stepper.optimizer.state.values())
         stepper.micro_step(x, y)
         stepper.micro_step(x.flip(0), y.flip(0))  # a second step uses the buffers
         runs.append(_state(stepper))
@@ -156,14 +156,14 @@ def test_one_nan_sample_is_skipped_without_trace_and_the_run_is_saved(tmp_path, 
     ckpts = sorted(os.path.basename(p) for p in glob.glob(str(out / "checkpoints" / "*.pth")))
     assert "last.pth" in ckpts and "best.pth" in ckpts and "epoch_0003.pth" in ckpts, ckpts
     last = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
-    assert last["global_step"] == 21  # 3 x 8 tried, 3 skipped
+    assert last["global_step"] == 24  # 3 x 8 steps of the schedule, the 3 skipped ones too
     assert all(torch.isfinite(t).all() for t in last["model"].values() if t.is_floating_point())
 
 
 class CrashAtFirstStepCheckpoint(engine.HookBase):
     """Ends the process's run (as a crash would) right after the first mid-epoch checkpoint."""
 
-    def after_step(self, trainer):
+    def after_step(self, trainer, step, printed):
         if glob.glob(os.path.join(trainer.cfg.OUT_DIR, "checkpoints", "step_*.pth")):
             raise KeyboardInterrupt
 
@@ -181,7 +181,7 @@ def test_resume_across_a_skipped_step_is_bitwise_a_straight_run(tmp_path, nan_so
     assert mid["epoch"] == 0 and train[0]["skipped_steps"] == 1, (mid["global_step"], train)
     a, b = (torch.load(tmp_path / run / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
             for run in ("straight", "resumed"))
-    assert a["global_step"] == b["global_step"] == 14
+    assert a["global_step"] == b["global_step"] == 16
     for key in ("model", "ema"):
         assert _same(a[key], b[key]), key
     assert _same(*({f"{i}.{k}": v for i, s in ckpt["optimizer"]["state"].items() for k, v in s.items()}
@@ -227,7 +227,7 @@ class PoisonBuffersAtTheEnd(engine.HookBase):
     """A BatchNorm statistic turns NaN at the run's last step (as a forward pass of bad data would
     leave it without the guard): the epoch's checkpoint is refused."""
 
-    def after_step(self, trainer):
+    def after_step(self, trainer, step, printed):
         if trainer.state.epoch + 1 == trainer.cfg.OPTIM.MAX_EPOCH and \
                 trainer.state.samples_in_epoch >= trainer.epoch_samples:
             bn = next(m for m in trainer.model.modules() if isinstance(m, nn.BatchNorm2d))
@@ -271,18 +271,24 @@ def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
     takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     model = _net()
-    stepper = Stepper(cfg, CPU, model, strategies.build_optimizer(cfg, model), global_batch=16,
+    stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16,
                       strategy=Strategy(cfg, None))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     model[0].requires_grad_(False)
-    assert stepper.micro_step(x, y).stepped
+    stepper.micro_step(x, y)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
     model[0].requires_grad_(True)
-    assert stepper.micro_step(x, y).stepped and stepper.micro_step(x, y).stepped
+    stepper.micro_step(x, y)
+    first = [stepper.optimizer.state[p]["momentum_buffer"].clone() for p in model[0].parameters()]
+    stepper.micro_step(x, y)
+    assert stepper.guard.settle(3) == 0
+    assert all(f.ne(0).any() for f in first)  # its first step made them (from the gradients) ...
+    assert all(not torch.equal(a, p) for a, p in zip(frozen, model[0].parameters()))  # ... and it trained
     bufs = [stepper.optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(torch.isfinite(b).all() for b in bufs)
-    assert all(group["fused"] for group in stepper.optimizer.param_groups)  # back on the fused kernel
-    assert stepper.on_device and not nonfinite.momentum_unborn(stepper.optimizer)
+    assert all(group["fused"] for group in stepper.optimizer.param_groups)  # the fused kernel throughout
+    assert isinstance(stepper.guard, nonfinite.OnDevice)
 
 
 def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
@@ -305,7 +311,7 @@ def test_a_checkpoint_from_before_the_fused_kernels_resumes_on_them():
     the stepper puts back the fused kernel its device-side skip needs."""
     cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
     model = _net()
-    opt = strategies.build_optimizer(cfg, model)
+    opt = optim.build_optimizer(cfg, model)
     stepper = Stepper(cfg, CPU, model, opt, global_batch=16, strategy=Strategy(cfg, None))
     old = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     opt.load_state_dict(old.state_dict())
@@ -313,4 +319,6 @@ def test_a_checkpoint_from_before_the_fused_kernels_resumes_on_them():
     assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    assert stepper.micro_step(x, y).stepped and stepper.micro_step(x.flip(0), y).skipped is not None
+    stepper.micro_step(x, y)
+    stepper.micro_step(x.flip(0), y)  # a multi-tensor kernel would refuse the guard's found_inf
+    assert isinstance(stepper.guard, nonfinite.OnDevice) and stepper.guard.settle(2) == 0

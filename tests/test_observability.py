@@ -64,8 +64,8 @@ def test_rng_seed_none_logs_a_seed_that_repeats_the_run(unseeded, tmp_path):
 class _StopAfterFirstEpoch(HookBase):
     """Ends the run after its first epoch (and that epoch's checkpoint), as a stopped job would."""
 
-    def after_epoch(self, trainer) -> None:
-        trainer.stop_reason = "stopped by the test"
+    def after_epoch(self, trainer, metrics) -> None:
+        trainer.stop("stopped by the test")
 
 
 def test_a_resumed_run_keeps_its_seed_and_a_record_of_every_start(tmp_path):

@@ -119,12 +119,12 @@ def test_a_warmup_longer_than_half_the_run_is_shortened_and_reaches_the_peak():
     assert inferred.warmup_epochs(cfg) == pytest.approx(0.6)
     fact = facts(cfg)["OPTIM.WARMUP_EPOCHS"]
     assert fact.warn and fact.line().startswith("OPTIM.WARMUP_EPOCHS 0.6 in the schedule (shortened from 5")
-    factors = [optim.lr_factor(cfg, e / 100) for e in range(300)]
+    factors = [optim.Schedule(cfg, 1.0)(e / 100) for e in range(300)]
     assert max(factors) == pytest.approx(1.0) and factors[60] == pytest.approx(1.0)  # the peak, at 0.6
     assert factors[0] == pytest.approx(0.1) and factors[30] == pytest.approx(0.55)
     cfg = config.load_config(None, ["OPTIM.MAX_EPOCH", "10"])  # 5 of 10 fits: as given
     assert inferred.warmup_epochs(cfg) == 5.0 and "OPTIM.WARMUP_EPOCHS" not in facts(cfg)
-    assert optim.lr_factor(cfg, 5.0) == pytest.approx(1.0)
+    assert optim.Schedule(cfg, 1.0)(5.0) == pytest.approx(1.0)
 
 
 def test_warmup_epochs_is_a_float_and_an_int_in_yaml_still_loads(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distribuuuu import strategies
+from distribuuuu import optim, strategies
 from distribuuuu.config import load_config
 from distribuuuu.optim import Stepper, ema_decay_per_step
 from distribuuuu.strategies import Strategy
@@ -26,7 +26,7 @@ def _cfg(*opts):
 
 def _one_step(cfg, batches):
     model = _net()
-    opt = strategies.build_optimizer(cfg, model)
+    opt = optim.build_optimizer(cfg, model)
     stepper = Stepper(cfg, CPU, model, opt, global_batch=16, strategy=Strategy(cfg, None))
     outs = [stepper.micro_step(x, y) for x, y in batches]
     return model, outs
@@ -37,7 +37,7 @@ def test_accumulating_two_half_batches_equals_one_full_batch():
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
     full, outs_full = _one_step(_cfg(), [(x, y)])
     accum, outs = _one_step(_cfg("TRAIN.ACCUM_STEPS", "2"), [(x[:8], y[:8]), (x[8:], y[8:])])
-    assert [o.stepped for o in outs] == [None, True] and outs_full[0].stepped is True
+    assert [o.last for o in outs] == [False, True] and outs_full[0].last
     # The same gradient sums in another order: equal to float rounding.
     for a, b in zip(full.parameters(), accum.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -73,10 +73,10 @@ def test_optimizers_build_and_step(name, cls):
     cfg = _cfg("OPTIM.OPTIMIZER", name, "OPTIM.NO_WD_NORM_BIAS", "True", "OPTIM.WEIGHT_DECAY", "0.1",
                "OPTIM.BASE_LR", "0.01")
     model, outs = _one_step(cfg, [(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3]))])
-    opt = strategies.build_optimizer(cfg, model)
+    opt = optim.build_optimizer(cfg, model)
     assert type(opt).__name__ == cls
     assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.1]  # biases exempt
-    assert outs[0].stepped is True
+    assert outs[0].last
 
 
 @pytest.mark.e2e
@@ -139,7 +139,7 @@ def _zero_vs_ddp_worker(out_dir):
     start; saves the weights and the bytes of optimizer state this rank holds."""
     import os
 
-    from distribuuuu import models, strategies
+    from distribuuuu import models
     from distribuuuu.config import load_config
     from distribuuuu.launch import comm
     from distribuuuu.optim import Stepper

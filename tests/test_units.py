@@ -8,7 +8,7 @@ import torch
 
 from distribuuuu import optim
 from distribuuuu.config import load_config
-from distribuuuu.engine import rng as engine_state
+from distribuuuu.engine import rng
 from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder import checkpoint
@@ -38,13 +38,14 @@ def test_cosine_schedule_with_warmup():
                              "OPTIM.MIN_LR", "0.01"])
     # The decay runs over the 8 epochs after the warmup (#27: every run reaches its peak LR).
     cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * (e - 2) / 8)) + 0.01  # noqa: E731
-    assert optim.lr_factor(cfg, 0.0) == pytest.approx(0.1)  # warmup starts at WARMUP_FACTOR
-    assert optim.lr_factor(cfg, 1.0) == pytest.approx(0.55)  # halfway through warmup
-    assert optim.lr_factor(cfg, 2.0) == pytest.approx(1.0)  # warmup over: the peak itself
-    assert optim.lr_factor(cfg, 6.0) == pytest.approx(cos(6.0))
-    assert optim.lr_factor(cfg, 10.0) == pytest.approx(0.01)  # ends at MIN_LR
+    factor = optim.Schedule(cfg, 1.0)
+    assert factor(0.0) == pytest.approx(0.1)  # warmup starts at WARMUP_FACTOR
+    assert factor(1.0) == pytest.approx(0.55)  # halfway through warmup
+    assert factor(2.0) == pytest.approx(1.0)  # warmup over: the peak itself
+    assert factor(6.0) == pytest.approx(cos(6.0))
+    assert factor(10.0) == pytest.approx(0.01)  # ends at MIN_LR
     # Monotone after warmup.
-    values = [optim.lr_factor(cfg, 2 + i / 10) for i in range(80)]
+    values = [factor(2 + i / 10) for i in range(80)]
     assert values == sorted(values, reverse=True)
 
 
@@ -52,7 +53,8 @@ def test_steps_schedule_and_linear_scaling():
     cfg = load_config(None, ["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 3, 6]", "OPTIM.LR_MULT", "0.1",
                              "OPTIM.MAX_EPOCH", "9", "OPTIM.WARMUP_EPOCHS", "0",
                              "OPTIM.LR_SCALING", "linear", "OPTIM.BASE_LR", "0.1"])
-    assert [optim.lr_factor(cfg, e) for e in (0, 2.99, 3, 5.5, 6, 8.9)] == pytest.approx(
+    factor = optim.Schedule(cfg, 1.0)
+    assert [factor(e) for e in (0, 2.99, 3, 5.5, 6, 8.9)] == pytest.approx(
         [1, 1, 0.1, 0.1, 0.01, 0.01])
     assert optim.peak_lr(cfg, 256) == pytest.approx(0.2)  # 0.1 x 256 / 128
     plain = load_config(None, ["OPTIM.BASE_LR", "0.1"])
@@ -116,9 +118,9 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
 
 
 def test_rng_state_round_trip():
-    state = engine_state.rng_state()
+    state = rng.rng_state()
     a = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
-    engine_state.set_rng_state(state)
+    rng.set_rng_state(state)
     b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
 

@@ -41,6 +41,7 @@ from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.check import check_datasets
 from distribuuuu.data.datasets import build_dataset
 from distribuuuu.data.mnist5k import export_mnist5k
+from distribuuuu.data.overlap import check as check_overlap
 from distribuuuu.data.pipeline import (
     ShardedEvalSampler,
     build_test_loader,
@@ -48,7 +49,6 @@ from distribuuuu.data.pipeline import (
     build_val_loader,
     take_bad_image_count,
 )
-from distribuuuu.data.overlap import check as check_overlap
 from distribuuuu.data.registry import TensorSource, register_source, source_names, unregister_source
 from distribuuuu.data.shards.plan import plan_of as shard_plan
 from distribuuuu.data.shards.plan import require_same_plan

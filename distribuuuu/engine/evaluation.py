@@ -1,6 +1,6 @@
 """Evaluation: exact counting of loss and top-k hits (Counter, also the training epoch's), exact metrics
-over a whole split, the epoch's validation and the test of the chosen checkpoint (the ``eval``
-command runs ``evaluate`` too: api.run_eval).
+over a whole split (``evaluate``: the epoch's validation, the test of the chosen checkpoint and the
+``eval`` command, api.run_eval), and the epoch's validation records (``validate``).
 
 A Counter's sums live in one float64 tensor on the training device, so the hot loop never syncs with
 the host; ``reduce()`` is its only collective and runs once, at the end of an epoch or evaluation.
@@ -14,20 +14,15 @@ numbers of batches (the strategy gives a whole replica for evaluation: Strategy.
 from __future__ import annotations
 
 import logging
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
 from distribuuuu import data, models
-from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
-
-if TYPE_CHECKING:
-    from distribuuuu.engine.trainer import Trainer
-    from distribuuuu.optim import Stepper
+from distribuuuu.optim import Stepper
 
 log = logging.getLogger("distribuuuu")
 
@@ -123,52 +118,14 @@ def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
     return bad
 
 
-def validate(trainer: Trainer) -> None:
-    """The epoch's evaluation: the raw model (and the EMA) on the validation split; updates the
-    best (trainer.is_best, state.best_*) and sets trainer.eval_records for the after_eval hooks."""
-    cfg, ctx, state, stepper = trainer.cfg, trainer.ctx, trainer.state, trainer.stepper
-    net = trainer.strategy.eval_model(trainer.model)
-    results = {"top1": evaluate(net, trainer.val_loader, cfg, ctx, stepper)}
-    if stepper.ema is not None:
-        results["ema_top1"] = evaluate(stepper.ema.module, trainer.val_loader, cfg, ctx, stepper)
-    value = results[cfg.TRAIN.BEST_METRIC]["top1"]
-    trainer.is_best = value > state.best_metric
-    if trainer.is_best:
-        state.best_metric, state.best_epoch, state.evals_since_best = value, state.epoch, 0
-    else:
-        state.evals_since_best += 1
-    trainer.eval_split, trainer.eval_records = "val", []
-    for name, val in results.items():
-        record = {"epoch": state.epoch, "split": "val" if name == "top1" else "val_ema", **val, "topk": cfg.TRAIN.TOPK}
-        trainer.eval_records.append(record)
-        log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", record["split"],
-                 state.epoch, cfg.OPTIM.MAX_EPOCH, val["loss"], val["top1"], cfg.TRAIN.TOPK, val["topk_acc"], val["n"])
-    log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
-
-
-def test_chosen_checkpoint(trainer: Trainer) -> dict:
-    """Evaluate best.pth (the best on the validation split; last.pth if none) on the test set once,
-    then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
-    that checkpoint are tested."""
-    cfg, ctx = trainer.cfg, trainer.ctx
-    # A finished run whose start trained nothing more (a resume moves records after its checkpoint
-    # away): testing the same checkpoint again would only add the same row. Rank 0 reads, all hear.
-    done = comm.broadcast_object(trainer.run.recorded_test() if trainer.resumed and ctx.is_main else None)
-    if done is not None:
-        log.info("[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was finished)",
-                 done.get("epoch"), done.get("top1") or 0.0)
-        return done
-    folder, path = trainer.run.checkpoints, trainer.run.best()
-    if path is None:
-        raise UserError(f"no checkpoint in {folder} to test (the weights were never finite)")
-    ckpt = trainer.run.load(path)
-    weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
-    net = trainer.strategy.test_model(trainer.model, ckpt, weights, folder)
-    result = evaluate(net, trainer.test_loader, cfg, ctx, trainer.stepper)
-    record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
-              "weights": os.path.basename(path)}
-    log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d",
-             path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
-    trainer.eval_split, trainer.eval_records = "test", [record]
-    trainer.call("after_eval")
-    return record
+def validate(nets: dict[str, torch.nn.Module], loader: Any, cfg: CfgNode, ctx: DistContext, stepper: Stepper,
+             epoch: int) -> list[dict[str, Any]]:
+    """The epoch's evaluation of each model (``nets``: split name -> module; "val", and "val_ema" for the
+    EMA) on the validation split: their records, each logged."""
+    records = []
+    for split, net in nets.items():
+        result = evaluate(net, loader, cfg, ctx, stepper)
+        records.append({"epoch": epoch, "split": split, **result, "topk": cfg.TRAIN.TOPK})
+        log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", split, epoch,
+                 cfg.OPTIM.MAX_EPOCH, result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
+    return records

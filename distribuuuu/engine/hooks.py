@@ -1,32 +1,34 @@
 """Hooks: what happens around the training loop, in small pieces a user can add to.
 
-A hook subclasses ``HookBase`` and overrides some of its six methods; each gets the Trainer
-(trainer.py), whose attributes it reads (and, for ``stop_reason``, writes). The call order:
+A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets the Trainer
+(trainer.py: its attributes are read-only to hooks) and what the event produced, as arguments:
 
-    before_fit                    after the model, the data and a resume are ready
+    before_fit(trainer)                 after the model, the data and a resume are ready
     for each epoch:
-        before_epoch              the model is in train mode already: a hook may put parts of it in
-                                  eval mode for the epoch (the built-in FreezeBackboneHook does)
+        before_epoch(trainer)           the model is in train mode already: a hook may put parts of
+                                        it in eval mode for the epoch (the built-in FreezeBackboneHook does)
         for each batch:
-            after_step            after every micro-batch; ``trainer.step_out.stepped`` is None
-                                  between optimizer steps under TRAIN.ACCUM_STEPS, True/False at a step
-                                  (True with the skip decided on the device: ``step_out.skipped``
-                                  holds its flag, and state.global_step is exact after each reading)
-        after_epoch               ``trainer.train_metrics`` (reduced over ranks), state.epoch counts it;
-                                  the built-in EvalHook evaluates here and calls
-            after_eval            ``trainer.eval_records`` (``trainer.eval_split`` "val"; "test" once
-                                  after the last epoch, for the checkpoint chosen by TRAIN.VAL_SPLIT)
-    after_fit                     ``trainer.summary``
+            after_step(trainer, step, printed)
+                                        ``step``: optim.MicroStep (logits, loss, target, ``last``: the
+                                        micro-batch that ended an optimizer step under TRAIN.ACCUM_STEPS);
+                                        ``printed``: rank 0's printed numbers on a print step, else None
+        after_epoch(trainer, metrics)   the epoch's train metrics (reduced over ranks); state.epoch
+                                        counts it; the built-in EvalHook evaluates here and calls
+            after_eval(trainer, split, records)
+                                        "val" after an evaluation ("test" once after the last epoch,
+                                        for the checkpoint chosen by TRAIN.VAL_SPLIT); a record per model
+    after_fit(trainer, summary)         the run's summary
 
 Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
 ("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
 FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (target / patience),
-MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck, EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints
-and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
+MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck, EvalHook (evaluation on
+EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints and stop signals). So a
+user's after_epoch runs after the epoch's checkpoint.
 
-Every rank runs every hook: a hook that does a collective (any_rank, a checkpoint) does it in the
-same order everywhere. A hook that ends the run sets ``trainer.stop_reason`` from values that are
-the same on every rank (reduced metrics, or an any_rank vote); the loop stops after that epoch.
+Every rank runs every hook: a hook that does a collective (a vote, a checkpoint) does it in the same
+order everywhere. A hook ends the run with ``trainer.stop(reason)``, from values that are the same on
+every rank (reduced metrics, or a max_over_ranks vote); the loop stops after that epoch.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import importlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from yacs.config import CfgNode
@@ -46,10 +48,10 @@ from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.launch.signals import Preempted
 from distribuuuu.logger import format_seconds
-from distribuuuu.nonfinite import NonFiniteLoss, nonfinite_advice, reconcile
+from distribuuuu.nonfinite import NonFiniteLoss, advice
+from distribuuuu.optim import MicroStep
 
-if TYPE_CHECKING:
-    from distribuuuu.engine.trainer import Trainer
+Trainer = Any  # engine/trainer.py's Trainer (a name here only: trainer.py imports this module)
 
 log = logging.getLogger("distribuuuu")
 
@@ -65,16 +67,16 @@ class HookBase:
     def before_epoch(self, trainer: Trainer) -> None:
         pass
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
         pass
 
-    def after_epoch(self, trainer: Trainer) -> None:
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         pass
 
-    def after_eval(self, trainer: Trainer) -> None:
+    def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
         pass
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         pass
 
 
@@ -100,9 +102,9 @@ def from_config(cfg: CfgNode) -> list[HookBase]:
     return made
 
 
-def default_hooks(cfg: CfgNode) -> list[HookBase]:
+def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
     freeze = [FreezeBackboneHook(cfg)] if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS else []
-    return [*freeze, EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg)]
+    return [*freeze, EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg, world_size)]
 
 
 class FreezeBackboneHook(HookBase):
@@ -148,22 +150,22 @@ class MetricsHook(HookBase):
 
     def before_fit(self, trainer: Trainer) -> None:
         state = trainer.state  # a fresh start sets an earlier run's records aside; a resume repairs them
-        self.writer = trainer.run.metrics(trainer.ctx.is_main, state.epoch if trainer.resumed else None,
-                                          state.global_step)
+        self.writer = trainer.folder.metrics(trainer.ctx.is_main, state.epoch if trainer.resumed else None,
+                                             state.global_step)
 
-    def after_step(self, trainer: Trainer) -> None:
-        if trainer.step_scalars is not None:  # a print step of rank 0
-            self.writer.write_step(trainer.state.global_step, trainer.step_scalars)
+    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+        if printed is not None:  # a print step of rank 0
+            self.writer.write_step(trainer.state.global_step, printed)
 
-    def after_epoch(self, trainer: Trainer) -> None:
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         state = trainer.state
-        self.writer.write({"epoch": state.epoch, "split": "train", **trainer.train_metrics, "step": state.global_step})
+        self.writer.write({"epoch": state.epoch, "split": "train", **metrics, "step": state.global_step})
 
-    def after_eval(self, trainer: Trainer) -> None:
-        for record in trainer.eval_records:
+    def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
+        for record in records:
             self.writer.write(record)
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         self.writer.close()
 
 
@@ -171,25 +173,31 @@ class NonFiniteEpochCheck(HookBase):
     """TRAIN.NONFINITE off checks no step; the epoch's loss (reduced: the same on every rank) is
     checked, after its record and before a checkpoint of the broken weights could replace the last good one."""
 
-    def after_epoch(self, trainer: Trainer) -> None:
-        cfg, state, train = trainer.cfg, trainer.state, trainer.train_metrics
-        if cfg.TRAIN.NONFINITE == "off" and train["n"] and not math.isfinite(train["loss"]):
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        cfg, state = trainer.cfg, trainer.state
+        if cfg.TRAIN.NONFINITE == "off" and metrics["n"] and not math.isfinite(metrics["loss"]):
             raise NonFiniteLoss(f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
                                 "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
-                                f"checks every step); {nonfinite_advice(cfg)}")
+                                f"checks every step); {advice(cfg)}")
 
 
 class EvalHook(HookBase):
-    """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw and EMA), then after_eval."""
+    """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw and EMA), tell the trainer the
+    TRAIN.BEST_METRIC value (a new best makes best.pth), then after_eval."""
 
-    def after_epoch(self, trainer: Trainer) -> None:
-        cfg, epoch = trainer.cfg, trainer.state.epoch
-        trainer.is_best = False
-        if epoch % cfg.TRAIN.EVAL_PERIOD and epoch != cfg.OPTIM.MAX_EPOCH:
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        cfg, state = trainer.cfg, trainer.state
+        if state.epoch % cfg.TRAIN.EVAL_PERIOD and state.epoch != cfg.OPTIM.MAX_EPOCH:
             return
         try:
-            evaluation.validate(trainer)
-            trainer.call("after_eval")
+            nets = {"val": trainer.strategy.eval_model(trainer.model)}
+            if trainer.stepper.ema is not None:
+                nets["val_ema"] = trainer.stepper.ema.module
+            records = evaluation.validate(nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper, state.epoch)
+            best = next(r for r in records if r["split"] == ("val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"))
+            trainer.update_best(best["top1"])
+            log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
+            trainer.call("after_eval", "val", records)
         finally:
             trainer.strategy.release_eval()  # e.g. FSDP's replica: its GPU memory back to training
 
@@ -198,32 +206,19 @@ class EarlyStopHook(HookBase):
     """TRAIN.TARGET_TOP1 (stop once reached; its record gets time_to_target_s) and TRAIN.PATIENCE
     (stop after that many evaluations without a better TRAIN.BEST_METRIC)."""
 
-    def after_eval(self, trainer: Trainer) -> None:
-        cfg, state = trainer.cfg, trainer.state
-        if trainer.eval_split != "val":
+    def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
+        cfg = trainer.cfg
+        if split != "val":
             return
         best_split = "val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"
-        for record in trainer.eval_records:
+        for record in records:
             if record["split"] == best_split and cfg.TRAIN.TARGET_TOP1 and record["top1"] >= cfg.TRAIN.TARGET_TOP1:
                 record["time_to_target_s"] = time.perf_counter() - trainer.wall_start
-                trainer.stop_reason = (f"target top-1 {cfg.TRAIN.TARGET_TOP1:g}% reached after "
-                                       f"{format_seconds(record['time_to_target_s'])}")
+                trainer.stop(f"target top-1 {cfg.TRAIN.TARGET_TOP1:g}% reached after "
+                             f"{format_seconds(record['time_to_target_s'])}")
                 return
-        if cfg.TRAIN.PATIENCE and state.evals_since_best >= cfg.TRAIN.PATIENCE:
-            trainer.stop_reason = f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations"
-
-
-class CheckpointTimer:
-    """Rank 0's clock for TRAIN.CKPT_PERIOD_MIN (the decision is then shared with max_over_ranks)."""
-
-    def __init__(self, minutes: float) -> None:
-        self.period_s, self.last = minutes * 60.0, time.monotonic()
-
-    def due(self) -> bool:
-        return self.period_s > 0 and time.monotonic() - self.last >= self.period_s
-
-    def reset(self) -> None:
-        self.last = time.monotonic()
+        if cfg.TRAIN.PATIENCE and trainer.state.evals_since_best >= cfg.TRAIN.PATIENCE:
+            trainer.stop(f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations")
 
 
 def vote_period(cfg: CfgNode, world_size: int) -> int:
@@ -242,44 +237,40 @@ class CheckpointHook(HookBase):
     its checkpoint is written, then Preempted.
     """
 
-    def __init__(self, cfg: CfgNode) -> None:
-        self.timer = CheckpointTimer(cfg.TRAIN.CKPT_PERIOD_MIN)
+    def __init__(self, cfg: CfgNode, world_size: int) -> None:
+        self.every_steps, self.every_s = cfg.TRAIN.CKPT_PERIOD_STEPS, cfg.TRAIN.CKPT_PERIOD_MIN * 60.0
+        self.vote_every, self.last_save = vote_period(cfg, world_size), time.monotonic()
+        self.stop_signal = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
 
     def before_fit(self, trainer: Trainer) -> None:
-        self.timer.reset()  # CKPT_PERIOD_MIN counts from the start of training, after setup and resume
-        # The step of the last mid-epoch checkpoint (resumed: the one read): a skipped step leaves the
-        # state as it was, so that step is not written again under the same name.
-        self.saved_step = trainer.state.global_step if trainer.state.samples_in_epoch else -1
+        self.last_save = time.monotonic()  # CKPT_PERIOD_MIN counts from the start of training, after setup
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
-        self.timer.reset()
+        self.last_save = time.monotonic()
         trainer.save(**kwargs)
 
-    def after_step(self, trainer: Trainer) -> None:
-        if trainer.step_out.stepped is None:  # not an optimizer-step boundary
+    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+        if not step.last:  # not an optimizer-step boundary
             return
-        cfg, ctx, state = trainer.cfg, trainer.ctx, trainer.state
-        stop_signal = signals.stop_signal()
-        by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
+        state, stop, by_time = trainer.state, 0, 0
+        epoch_done = state.samples_in_epoch >= trainer.epoch_samples
         # One small all-reduce: all ranks must take the same decision (and stop for the same signal: the
         # highest number any rank got), or a collective would hang. Its latency grows with the ranks, so
         # they vote every vote_period() steps and at the epoch's end: a signal or a due time-based
-        # checkpoint is acted on at the next vote.
-        epoch_done = state.samples_in_epoch >= trainer.epoch_samples
-        vote = state.global_step % vote_period(cfg, ctx.world_size) == 0 or epoch_done
-        stop, by_time = comm.max_over_ranks([stop_signal or 0, ctx.is_main and self.timer.due()]) if vote else (0, 0)
+        # checkpoint (rank 0's clock) is acted on at the next vote.
+        if state.global_step % self.vote_every == 0 or epoch_done:
+            due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
+            stop, by_time = comm.max_over_ranks([signals.received or 0, trainer.ctx.is_main and due])
+        by_steps = self.every_steps and state.global_step % self.every_steps == 0
         if (stop or by_steps or by_time) and not epoch_done:
-            reconcile(trainer)  # the exact global_step (skipped steps on the device path): a host sync
-            by_steps = cfg.TRAIN.CKPT_PERIOD_STEPS and state.global_step % cfg.TRAIN.CKPT_PERIOD_STEPS == 0
-            if (stop or by_steps or by_time) and state.global_step != self.saved_step:
-                self.saved_step = state.global_step
-                self.save(trainer, train_sums=trainer.counter.sums_with_n())
+            trainer.settle()  # a run past TRAIN.NONFINITE's limits ends before it is saved
+            self.save(trainer, train_sums=trainer.counter.sums_with_n())
         if stop and epoch_done:
-            state.stop_signal = stop  # the epoch is complete: end it, then stop
+            self.stop_signal = stop  # the epoch is complete: end it, then stop
         elif stop:
             raise Preempted(stop)
 
-    def after_epoch(self, trainer: Trainer) -> None:
-        self.save(trainer, is_best=trainer.is_best)
-        if trainer.state.stop_signal:  # a preemption signal came at the epoch's last step
-            raise Preempted(trainer.state.stop_signal)
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        self.save(trainer, is_best=trainer.state.best_epoch == trainer.state.epoch)  # this epoch's eval: a new best
+        if self.stop_signal:  # a preemption signal came at the epoch's last step
+            raise Preempted(self.stop_signal)

@@ -1,7 +1,11 @@
-"""The RNG streams of one process as plain values, for the checkpoint (every rank's) and a resume.
+"""Seeding, in one place: the run's one seed, every RNG seeded from it, and each process's RNG
+streams as plain values for the checkpoint (every rank's) and a resume.
 
-Plain Python values (bytes, ints, lists): they pickle for all_gather_object and load with
-torch.load(weights_only=True).
+The seed is RNG_SEED, else the seed a resumed run started with, else a fresh one drawn by rank 0 and
+logged. Everything seeded from it (python/numpy/torch here; the sampler's shuffle and the loader
+workers through ``seeded_cfg``) uses this one value, so the logged seed repeats the run as RNG_SEED.
+The streams are plain Python values (bytes, ints, lists): they pickle for all_gather_object and load
+with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
@@ -12,8 +16,37 @@ from typing import Any
 
 import numpy as np
 import torch
+from yacs.config import CfgNode
+
+from distribuuuu.launch import comm
 
 log = logging.getLogger("distribuuuu")
+
+
+def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int:
+    """Seed python/numpy/torch with the run's seed + rank (augmentations differ per rank); return the
+    seed: RNG_SEED, else ``previous`` (the seed of the run being resumed), else a fresh one (collective)."""
+    seed = cfg.RNG_SEED
+    if seed is None:
+        seed = comm.broadcast_object(previous if previous is not None else random.SystemRandom().randrange(2**31))
+        how = "the seed of the run being resumed" if previous is not None else "using seed"
+        log.info("RNG_SEED is None: %s %d (pass RNG_SEED %d to repeat this run)", how, seed, seed)
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+    return seed
+
+
+def seeded_cfg(cfg: CfgNode, seed: int) -> CfgNode:
+    """cfg with RNG_SEED set to the run's seed, for what draws from it (the data's shuffle and
+    workers); the run's own cfg keeps None, so config.yaml and resume checks see what the user gave."""
+    if cfg.RNG_SEED == seed:
+        return cfg
+    seeded = cfg.clone()
+    seeded.defrost()
+    seeded.RNG_SEED = seed
+    seeded.freeze()
+    return seeded
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,25 +1,26 @@
-"""The training loop, readable top to bottom: ``fit(cfg, ctx, hooks=()) -> summary``, and the state it
+"""The training loop, read top to bottom: ``fit(cfg, ctx, hooks=()) -> summary``, and the state it
 carries, saved to and resumed from a checkpoint.
 
   1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged; a resumed run keeps its seed)
   2. model: build_model -> the strategy wraps it (SyncBN, device, channels_last, activation
      checkpointing, DDP / FSDP / DataParallel, torch.compile) -> its optimizer -> the Stepper
-     (AMP, accumulation, mixup, clipping, non-finite check, EMA: optim.py)
+     (AMP, accumulation, mixup, clipping, the non-finite guard, EMA: optim.py, nonfinite.py)
   3. data: training loader (resumable shuffled shards), validation (and test) loaders (exact)
   4. resume from the run folder's latest checkpoint (TRAIN.AUTO_RESUME), at the very next batch
   5. per epoch: train_epoch -> the hooks' after_epoch (metrics, evaluation, checkpoint, ...)
   6. the test of the chosen checkpoint (TRAIN.VAL_SPLIT), a one-line summary
-What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks:
-see engine/hooks.py for the events and their order.
+What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks
+(hooks.py: the events, their order and their arguments). Only this module writes the Trainer and
+its TrainState: hooks read them, and act through ``stop``, ``update_best``, ``settle`` and ``save``.
 
 A checkpoint is a plain dict (the files themselves: run_folder/checkpoint.py):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
-  epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
-  cfg (YAML text), rng (python/numpy/torch[/its GPU's cuda] states of every rank: engine/rng.py),
-  world_size, train_sums (metrics of the part-done epoch), facts (the data's sizes), seed (the run's
-  seed: RNG_SEED, or the one drawn when it is None), card (model_card.ModelCard.to_dict(): the
-  config, class names and preprocessing, for using the model from the file alone).
+  epoch in progress, all ranks together), global_step (optimizer steps of the schedule, a skipped
+  one too), best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
+  engine/rng.py), world_size, train_sums (metrics of the part-done epoch), facts (what the run
+  trained on, checked on resume), seed, card (model_card: the config, class names and
+  preprocessing, for using the model from the file alone), shard_plan.
 Saving is collective (every rank calls ``Trainer.save``); only rank 0 writes the .pth file.
 """
 
@@ -27,19 +28,15 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, inferred, model_card, models, nonfinite, optim, strategies
-from distribuuuu.data import overlap
-from distribuuuu.data.shards import plan
+from distribuuuu import data, inferred, model_card, models, optim, strategies
 from distribuuuu.engine import evaluation, rng
 from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.evaluation import Counter
@@ -48,7 +45,7 @@ from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
-from distribuuuu.optim import MicroStep, Stepper
+from distribuuuu.optim import Stepper
 from distribuuuu.run_folder import RunFolder
 
 log = logging.getLogger(LOGGER_NAME)
@@ -60,53 +57,59 @@ class TrainState:
 
     epoch: int = 0  # epochs completed
     samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
-    global_step: int = 0  # optimizer steps taken
+    global_step: int = 0  # optimizer steps of the schedule (a step the guard skipped counts)
     best_metric: float = float("-inf")  # TRAIN.BEST_METRIC's best value so far
     best_epoch: int = 0
     evals_since_best: int = 0  # for TRAIN.PATIENCE
-    bad_steps: int = 0  # consecutive non-finite steps
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
-    stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
-    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (RunFolder.facts), checked on resume
+    data_identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, checked on resume
 
     COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
 
 
 class Trainer:
-    """The run and its loop. Hooks read: cfg, ctx, strategy, model (wrapped), optimizer, stepper,
-    state (TrainState), train_loader / val_loader / test_loader, card (the checkpoints' model card,
-    set with the data), step_out (the last MicroStep), step_scalars (rank 0's printed numbers on
-    TRAIN.PRINT_FREQ iterations, else None), seed,
-    counter (the epoch's running sums), train_metrics (the last epoch's, reduced over ranks),
-    eval_split / eval_records / is_best (the last evaluation), summary (after the loop); and they
-    may set stop_reason, which ends the run after the current epoch."""
+    """The run and its loop. Hooks read its attributes: cfg, ctx, strategy, folder (the RunFolder),
+    model (wrapped), optimizer, stepper, state (TrainState), train_loader / val_loader / test_loader,
+    card (the checkpoints' model card), seed, resumed, wall_start, epoch_samples, counter (the
+    running epoch's sums)."""
 
     def __init__(self, cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.strategy = strategies.build(cfg, ctx)
-        self.run = RunFolder(cfg)  # OUT_DIR: the loop reads and writes it only through this object
+        self.folder = RunFolder(cfg)  # OUT_DIR: the loop reads and writes it only through this object
         self.state = TrainState()
         # Built-in hooks first (their order is the contract in hooks.py), then TRAIN.HOOKS, then these.
-        self.hooks: list[HookBase] = [*hooks_.default_hooks(cfg), *hooks_.from_config(cfg), *hooks]
+        self.hooks: list[HookBase] = [*hooks_.default_hooks(cfg, ctx.world_size), *hooks_.from_config(cfg), *hooks]
         self._callers = {e: [getattr(h, e) for h in self.hooks if hooks_.overrides(h, e)] for e in hooks_.EVENTS}
-        self.stop_reason = ""  # a hook sets it to end the run after this epoch
+        self.stop_reason = ""  # set by stop(): the run ends after this epoch
         self.wall_start = time.perf_counter()
-        self.resumed = False
-        self.seed = 0  # the run's seed (RNG_SEED, or the one drawn for None): fit() sets it
-        self.step_out: MicroStep | None = None
-        self.saves = {"written": 0, "refused": 0, "last_refused": 0}  # rank 0's checkpoint writes (save)
-        self.step_scalars: dict[str, float] | None = None  # rank 0, on print steps: Progress's numbers
-        self.train_metrics: dict[str, float] = {}
-        self.counter: Counter | None = None
-        self.epoch_skips = 0
-        self.epoch_samples = 0
+        self.resumed, self.seed, self.first_step_s = False, 0, 0.0
         self.test_loader = None
-        self.is_best, self.eval_split, self.eval_records = False, "", []  # set by evaluation (EvalHook)
 
-    def call(self, event: str) -> None:
+    def call(self, event: str, *args: Any) -> None:
         """Run every hook's ``event`` method, in the hooks' order."""
         for method in self._callers[event]:
-            method(self)
+            method(self, *args)
+
+    # -- what hooks may ask ------------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        """End the run after the current epoch. Call it on every rank with a reason decided from
+        values that are the same everywhere (reduced metrics, a vote), or ranks would part."""
+        self.stop_reason = reason
+
+    def update_best(self, value: float) -> bool:
+        """An evaluation's TRAIN.BEST_METRIC value: whether it is the best so far (then best.pth follows)."""
+        state = self.state
+        if value > state.best_metric:
+            state.best_metric, state.best_epoch, state.evals_since_best = value, state.epoch, 0
+            return True
+        state.evals_since_best += 1
+        return False
+
+    def settle(self) -> None:
+        """The guard's exact count of skipped steps, and NonFiniteLoss past TRAIN.NONFINITE's limits (on
+        the device path, one host sync: print steps, checkpoints, an epoch's end)."""
+        self.stepper.guard.settle(self.state.global_step)
 
     # -- building -------------------------------------------------------------------------------
     def build_model(self, bare: torch.nn.Module | None = None) -> None:
@@ -115,15 +118,14 @@ class Trainer:
         self.model = self.strategy.wrap_model(bare if bare is not None else models.build_model(cfg, new_head=True))
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
-        self.peak_lr = optim.peak_lr(cfg, self.global_batch)
+        self.schedule = optim.Schedule(cfg, optim.peak_lr(cfg, self.global_batch))
         if cfg.OPTIM.BACKBONE_LR_SCALE != 1:
-            log.info("OPTIM.BACKBONE_LR_SCALE %g: %s", cfg.OPTIM.BACKBONE_LR_SCALE,
-                     strategies.describe_groups(self.optimizer))
+            log.info("OPTIM.BACKBONE_LR_SCALE %g: %s", cfg.OPTIM.BACKBONE_LR_SCALE, optim.describe_groups(self.optimizer))
         self.stepper = Stepper(cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy)
 
     def build_data(self) -> None:
-        cfg, ctx = seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
-        overlap.check(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
+        cfg, ctx = rng.seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
+        data.check_overlap(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set
@@ -131,12 +133,12 @@ class Trainer:
         # What every checkpoint says about the model: class names of the data trained on, preprocessing
         self.card = model_card.describe(self.cfg, self.train_loader.dataset)
 
-    def log_facts(self) -> None:
-        """The facts of the run, computed and logged once."""
+    def log_setup(self) -> None:
+        """The run's sizes, computed and logged once."""
         cfg, ctx, train, val = self.cfg, self.ctx, self.train_loader, self.val_loader
         log.info("world size %d | batch %d per process x %d accumulation = %d global | peak LR %g (BASE_LR %g, "
                  "LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per epoch",
-                 ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, self.global_batch, self.peak_lr,
+                 ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, self.global_batch, self.schedule.peak,
                  cfg.OPTIM.BASE_LR, cfg.OPTIM.LR_SCALING, len(train.dataset), len(val.dataset),
                  len(train) // cfg.TRAIN.ACCUM_STEPS)
         if ctx.device.type == "cuda":
@@ -153,40 +155,38 @@ class Trainer:
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
-        cfg, state = self.cfg, self.state
+        cfg, state, folder = self.cfg, self.state, self.folder
         self.wall_start = time.perf_counter()
-        self.seed = seed_everything(cfg, self.ctx.rank, self.run.previous_seed() if self.ctx.is_main else None)
+        self.seed = rng.seed_everything(cfg, self.ctx.rank, folder.previous_seed() if self.ctx.is_main else None)
         # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another class count is re-initialised);
         # a run about to resume takes its weights from its checkpoint instead, so they are not read.
-        bare = models.build_model(cfg, new_head=True, with_weights=not self.run.has_checkpoint())
-        record = self.run.prepare_record(self.ctx, bare)  # model.txt before sharding; a collective
+        bare = models.build_model(cfg, new_head=True, with_weights=not folder.has_checkpoint())
+        record = folder.prepare_record(self.ctx, bare)  # model.txt before sharding; a collective
         self.build_model(bare)
         self.build_data()
-        self.log_facts()
-        state.facts = self.run.facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
+        self.log_setup()
+        state.data_identity = folder.facts(  # MERGE: data_identity
+            len(self.train_loader.dataset), len(self.val_loader.dataset))
         self.resumed = self.resume() is not None
-        self.run.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
+        folder.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)
             self.call("before_epoch")
-            self.epoch_skips = 0  # steps skipped for non-finite numbers in this epoch (its train record)
-            self.train_metrics = self.train_epoch(self.train_loader)
+            metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-            train = self.train_metrics
             log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
-                     state.epoch, cfg.OPTIM.MAX_EPOCH, train["loss"], train["top1"], cfg.TRAIN.TOPK,
-                     train["topk_acc"], train["img_per_s"], train["time_s"])
-            self.call("after_epoch")  # metrics, evaluation (after_eval), checkpoint, stop signals
+                     state.epoch, cfg.OPTIM.MAX_EPOCH, metrics["loss"], metrics["top1"], cfg.TRAIN.TOPK,
+                     metrics["topk_acc"], metrics["img_per_s"], metrics["time_s"])
+            self.call("after_epoch", metrics)  # metrics, evaluation (after_eval), checkpoint, stop signals
 
-        nonfinite.require_saved(self)
+        self.stepper.guard.require_saved(folder.checkpoints)
         summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,
                    "wall_s": time.perf_counter() - self.wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
         if self.test_loader is not None:  # once, on the checkpoint that the validation split chose
-            summary["test"] = evaluation.test_chosen_checkpoint(self)
-        self.summary = summary
-        self.call("after_fit")
+            summary["test"] = self.test_chosen_checkpoint()
+        self.call("after_fit", summary)
         log.info("done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
                  f" ({self.stop_reason})" if self.stop_reason else "", "top-1" if cfg.TRAIN.BEST_METRIC == "top1"
                  else "EMA top-1", summary["best"], summary["best_epoch"], summary["epochs"],
@@ -206,7 +206,7 @@ class Trainer:
         loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # same shuffle on all ranks
         iters = (self.epoch_samples - state.samples_in_epoch) // micro_batch
         progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
-        lr, data_total, self.first_step_s, gpus = self.peak_lr, 0.0, 0.0, self.strategy.gpus()
+        lr, data_total, gpus = self.schedule.peak, 0.0, self.strategy.gpus()
         _reset_peak_memory(gpus)
         epoch_start = tick = time.perf_counter()
         try:
@@ -214,42 +214,59 @@ class Trainer:
                 images, target = images.to(ctx.device, non_blocking=True), target.to(ctx.device, non_blocking=True)
                 data_s = time.perf_counter() - tick
                 data_total += data_s
-                lr = self.peak_lr * optim.lr_factor(cfg, state.epoch + state.samples_in_epoch / self.epoch_samples)
-                optim.set_lr(stepper.optimizer, lr)
-                self.step_out = out = stepper.micro_step(images, target)
+                lr = self.schedule.apply(stepper.optimizer, state.epoch + state.samples_in_epoch / self.epoch_samples)
+                step = stepper.micro_step(images, target)
                 state.samples_in_epoch += micro_batch
-                counter.update(out.logits, out.target, out.loss)  # on-device sums: no host sync here
-                if out.stepped is False:
-                    nonfinite.on_skipped_step(self)  # every rank skipped this step (or raises NonFiniteLoss)
-                elif out.stepped:  # on the device path: unless nonfinite.reconcile finds it skipped
-                    self._count_step(tick)
-                if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank: a host sync
-                    nonfinite.reconcile(self)
+                state.global_step += step.last
+                counter.update(step.logits, step.target, step.loss)  # on-device sums: no host sync here
+                if step.last and cfg.TRAIN.COMPILE and not self.first_step_s:  # compile time is not throughput
+                    self.first_step_s = time.perf_counter() - tick
+                    log.info("torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s)
+                if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank
+                    self.settle()
                 # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
-                self.step_scalars = progress.step(it, data_s, images.size(0), lr, counter.result)
-                self.call("after_step")  # step checkpoints, stop signals (at optimizer-step boundaries)
+                printed = progress.step(it, data_s, images.size(0), lr, counter.result)
+                self.call("after_step", step, printed)  # step checkpoints, stop signals (at optimizer-step boundaries)
                 tick = time.perf_counter()
         finally:
             progress.close()  # also when a hook ends the run (Preempted): the bar is left finished
         _synchronize(gpus)  # the GPU runs behind the host: the epoch ends when its last kernel does
         seconds = time.perf_counter() - epoch_start - self.first_step_s
-        nonfinite.reconcile(self)
+        self.settle()
         result = counter.reduce().result()
         bad = evaluation.bad_images(loader, ctx, f"unreadable training images skipped in epoch {state.epoch + 1} "
                                     "(TRAIN.BAD_IMAGES skip)")
         result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
-                      skipped_steps=self.epoch_skips, data_frac=data_total / max(seconds, 1e-9),
+                      skipped_steps=stepper.guard.take_epoch_skips(), data_frac=data_total / max(seconds, 1e-9),
                       peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
         return result
 
-    def _count_step(self, tick: float) -> None:
-        state = self.state
-        state.global_step += 1
-        if self.step_out.skipped is None:  # host-checked: a run of skipped steps ends (device path: reconcile)
-            state.bad_steps = 0
-        if self.cfg.TRAIN.COMPILE and state.global_step == 1:  # compile time is not throughput
-            self.first_step_s = time.perf_counter() - tick
-            log.info("torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s)
+    def test_chosen_checkpoint(self) -> dict:
+        """Evaluate best.pth (the best on the validation split; last.pth if none) on the test set once,
+        then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
+        that checkpoint are tested."""
+        cfg, ctx, folder = self.cfg, self.ctx, self.folder
+        # A finished run whose start trained nothing more (a resume moves records after its checkpoint
+        # away): testing the same checkpoint again would only add the same row. Rank 0 reads, all hear.
+        done = comm.broadcast_object(folder.recorded_test() if self.resumed and ctx.is_main else None)
+        if done is not None:
+            log.info("[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was finished)",
+                     done.get("epoch"), done.get("top1") or 0.0)
+            return done
+        path = folder.best()
+        if path is None:
+            raise UserError(f"no checkpoint in {folder.checkpoints} to test (the weights were never finite)")
+        ckpt = folder.load(path)
+        weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
+        net = self.strategy.test_model(self.model, ckpt, weights, folder.checkpoints)
+        result = evaluation.evaluate(net, self.test_loader, cfg, ctx, self.stepper)
+        record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
+                  "weights": os.path.basename(path)}
+        log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% "
+                 "| n %d", path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"],
+                 result["n"])
+        self.call("after_eval", "test", [record])
+        return record
 
     # -- the state: save and resume -------------------------------------------------------------
     def save(self, is_best: bool = False, train_sums: torch.Tensor | None = None) -> None:
@@ -261,38 +278,36 @@ class Trainer:
         if train_sums is not None:
             train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
         counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
-        record = {**self.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rngs,
-                  "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": self.seed,
-                  model_card.CARD_KEY: self.card.to_dict(), "shard_plan": plan.plan_of(self.train_loader)}
-        entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.run.shards_path(counters))
+        record = {**self.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rngs, "world_size": ctx.world_size,
+                  "train_sums": train_sums, "facts": state.data_identity, "seed": self.seed,
+                  model_card.CARD_KEY: self.card.to_dict(), "shard_plan": data.shard_plan(self.train_loader)}
+        entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.folder.shards_path(counters))
         record.update(entries)
         if ctx.is_main:
-            if not finite:
-                log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
+            if finite:
+                log.info("saved %s%s", self.folder.save(record, is_best=is_best), " (best)" if is_best else "")
             else:
-                path = self.run.save(record, is_best=is_best)
-                log.info("saved %s%s", path, " (best)" if is_best else "")
-            self.saves["written" if finite else "refused"] += 1  # read at the end (nonfinite.require_saved)
-            self.saves["last_refused"] = int(not finite)
+                log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
+            self.stepper.guard.saved(finite)  # the end asks whether the run could save (require_saved)
         comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
     def resume(self) -> dict[str, Any] | None:
         """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
         the checkpoint (the stepper's state is loaded from it too) or None. A checkpoint that does not
-        fit this run (config, data, model or optimizer: resume_check) is refused before anything is loaded."""
+        fit this run (config, data, model or optimizer) is refused before anything is loaded."""
         cfg, state, strategy = self.cfg, self.state, self.strategy
         if not cfg.TRAIN.AUTO_RESUME:
             return None
-        ckpt, path = self.run.latest()
+        ckpt, path = self.folder.latest()
         if ckpt is None:
             return None
         net, opt = models.unwrap(self.model), self.optimizer if cfg.TRAIN.LOAD_OPT else None
         plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
-        self.run.check_resume(ckpt, path, state.facts, net if plain else None, opt if plain else None)
-        strategy.load_checkpoint(self.model, opt, ckpt, path, self.run.checkpoints)
+        self.folder.check_resume(ckpt, path, state.data_identity, net if plain else None, opt if plain else None)
+        strategy.load_checkpoint(self.model, opt, ckpt, path, self.folder.checkpoints)
         for key in TrainState.COUNTERS:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
-        plan.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
+        data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
         state.resumed_sums = ckpt.get("train_sums")
         # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
@@ -323,35 +338,6 @@ class Trainer:
         log.warning("resume: the checkpoint's run used seed %d, not %d: its shuffle continues", seed, self.seed)
         self.seed = seed
         self.train_loader.sampler.seed = seed  # env.json is written after the resume, with this seed
-
-
-def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int:
-    """Seed python/numpy/torch with the run's seed + rank (augmentations differ per rank); return the seed.
-
-    The seed is RNG_SEED, else ``previous`` (the seed a resumed run started with), else a fresh
-    one drawn by rank 0 and broadcast. Everything seeded from it (the sampler's shuffle, the loader
-    workers) uses this one value, so the seed that is logged repeats the run as RNG_SEED."""
-    seed = cfg.RNG_SEED
-    if seed is None:
-        seed = comm.broadcast_object(previous if previous is not None else random.SystemRandom().randrange(2**31))
-        how = "the seed of the run being resumed" if previous is not None else "using seed"
-        log.info("RNG_SEED is None: %s %d (pass RNG_SEED %d to repeat this run)", how, seed, seed)
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    torch.manual_seed(seed + rank)
-    return seed
-
-
-def seeded_cfg(cfg: CfgNode, seed: int) -> CfgNode:
-    """cfg with RNG_SEED set to the run's seed, for what draws from it (the data's shuffle and
-    workers); the run's own cfg keeps None, so config.yaml and resume checks see what the user gave."""
-    if cfg.RNG_SEED == seed:
-        return cfg
-    seeded = cfg.clone()
-    seeded.defrost()
-    seeded.RNG_SEED = seed
-    seeded.freeze()
-    return seeded
 
 
 def _epoch_samples(loader: Any, micro_batch: int, accum: int) -> int:

@@ -1,7 +1,9 @@
 """The process group of a run (setup, teardown, and what each process chooses once), and the
 collectives over it, which all work without a process group too (rank 0 of 1).
 
-What ``setup(cfg)`` chooses, once per process (the launch itself comes from launch.launcher.detect):
+What ``setup(cfg, info, strategy)`` chooses, once per process (``info``: the launch, from
+launch.launcher.detect; ``strategy``: the DIST.STRATEGY class, whose needs the caller passes in, so
+this room imports nothing above it):
 - device: ``DEVICE auto`` is ``cuda:<local_rank>`` when CUDA is available, else CPU. With fewer
   visible GPUs than processes on the node, only Slurm's ``--gpus-per-task`` (each task sees its own
   GPUs) is right: ``cuda:0`` then; or ``DIST.BACKEND gloo``, which lets ranks share a GPU
@@ -12,14 +14,15 @@ What ``setup(cfg)`` chooses, once per process (the launch itself comes from laun
 - cuDNN: ``CUDNN.BENCHMARK`` unless ``CUDNN.DETERMINISTIC``, which also turns on
   ``torch.use_deterministic_algorithms(True, warn_only=True)``; TF32 for float32 matmuls and
   convolutions as ``CUDNN.TF32`` says (on by default).
-- the process group (``env://``, its store: launch.store), only with more than one process, and
-  under nccl a gloo side group for ``any_rank``; under gloo on CUDA, a check that gloo serves the collectives the
-  run needs on CUDA tensors (launch.gloo_cuda), before any work.
+- the process group (``env://``, its store: launch.store; the backend string the strategy asks for),
+  only with more than one process, and under nccl a gloo side group for ``max_over_ranks``; under
+  gloo on CUDA, a check that gloo serves the collectives the strategy runs on CUDA tensors
+  (launch.gloo_cuda), before any work.
 - stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
   with 130 / 143 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
 
 Collectives: every rank must call them, in the same order; with nccl, tensors must be on this rank's
-GPU. ``any_rank`` and ``max_over_ranks`` run on the gloo side group under nccl, so a per-step vote costs no
+GPU. ``max_over_ranks`` runs on the gloo side group under nccl, so a per-step vote costs no
 host-device sync.
 """
 
@@ -42,7 +45,7 @@ from distribuuuu.launch.launcher import LaunchInfo
 
 __all__ = ["DistContext", "setup", "teardown", "session", "gloo_side_group", "is_addr_in_use",
            "get_world_size", "barrier", "all_reduce_sum", "average_buffers", "broadcast_object",
-           "all_gather_object", "any_rank", "max_over_ranks", "set_control_group"]
+           "all_gather_object", "max_over_ranks", "set_control_group"]
 
 
 @dataclass(frozen=True)
@@ -164,13 +167,6 @@ def gloo_side_group(timeout: datetime.timedelta) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _strategy_class(cfg: Any) -> Any:
-    """The class of DIST.STRATEGY: it says which backend string its default group needs."""
-    from distribuuuu import strategies  # the strategy owns its needs; imported here, when a group is made
-
-    return strategies.strategy_class(cfg.DIST.STRATEGY)
-
-
 def _export_launch_env(info: LaunchInfo) -> None:
     """init_method="env://" reads these; torchrun and launch have set them already."""
     if info.launcher in ("slurm", "spawn"):
@@ -208,20 +204,21 @@ def _port_taken(info: LaunchInfo) -> UserError:
                      "pick another with MASTER_PORT=... or --master-port ...")
 
 
-def _check_gloo_cuda(cfg: Any, device: torch.device) -> None:
+def _check_gloo_cuda(device: torch.device, collectives: list[str]) -> None:
     """Collective: gloo on CUDA tensors serves every collective this run needs, or every rank stops
     here with the same UserError (launch.gloo_cuda), its process group destroyed."""
     try:
-        gloo_cuda.check(cfg, device)
+        gloo_cuda.check(device, collectives)
     except UserError:
         dist.destroy_process_group()
         raise
 
 
-def setup(cfg: Any) -> DistContext:
-    """Detect the launch, pick device/backend/threads/cuDNN flags, join the process group (only with
-    more than one process), and print one ``[dist]`` line per process."""
-    info = launcher.detect()
+def setup(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> DistContext:
+    """Pick device/backend/threads/cuDNN flags, join the process group (only with more than one
+    process), and print one ``[dist]`` line per process. ``info``: the launch (detected when None);
+    ``strategy``: DIST.STRATEGY's class (its group_backend and collectives; None: a plain DDP run's)."""
+    info = info or launcher.detect()
     device = _choose_device(cfg, info)
     backend = _choose_backend(cfg, device)
     if device.type == "cuda":
@@ -229,9 +226,10 @@ def setup(cfg: Any) -> DistContext:
     _set_threads(cfg, info)
     _set_cudnn(cfg)
     if info.world_size > 1:
-        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, _strategy_class(cfg).group_backend(cfg, backend))
+        group_backend = strategy.group_backend(cfg, backend) if strategy else backend
+        _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, group_backend)
         if backend == "gloo" and device.type == "cuda":
-            _check_gloo_cuda(cfg, device)
+            _check_gloo_cuda(device, strategy.collectives(cfg) if strategy else ["all_reduce", "broadcast"])
     _print_dist_line(info, device, backend)
     # Only now: until the group exists a signal may end the process at once (nothing to clean
     # up), and a Python handler could not run while init_process_group blocks in C++ anyway.
@@ -263,9 +261,9 @@ def teardown() -> None:
 
 
 @contextmanager
-def session(cfg: Any) -> Iterator[DistContext]:
-    """``with session(cfg) as ctx:`` setup, and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
-    ctx = setup(cfg)
+def session(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Iterator[DistContext]:
+    """``with session(cfg) as ctx:`` setup (same arguments), and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
+    ctx = setup(cfg, info, strategy)
     try:
         yield ctx
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM on this rank: say so to the others first
@@ -349,14 +347,9 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def any_rank(flags: Sequence[bool]) -> list[bool]:
-    """For each flag, whether it is set on ANY rank (max_over_ranks), so that all ranks agree."""
-    return [bool(v) for v in max_over_ranks([bool(f) for f in flags])]
-
-
 def max_over_ranks(values: Sequence[int]) -> list[int]:
-    """For each int, its maximum over all ranks: one small all-reduce, for the decisions at step
-    boundaries that must be collective (a stop signal, a time-based checkpoint): a rank acting alone
+    """For each int (or bool: any rank's), its maximum over all ranks: one small all-reduce, for the
+    decisions that must be collective (a stop signal, a time-based checkpoint): a rank acting alone
     would leave the others waiting. Under nccl it runs on the gloo side group: no GPU sync per step."""
     if not _initialized():
         return [int(v) for v in values]

@@ -20,14 +20,13 @@ on every rank at the same point, as one UserError line (exit 2), before any mode
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from distribuuuu.errors import UserError
 
-__all__ = ["needed", "check", "PROBES"]
+__all__ = ["check", "PROBES"]
 
 
 def _all_reduce(device: torch.device, world: int) -> bool:
@@ -72,19 +71,13 @@ PROBES: dict[str, tuple[Callable[[torch.device, int], bool], str]] = {
 }
 
 
-def needed(cfg: Any) -> list[str]:
-    """The PROBES names this config's run calls on device tensors: the strategy says (collectives)."""
-    from distribuuuu import strategies  # the strategy owns what it runs; imported when asked
-
-    return strategies.strategy_class(cfg.DIST.STRATEGY).collectives(cfg)
-
-
-def check(cfg: Any, device: torch.device, probes: dict[str, tuple[Callable, str]] | None = None) -> None:
-    """Collective: run each needed probe on ``device``; a refused or wrong one is a UserError naming the
-    collective, the config key that needs it and the way out. ``probes``: PROBES (tests pass others)."""
+def check(device: torch.device, collectives: list[str], probes: dict[str, tuple[Callable, str]] | None = None) -> None:
+    """Collective: run the probe of each collective the run needs (names of PROBES: the strategy's
+    ``collectives``) on ``device``; a refused or wrong one is a UserError naming the collective, the
+    config key that needs it and the way out. ``probes``: PROBES (tests pass others)."""
     table = PROBES if probes is None else probes
     world = dist.get_world_size()
-    for name in (needed(cfg) if probes is None else list(table)):
+    for name in (collectives if probes is None else list(table)):
         probe, why = table[name]
         try:
             right = probe(device, world)

@@ -7,7 +7,7 @@ Two policies, both here:
 - Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
   signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
   SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
-  (``stop_signal``); the loop agrees with the other ranks (``launch.comm.max_over_ranks``), writes a step
+  (``received``); the loop agrees with the other ranks (``launch.comm.max_over_ranks``), writes a step
   checkpoint, and raises ``Preempted``; the run ends with 128 + signal number, after
   ``slurm_requeue`` when TRAIN.REQUEUE asks for it. The same signal a second time runs the
   handler that was there before (usually: stop at once), as a way out of a stuck save.
@@ -25,7 +25,7 @@ from typing import Any
 from distribuuuu.launch import launcher
 
 __all__ = ["STOP_SIGNALS", "Terminated", "PeerStopped", "follow_peer", "interruption", "handle_stop_signals", "restore_signal_handlers",
-           "stop_status", "held_stop_signals", "preemption_signals", "stop_signal", "Preempted", "slurm_requeue"]
+           "stop_status", "held_stop_signals", "preemption_signals", "received", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
 # Stop signals: Ctrl-C (SIGINT) and SIGTERM end a process the same, clean way
@@ -166,25 +166,25 @@ def held_stop_signals(act_after: bool = True) -> Iterator[None]:
 # Preemption: signals become a flag that the training loop reads at step boundaries
 # ---------------------------------------------------------------------------------------------
 
-_received: int | None = None  # set by the handler, read by the training loop
+received: int | None = None  # the preemption signal this process received (the handler sets it; the loop reads it)
 _previous: dict[int, Any] = {}
 
 
 def _record(signum: int, frame: object) -> None:
-    global _received
-    if _received == signum:  # asked twice: stop now, the old way
+    global received
+    if received == signum:  # asked twice: stop now, the old way
         previous = _previous.get(signum, signal.SIG_DFL)
         signal.signal(signum, previous)
         signal.raise_signal(signum)
         return
-    _received = signum
+    received = signum
 
 
 @contextmanager
 def preemption_signals(names: Sequence[str]) -> Iterator[None]:
     """Record the named signals (e.g. ["SIGTERM", "SIGUSR1"]) instead of acting on them."""
-    global _received
-    _received = None
+    global received
+    received = None
     nums = [getattr(signal, name) for name in names]
     for num in nums:
         _previous[num] = signal.signal(num, _record)
@@ -193,11 +193,6 @@ def preemption_signals(names: Sequence[str]) -> Iterator[None]:
     finally:
         for num in nums:
             signal.signal(num, _previous.pop(num))
-
-
-def stop_signal() -> int | None:
-    """The preemption signal this process received, if any."""
-    return _received
 
 
 class Preempted(Exception):

@@ -10,9 +10,8 @@ config rules, process-group backend and collectives: ``BUILT_IN`` (ddp, defined 
 named as the strategy, with a ``STRATEGY`` class (a subclass of Strategy), and that name among the
 config's DIST.STRATEGY choices (config/validate.py STRATEGIES, which load_config checks).
 
-The optimizer of one replica is built here too (build_optimizer: param groups, OPTIM.OPTIMIZER's class
-with its fused kernel), since the strategy decides over which parameters it runs: ZeRO shards its
-state (zero1.py), FSDP builds it over the sharded parameters without fused SGD (fsdp.py).
+The strategy builds the optimizer (optim.build_optimizer) over the parameters it trains: ZeRO shards
+its state (zero1.py), FSDP builds it over the sharded parameters without fused SGD (fsdp.py).
 
 The Strategy interface is everything that differs between the ways of training. The engine, the
 stepper and the run-state code call these methods and never test the strategy's name. The defaults
@@ -41,98 +40,16 @@ import logging
 from typing import Any
 
 import torch
-from timm.optim import get_optimizer_info, param_groups_weight_decay
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from yacs.config import CfgNode
 
-from distribuuuu import heads, models
+from distribuuuu import models, optim
 from distribuuuu.errors import UserError
+from distribuuuu.nonfinite import all_finite
 
 log = logging.getLogger("distribuuuu")
-
-# TRAIN.AMP's autocast dtypes: the stepper's autocast and dp's replicas use the same ones.
-AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor: every value of the floating-point tensors is finite (no host sync yet).
-
-    The 2-norm over all of them is non-finite iff some value is; torch computes it with its
-    multi-tensor kernels (one launch for all the tensors of a device).
-    """
-    floats = [t for t in tensors if t.is_floating_point()]
-    if not floats:
-        return torch.tensor(True)
-    return torch.isfinite(torch.nn.utils.get_total_norm(floats, foreach=True))
-
-
-# -- the optimizer of one replica -------------------------------------------------------------------
-def param_groups(cfg: CfgNode, model: torch.nn.Module) -> list[dict]:
-    """One group with weight decay on everything (Distribuuuu), or, with OPTIM.NO_WD_NORM_BIAS, a
-    second without it for 1-d parameters (norm weights, biases), as timm does."""
-    if not cfg.OPTIM.NO_WD_NORM_BIAS:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    else:
-        groups = param_groups_weight_decay(model, cfg.OPTIM.WEIGHT_DECAY)
-    scale = cfg.OPTIM.BACKBONE_LR_SCALE
-    return groups if scale == 1.0 else _split_backbone(model, groups, scale)
-
-
-def _split_backbone(model: torch.nn.Module, groups: list[dict], scale: float) -> list[dict]:
-    """OPTIM.BACKBONE_LR_SCALE != 1: each group split into the backbone's and the head's (heads.py);
-    every group then carries ``lr_scale`` (timm's name), which ``set_lr`` multiplies the LR by.
-    Groups are the same as before that key existed when it is 1, so older checkpoints resume."""
-    split = []
-    for group in groups:
-        backbone, head = heads.split_parameters(models.unwrap(model), group["params"])
-        split += [{**group, "params": params, "lr_scale": s}
-                  for params, s in ((backbone, scale), (head, 1.0)) if params]  # ZeRO wants no empty group
-    return split
-
-
-def describe_groups(optimizer: torch.optim.Optimizer) -> str:
-    """'0.309M parameters at 0.1 x the LR, 0.000645M parameters at 1 x the LR' (for the log)."""
-    by_scale: dict[float, int] = {}
-    for group in optimizer.param_groups:
-        scale = group.get("lr_scale", 1.0)
-        by_scale[scale] = by_scale.get(scale, 0) + sum(p.numel() for p in group["params"])
-    return ", ".join(f"{n / 1e6:.3g}M parameters at {s:g} x the LR" for s, n in by_scale.items())
-
-
-FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # torch's optimizers with fused CPU/CUDA kernels
-
-
-def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """OPTIM.OPTIMIZER's class and its keyword arguments besides lr and weight_decay: torch's SGD with
-    Distribuuuu's keys, or timm's (MOMENTUM where the optimizer has one). FUSED ones take the found_inf
-    flag that lets the non-finite guard skip a step without a host sync (nonfinite.py)."""
-    o = cfg.OPTIM
-    if o.OPTIMIZER == "sgd":
-        kernel = dict(fused=True) if fused_sgd else dict(foreach=True)
-        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
-    info = get_optimizer_info(o.OPTIMIZER)
-    kwargs = dict(info.defaults or {})
-    if info.has_momentum:
-        kwargs.setdefault("momentum", o.MOMENTUM)
-    if info.opt_class in FUSED:
-        kwargs["fused"] = True
-    return info.opt_class, kwargs
-
-
-def build_optimizer(cfg: CfgNode, model: torch.nn.Module, fused_sgd: bool = True) -> torch.optim.Optimizer:
-    """The optimizer of one replica (ZeRO's sharded one: strategies/zero1.py); ``fused_sgd`` False:
-    SGD's multi-tensor kernels (FSDP: torch has no sharding rule for the fused SGD kernel)."""
-    cls, kwargs = optimizer_class(cfg, fused_sgd)
-    return cls(param_groups(cfg, model), lr=cfg.OPTIM.BASE_LR, weight_decay=cfg.OPTIM.WEIGHT_DECAY, **kwargs)
-
 
 # -- the strategies --------------------------------------------------------------------------------
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -164,13 +81,11 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> int:
     return count
 
 
-def sync_batchnorm(model: nn.Module, cfg: CfgNode, ctx: Any) -> nn.Module:
-    """MODEL.SYNCBN: BatchNorm -> SyncBatchNorm when several processes train on CUDA."""
-    if not (cfg.MODEL.SYNCBN and ctx.distributed):
-        return model
-    if ctx.device.type == "cuda":
+def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """MODEL.SYNCBN with several processes: BatchNorm -> SyncBatchNorm, on CUDA (torch's DDP accepts
+    SyncBatchNorm on CUDA modules only)."""
+    if device.type == "cuda":
         return models.convert_syncbn(model)
-    # torch's DDP accepts SyncBatchNorm on CUDA modules only
     log.warning("MODEL.SYNCBN True: SyncBatchNorm needs CUDA; this CPU run keeps per-process BatchNorm")
     return model
 
@@ -206,41 +121,41 @@ class Strategy:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """SyncBN -> device -> channels_last -> activation checkpointing -> ``wrap`` -> torch.compile."""
         cfg = self.cfg
-        model = sync_batchnorm(model, cfg, self.ctx)
+        if cfg.MODEL.SYNCBN and self.ctx.distributed:
+            model = sync_batchnorm(model, self.ctx.device)
         log.info("model %s: %.2fM parameters", cfg.MODEL.ARCH, models.count_parameters(model) / 1e6)
         model = model.to(self.ctx.device)  # under CPU offload too: FSDP moves the parameters to the CPU itself
         if cfg.TRAIN.CHANNELS_LAST:
             model = model.to(memory_format=torch.channels_last)
-        units = blocks(model)
         if cfg.TRAIN.ACTIVATION_CHECKPOINTING:
             log.info("activation checkpointing: %d blocks recompute their activations in the backward pass",
-                     checkpoint_activations(model, units))
-        model = self.wrap(model, units)
+                     checkpoint_activations(model, blocks(model)))
+        model = self.wrap(model)
         if cfg.TRAIN.COMPILE:  # compiles lazily, at the first step (timed apart)
             model = torch.compile(model, backend=cfg.TRAIN.COMPILE_BACKEND)
         return model
 
-    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         """The strategy's wrapper around the prepared model (none here)."""
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(self.cfg, model)
+        return optim.build_optimizer(self.cfg, model)
 
     def gpus(self) -> list[torch.device]:
         """The GPUs this process computes on (none on CPU)."""
         return [self.ctx.device] if self.ctx.device.type == "cuda" else []
 
     # -- one step ---------------------------------------------------------------------------------
-    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        """The context of a micro-step's forward and backward; ``sync`` False: accumulate locally."""
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """The context of an accumulation micro-step's forward and backward: gradients add up locally."""
         return contextlib.nullcontext()
 
     def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet). Under DDP the
         gradients are already averaged: every rank gets the same answer without a collective."""
-        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-        return all_finite(grads) if grads else torch.tensor(True)
+        return torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                                           foreach=True))
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -297,7 +212,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         d, device = self.cfg.DIST, self.ctx.device
         # BUCKET_CAP_MB 0 -> None: torch's small first bucket, which starts communicating sooner.
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -306,9 +221,9 @@ class DDPStrategy(Strategy):
                        find_unused_parameters=find_unused_parameters(self.cfg))
         return self.ddp
 
-    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+    def no_sync(self) -> contextlib.AbstractContextManager:
         # All-reduce on the last micro-batch only; self.ddp is the DDP module even under torch.compile.
-        return contextlib.nullcontext() if sync else self.ddp.no_sync()
+        return self.ddp.no_sync()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from distribuuuu.errors import UserError
-from distribuuuu.strategies import AMP_DTYPES, Strategy
+from distribuuuu.optim import AMP_DTYPES
+from distribuuuu.strategies import Strategy
 
 
 class _AutocastReplica(nn.Module):
@@ -56,7 +57,7 @@ class DP(Strategy):
             raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
                             "were started; run it with plain python, or use DIST.STRATEGY ddp")
 
-    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         if torch.cuda.device_count() > 1:  # its replicas keep TRAIN.AMP's dtype
             self.dp = AutocastDataParallel(model, AMP_DTYPES[self.cfg.TRAIN.AMP])
             return self.dp

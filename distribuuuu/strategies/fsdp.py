@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distribuuuu import models, strategies
+from distribuuuu import models, optim
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
-from distribuuuu.strategies import Strategy, all_finite, local_tensor
+from distribuuuu.nonfinite import all_finite, local_tensor
+from distribuuuu.strategies import Strategy, blocks
 
 log = logging.getLogger("distribuuuu")
 
@@ -188,24 +189,28 @@ class FSDP(Strategy):
         # with CPU offload too: FSDP copies the shards to the GPU to gather them
         return [*super().collectives(cfg), "all_gather_single", "reduce_scatter_single (AVG)"]
 
-    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         d = self.cfg.DIST
-        self.sharded = shard(model, units, d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
+        self.sharded = shard(model, blocks(model), d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
         return self.sharded
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         # torch has no DTensor rule for aten._fused_sgd_: SGD runs its multi-tensor kernels and keeps
         # the synced non-finite check; fused Adam/AdamW have one and skip on the device.
-        return strategies.build_optimizer(self.cfg, model, fused_sgd=False)
+        return optim.build_optimizer(self.cfg, model, fused_sgd=False)
 
-    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        # FSDP's counterpart of DDP's no_sync: skip the reduce-scatter on accumulation micro-steps.
-        self.sharded.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # FSDP's counterpart of DDP's no_sync: no reduce-scatter on an accumulation micro-step.
+        self.sharded.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.sharded.set_requires_gradient_sync(True)
 
     def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Each rank checks its shards; the answers are combined with one all-reduce."""
-        finite = super().grads_finite(params)
+        finite = all_finite([local_tensor(p.grad) for p in params if p.grad is not None])
         bad = (~finite).to(torch.int32).reshape(1)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return bad[0] == 0
@@ -215,7 +220,7 @@ class FSDP(Strategy):
         if self.cfg.DIST.FSDP_STATE_DICT == "sharded":
             # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
             local = [local_tensor(v) for v in self.sharded.state_dict().values()]
-            if comm.any_rank([not bool(all_finite(local))])[0]:
+            if comm.max_over_ranks([not bool(all_finite(local))])[0]:
                 return {}, False
             save_sharded(self.sharded, optimizer, shards)
             return {"sharded": os.path.basename(shards)}, True

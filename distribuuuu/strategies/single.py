@@ -14,7 +14,7 @@ log = logging.getLogger("distribuuuu")
 class Single(Strategy):
     name = "single"
 
-    def wrap(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.DIST.STRATEGY == "fsdp":
             log.warning("DIST.STRATEGY fsdp with one process: nothing to shard, training unsharded")
         return model

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distribuuuu.strategies import DDPStrategy, optimizer_class, param_groups
+from distribuuuu.optim import optimizer_class, param_groups
+from distribuuuu.strategies import DDPStrategy
 
 
 class Zero1(DDPStrategy):

@@ -82,7 +82,8 @@ def _stepper(cfg: Any, ctx: comm.DistContext) -> Stepper:
     strategy = strategies.build(cfg, ctx)
     model = strategy.wrap_model(models.build_model(cfg, new_head=True))  # as training builds it (fine-tuning too)
     optimizer = strategy.build_optimizer(model)
-    optim.set_lr(optimizer, optim.peak_lr(cfg, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS))
+    peak = optim.peak_lr(cfg, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS)
+    optim.Schedule(cfg, peak).apply(optimizer, optim.warmup_epochs(cfg))  # the LR at the end of the warmup
     return Stepper(cfg, ctx.device, model, optimizer, cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS, strategy)
 
 

@@ -27,10 +27,10 @@ class StopOnPlateau(HookBase):
         self.patience, self.min_delta = patience, min_delta
         self.best, self.bad = math.inf, 0
 
-    def after_eval(self, trainer) -> None:
-        if trainer.eval_split != "val":  # the one test evaluation after the run: nothing to decide
+    def after_eval(self, trainer, split, records) -> None:
+        if split != "val":  # the one test evaluation after the run: nothing to decide
             return
-        loss = next(r["loss"] for r in trainer.eval_records if r["split"] == "val")
+        loss = next(r["loss"] for r in records if r["split"] == "val")
         if loss < self.best - self.min_delta:
             self.best, self.bad = loss, 0
             return
@@ -38,4 +38,4 @@ class StopOnPlateau(HookBase):
         log.info("plateau: val loss %.4f, best %.4f (%d/%d evaluations without improvement)",
                  loss, self.best, self.bad, self.patience)
         if self.bad >= self.patience:
-            trainer.stop_reason = f"val loss plateaued for {self.bad} evaluations"
+            trainer.stop(f"val loss plateaued for {self.bad} evaluations")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from distribuuuu import cli, strategies
+from distribuuuu import cli, optim
 
 RANK = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 step = 0
@@ -36,7 +36,7 @@ def _mine(var):
     return at if at and at[1] == RANK else None
 
 
-_build = strategies.build_optimizer
+_build = optim.build_optimizer
 
 
 def build_optimizer(cfg, model, **kwargs):
@@ -60,7 +60,7 @@ def build_optimizer(cfg, model, **kwargs):
     return opt
 
 
-strategies.build_optimizer = build_optimizer
+optim.build_optimizer = build_optimizer
 _forward = torch.nn.CrossEntropyLoss.forward
 calls = 0
 

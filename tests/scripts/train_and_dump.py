@@ -17,7 +17,7 @@ from distribuuuu.engine import HookBase
 class DumpWeights(HookBase):
     """After the run: this rank's weights (wrapper prefixes stripped) as OUT_DIR/rank<R>.pt."""
 
-    def after_fit(self, trainer):
+    def after_fit(self, trainer, summary):
         torch.save(models.state_dict_for_saving(trainer.model),
                    os.path.join(trainer.cfg.OUT_DIR, f"rank{trainer.ctx.rank}.pt"))
 
