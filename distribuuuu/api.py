@@ -54,17 +54,15 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
     """Refuse an input batch that alone exceeds the host's memory, before anything is allocated:
     TRAIN.IM_SIZE 200000 would otherwise end in an allocator traceback per rank. The GPU's memory is
     not asked here: that would initialise CUDA in the launching process (the spawner's parent)."""
-    limits = [("this host's", os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))]
-    splits = [("TEST", "evaluation")] if command == "eval" else [("TRAIN", "training"), ("TEST", "evaluation")]
-    for key, what in splits:
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for key in ("TEST",) if command == "eval" else ("TRAIN", "TEST"):
         batch, side = cfg[key].BATCH_SIZE, cfg[key].IM_SIZE
         size = batch * cfg.MODEL.IN_CHANS * side * side * 4  # float32, as the model sees it
-        for where, limit in limits:
-            if size > limit:
-                raise UserError(
-                    f"one {what} batch ({key}.BATCH_SIZE {batch} images of {cfg.MODEL.IN_CHANS}x{side}x{side}, "
-                    f"float32) is {_gib(size)}, more than {where} {_gib(limit)} of memory before any "
-                    f"activation; lower {key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE")
+        if size > limit:
+            raise UserError(
+                f"one {'training' if key == 'TRAIN' else 'evaluation'} batch ({key}.BATCH_SIZE {batch} images of "
+                f"{cfg.MODEL.IN_CHANS}x{side}x{side}, float32) is {_gib(size)}, more than this host's {_gib(limit)} "
+                f"of memory before any activation; lower {key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE")
 
 
 def _check_cfg_dest(cfg: Any) -> None:

@@ -200,15 +200,18 @@ def _create_torchvision(name: str, num_classes: int, in_chans: int, im_size: int
     elif name.startswith("maxvit_"):
         kwargs["input_size"] = (im_size, im_size)
     model = torchvision.models.get_model(name, **kwargs)
-    if in_chans != 3:
-        # torchvision has no in_chans argument: swap the RGB input conv for one of in_chans inputs.
-        conv_name, conv = _first_conv(model)
-        if conv.in_channels != 3 or conv.groups != 1:
-            raise UserError(f"MODEL.IN_CHANS {in_chans} is not supported for {name}: its first "
-                            "convolution is not a plain 3-channel one; use MODEL.IN_CHANS 3")
-        new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                        conv.dilation, bias=conv.bias is not None, padding_mode=conv.padding_mode)
-        model.set_submodule(conv_name, new)
+    return model if in_chans == 3 else _with_in_chans(model, name, in_chans)
+
+
+def _with_in_chans(model: nn.Module, name: str, in_chans: int) -> nn.Module:
+    """torchvision has no in_chans argument: its RGB input conv swapped for one of in_chans inputs."""
+    conv_name, conv = _first_conv(model)
+    if conv.in_channels != 3 or conv.groups != 1:
+        raise UserError(f"MODEL.IN_CHANS {in_chans} is not supported for {name}: its first "
+                        "convolution is not a plain 3-channel one; use MODEL.IN_CHANS 3")
+    new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                    conv.dilation, bias=conv.bias is not None, padding_mode=conv.padding_mode)
+    model.set_submodule(conv_name, new)
     return model
 
 
@@ -278,7 +281,7 @@ def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Mo
     if cfg.MODEL.SMALL_STEM:
         _use_small_stem(model, cfg.MODEL.ARCH)
     init_residual_bn(model, bool(cfg.MODEL.get("ZERO_INIT_RESIDUAL", True)))
-    if with_weights:
+    if with_weights and (cfg.MODEL.WEIGHTS or cfg.MODEL.PRETRAINED):
         _load_initial_weights(model, cfg, new_head)
     return model
 
@@ -286,7 +289,7 @@ def build_model(cfg, new_head: bool = False, with_weights: bool = True) -> nn.Mo
 def _load_initial_weights(model: nn.Module, cfg, new_head: bool) -> None:
     """MODEL.WEIGHTS (this model's weights; the head may be new when new_head), else MODEL.PRETRAINED
     (True: torch hub's cached file for MODEL.ARCH, its head loaded when it fits; a path: a start for a
-    new task, its head never loaded), else nothing. See docs/recipes.md, Fine-tuning."""
+    new task, its head never loaded). See docs/recipes.md, Fine-tuning."""
     pretrained = cfg.MODEL.PRETRAINED
     if cfg.MODEL.WEIGHTS:
         # WEIGHTS replaces every tensor (the head too, unless re-initialised), so PRETRAINED would change nothing.

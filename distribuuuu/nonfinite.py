@@ -71,6 +71,11 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(torch.nn.utils.get_total_norm(floats, foreach=True))
 
 
+def grads_finite(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """0-d bool tensor, no host sync yet: every gradient of params is finite."""
+    return torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True))
+
+
 def optimizers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The optimizer, and the local one ZeroRedundancyOptimizer wraps (it copies its groups' keys in)."""
     inner = getattr(optimizer, "optim", None)

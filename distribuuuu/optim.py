@@ -71,9 +71,13 @@ def optimizer_class(cfg: CfgNode, fused_sgd: bool = True) -> tuple[type[torch.op
     flag that lets the non-finite guard skip a step without a host sync. SGD with DAMPENING runs the
     multi-tensor kernel (nonfinite.prime_momentum's zero buffers match torch's first step only without)."""
     o = cfg.OPTIM
-    if o.OPTIMIZER == "sgd":
-        kernel = dict(fused=True) if fused_sgd and o.DAMPENING == 0 else dict(foreach=True)
-        return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
+    if o.OPTIMIZER != "sgd":
+        return _timm_optimizer(o)
+    kernel = dict(fused=True) if fused_sgd and o.DAMPENING == 0 else dict(foreach=True)
+    return torch.optim.SGD, dict(momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV, **kernel)
+
+
+def _timm_optimizer(o: CfgNode) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     info = get_optimizer_info(o.OPTIMIZER)
     kwargs = dict(info.defaults or {})
     if info.has_momentum:

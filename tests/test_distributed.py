@@ -445,9 +445,11 @@ def test_setup_cudnn_flags(plain_env):
         comm.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
+        comm._set_cuda_flags(cpu_cfg("CUDNN.DETERMINISTIC", "True"))  # what setup() does on a GPU
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         comm.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
         assert not torch.are_deterministic_algorithms_enabled()
+        comm._set_cuda_flags(cpu_cfg())
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     finally:
         torch.use_deterministic_algorithms(False)

@@ -428,13 +428,13 @@ def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
 
     try:
         for value, on in (("False", False), ("True", True)):
-            comm._set_cudnn(_cfg("CUDNN.TF32", value))
+            comm._set_cuda_flags(_cfg("CUDNN.TF32", value))
             assert torch._C._get_cublas_allow_tf32() is on  # what torch._dynamo reads
             assert torch.backends.cudnn.allow_tf32 is on
             assert (torch.backends.cuda.matmul.fp32_precision == "tf32") is on  # what inductor reads
             assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is on
     finally:
-        comm._set_cudnn(_cfg())
+        comm._set_cuda_flags(_cfg())
 
 
 # --- benchmarks/gpu.py: the script that runs these paths on a GPU ---------------------------------

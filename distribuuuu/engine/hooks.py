@@ -21,10 +21,10 @@ A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets 
 
 Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
 ("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
-FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (target / patience),
-MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck, EvalHook (evaluation on
-EVAL_PERIOD epochs), CheckpointHook (step / time / epoch / best checkpoints and stop signals). So a
-user's after_epoch runs after the epoch's checkpoint.
+FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with TRAIN.TARGET_TOP1
+or PATIENCE), MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck (only with
+TRAIN.NONFINITE off), EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch
+/ best checkpoints and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
 
 Every rank runs every hook: a hook that does a collective (a vote, a checkpoint) does it in the same
 order everywhere. A hook ends the run with ``trainer.stop(reason)``, from values that are the same on
@@ -88,23 +88,27 @@ def overrides(hook: Any, event: str) -> bool:
 
 def from_config(cfg: CfgNode) -> list[HookBase]:
     """The hooks named in TRAIN.HOOKS ("package.module:ClassName"), each made with no arguments."""
-    made = []
-    for spec in cfg.TRAIN.get("HOOKS", []):
-        module_name, _, class_name = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name) if class_name else None
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"TRAIN.HOOKS: cannot import {spec} ({type(e).__name__}: {e}); give "
-                            "'package.module:ClassName' of a module on the Python path") from None
-        if cls is None:
-            raise UserError(f"TRAIN.HOOKS: {spec} names no class; give 'package.module:ClassName'")
-        made.append(cls())
-    return made
+    return [_made(spec) for spec in cfg.TRAIN.HOOKS]
+
+
+def _made(spec: str) -> HookBase:
+    module_name, _, class_name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name) if class_name else None
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"TRAIN.HOOKS: cannot import {spec} ({type(e).__name__}: {e}); give "
+                        "'package.module:ClassName' of a module on the Python path") from None
+    if cls is None:
+        raise UserError(f"TRAIN.HOOKS: {spec} names no class; give 'package.module:ClassName'")
+    return cls()
 
 
 def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
-    freeze = [FreezeBackboneHook(cfg)] if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS else []
-    return [*freeze, EarlyStopHook(), MetricsHook(), NonFiniteEpochCheck(), EvalHook(), CheckpointHook(cfg, world_size)]
+    """The built-in hooks this config needs, in their order (the module docstring)."""
+    t = cfg.TRAIN
+    return [*([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
+            *([EarlyStopHook()] if t.TARGET_TOP1 or t.PATIENCE else []), MetricsHook(),
+            *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []), EvalHook(), CheckpointHook(cfg, world_size)]
 
 
 class FreezeBackboneHook(HookBase):
@@ -175,7 +179,7 @@ class NonFiniteEpochCheck(HookBase):
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         cfg, state = trainer.cfg, trainer.state
-        if cfg.TRAIN.NONFINITE == "off" and metrics["n"] and not math.isfinite(metrics["loss"]):
+        if metrics["n"] and not math.isfinite(metrics["loss"]):
             raise NonFiniteLoss(f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
                                 "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
                                 f"checks every step); {advice(cfg)}")
@@ -260,7 +264,7 @@ class CheckpointHook(HookBase):
         # checkpoint (rank 0's clock) is acted on at the next vote.
         if state.global_step % self.vote_every == 0 or epoch_done:
             due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-            stop, by_time = comm.max_over_ranks([signals.received or 0, trainer.ctx.is_main and due])
+            stop, by_time = comm.max_over_ranks([signals.received or 0, trainer.ctx.rank == 0 and due])
         by_steps = self.every_steps and state.global_step % self.every_steps == 0
         if (stop or by_steps or by_time) and not epoch_done:
             trainer.settle()  # a run past TRAIN.NONFINITE's limits ends before it is saved

@@ -167,7 +167,9 @@ class Trainer:
         self.log_setup()
         state.data_identity = folder.facts(  # MERGE: data_identity
             len(self.train_loader.dataset), len(self.val_loader.dataset))
-        self.resumed = self.resume() is not None
+        ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
+        if ckpt is not None:
+            self.resume(ckpt, path)
         folder.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
@@ -291,16 +293,11 @@ class Trainer:
             self.stepper.guard.saved(finite)  # the end asks whether the run could save (require_saved)
         comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
-    def resume(self) -> dict[str, Any] | None:
-        """Continue from OUT_DIR/checkpoints when TRAIN.AUTO_RESUME finds a checkpoint there; returns
-        the checkpoint (the stepper's state is loaded from it too) or None. A checkpoint that does not
-        fit this run (config, data, model or optimizer) is refused before anything is loaded."""
+    def resume(self, ckpt: dict[str, Any], path: str) -> None:
+        """Continue from the run folder's newest intact checkpoint (TRAIN.AUTO_RESUME), at the very next
+        batch. A checkpoint that does not fit this run (config, data, model or optimizer) is refused
+        before anything is loaded."""
         cfg, state, strategy = self.cfg, self.state, self.strategy
-        if not cfg.TRAIN.AUTO_RESUME:
-            return None
-        ckpt, path = self.folder.latest()
-        if ckpt is None:
-            return None
         net, opt = models.unwrap(self.model), self.optimizer if cfg.TRAIN.LOAD_OPT else None
         plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
         self.folder.check_resume(ckpt, path, state.data_identity, net if plain else None, opt if plain else None)
@@ -316,7 +313,7 @@ class Trainer:
                  path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step,
                  cfg.TRAIN.BEST_METRIC, state.best_metric)
         self.stepper.load_state_dict(ckpt)
-        return ckpt
+        self.resumed = True
 
     def _restore_rng(self, ckpt: dict[str, Any]) -> None:
         """This rank's RNG streams, as saved; after a change of world size they cannot be carried over

@@ -105,32 +105,31 @@ def _choose_backend(cfg: Any, device: torch.device) -> str:
     return backend
 
 
-def _num_threads(cfg: Any, info: LaunchInfo) -> int | None:
-    """Intra-op threads for this process, or None to keep what torch read from OMP_NUM_THREADS.
-
-    Order: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS is kept (torchrun sets it
-    to 1 when it starts several processes per node and prints so; NUM_THREADS overrides it);
-    else the cores this process may use, split evenly between the processes on the node.
-    """
-    if cfg.NUM_THREADS > 0:
-        return cfg.NUM_THREADS
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
+def _set_threads(cfg: Any, info: LaunchInfo) -> None:
+    """Intra-op threads for this process: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS
+    is kept (torchrun sets it to 1 when it starts several processes per node and prints so); else the
+    cores this process may use (Slurm's --cpus-per-task), split evenly between the processes on the node."""
+    if cfg.NUM_THREADS <= 0 and os.environ.get("OMP_NUM_THREADS"):
+        return
     # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     slurm_cpus = launcher.slurm_cpus_per_task() if info.launcher == "slurm" else None
-    if slurm_cpus is not None:
-        return max(1, min(cores, slurm_cpus))
-    return max(1, cores // info.local_world_size)
+    share = min(cores, slurm_cpus) if slurm_cpus is not None else cores // info.local_world_size
+    torch.set_num_threads(cfg.NUM_THREADS if cfg.NUM_THREADS > 0 else max(1, share))
 
 
-def _set_threads(cfg: Any, info: LaunchInfo) -> None:
-    threads = _num_threads(cfg, info)
-    if threads is not None:
-        torch.set_num_threads(threads)
+def _set_determinism(cfg: Any) -> None:
+    """CUDNN.DETERMINISTIC: torch.use_deterministic_algorithms(True, warn_only=True) (ops without a
+    deterministic kernel warn instead of stopping the run), or off. Called only on a change: the
+    first call imports parts of torch that cost seconds at every start."""
+    wanted = bool(cfg.CUDNN.DETERMINISTIC)
+    if torch.are_deterministic_algorithms_enabled() != wanted or (
+            wanted and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        torch.use_deterministic_algorithms(wanted, warn_only=True)
 
 
-def _set_cudnn(cfg: Any) -> None:
+def _set_cuda_flags(cfg: Any) -> None:
+    """cuDNN's autotuner (CUDNN.BENCHMARK, off when deterministic) and TF32 (CUDNN.TF32)."""
     deterministic = bool(cfg.CUDNN.DETERMINISTIC)
     if deterministic:
         # cuBLAS needs this before its first call to be deterministic; a user's value is kept.
@@ -142,12 +141,6 @@ def _set_cudnn(cfg: Any) -> None:
     # raises, and torch.compile's dynamo still reads one; the new getters follow the legacy flags.
     torch.backends.cuda.matmul.allow_tf32 = bool(cfg.CUDNN.TF32)
     torch.backends.cudnn.allow_tf32 = bool(cfg.CUDNN.TF32)
-    # warn_only: ops without a deterministic kernel warn instead of stopping the run. Called only
-    # on a change: the first call imports parts of torch that cost seconds at every start.
-    if deterministic != torch.are_deterministic_algorithms_enabled():
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    elif deterministic and not torch.is_deterministic_algorithms_warn_only_enabled():
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def is_addr_in_use(err: BaseException) -> bool:
@@ -168,13 +161,11 @@ def gloo_side_group(timeout: datetime.timedelta) -> Any:
 
 
 def _export_launch_env(info: LaunchInfo) -> None:
-    """init_method="env://" reads these; torchrun and launch have set them already."""
-    if info.launcher in ("slurm", "spawn"):
-        os.environ.update(
-            MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port), RANK=str(info.rank),
-            WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
-            LOCAL_WORLD_SIZE=str(info.local_world_size),
-        )
+    """Slurm and the spawner: init_method="env://" reads these (torchrun and launch have set them)."""
+    os.environ.update(
+        MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port), RANK=str(info.rank),
+        WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank), LOCAL_WORLD_SIZE=str(info.local_world_size),
+    )
 
 
 def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, timeout_s: float,
@@ -183,7 +174,8 @@ def _init_process_group(info: LaunchInfo, backend: str, device: torch.device, ti
         raise UserError("this PyTorch build has no torch.distributed; run a single process")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists; call launch.comm.teardown() before setup() again")
-    _export_launch_env(info)
+    if info.launcher in ("slurm", "spawn"):
+        _export_launch_env(info)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         dist.init_process_group(
@@ -223,8 +215,9 @@ def setup(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Dis
     backend = _choose_backend(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        _set_cuda_flags(cfg)
     _set_threads(cfg, info)
-    _set_cudnn(cfg)
+    _set_determinism(cfg)
     if info.world_size > 1:
         group_backend = strategy.group_backend(cfg, backend) if strategy else backend
         _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, group_backend)
@@ -253,7 +246,7 @@ def teardown() -> None:
 
     Safe to call twice or without setup().
     """
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
     store.forget()
     set_control_group(None)
@@ -290,24 +283,20 @@ def set_control_group(group: Any) -> None:
     _control_group = group
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def get_world_size() -> int:
     """Processes in the default group (1 without one)."""
-    return dist.get_world_size() if _initialized() else 1
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:
     """Wait until every rank gets here (nothing to wait for without a group)."""
-    if _initialized():
+    if dist.is_initialized():
         dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum t over all processes, in place, and return it. With nccl, t must be on the GPU."""
-    if _initialized():
+    if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
@@ -317,7 +306,7 @@ def average_buffers(module: torch.nn.Module) -> None:
     coalesced all-reduce: DDP keeps the parameters identical, but each rank's running statistics
     follow its own batches, so every rank then evaluates, and rank 0 saves, the same model."""
     buffers = [b for b in module.buffers() if b.is_floating_point()]
-    if not _initialized() or not buffers:
+    if not dist.is_initialized() or not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1) for b in buffers])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -331,7 +320,7 @@ def average_buffers(module: torch.nn.Module) -> None:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """The picklable obj of rank src, on every rank."""
-    if not _initialized():
+    if not dist.is_initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -340,7 +329,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's picklable obj, in rank order, on every rank ([obj] for one process)."""
-    if not _initialized():
+    if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
@@ -351,7 +340,7 @@ def max_over_ranks(values: Sequence[int]) -> list[int]:
     """For each int (or bool: any rank's), its maximum over all ranks: one small all-reduce, for the
     decisions that must be collective (a stop signal, a time-based checkpoint): a rank acting alone
     would leave the others waiting. Under nccl it runs on the gloo side group: no GPU sync per step."""
-    if not _initialized():
+    if not dist.is_initialized():
         return [int(v) for v in values]
     t = torch.tensor([int(v) for v in values], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group)  # None: the default (gloo) group

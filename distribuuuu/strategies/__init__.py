@@ -47,7 +47,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import models, optim
 from distribuuuu.errors import UserError
-from distribuuuu.nonfinite import all_finite
+from distribuuuu.nonfinite import all_finite, grads_finite
 
 log = logging.getLogger("distribuuuu")
 
@@ -151,11 +151,9 @@ class Strategy:
         """The context of an accumulation micro-step's forward and backward: gradients add up locally."""
         return contextlib.nullcontext()
 
-    def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Whether every gradient is finite, as a 0-d bool tensor (no host sync yet). Under DDP the
-        gradients are already averaged: every rank gets the same answer without a collective."""
-        return torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
-                                                           foreach=True))
+    # Whether every gradient is finite, as a 0-d bool tensor (no host sync yet). Under DDP the
+    # gradients are already averaged: every rank gets the same answer without a collective.
+    grads_finite = staticmethod(grads_finite)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -196,15 +194,12 @@ class Strategy:
         return net
 
 
-def find_unused_parameters(cfg: CfgNode) -> bool:
-    """DIST.FIND_UNUSED_PARAMETERS, or on while TRAIN.FREEZE_BACKBONE_EPOCHS leaves the backbone
-    without gradients (DDP would wait for them; docs/recipes.md, Fine-tuning)."""
-    if cfg.DIST.FIND_UNUSED_PARAMETERS:
-        return True
+def frozen_backbone(cfg: CfgNode) -> bool:
+    """TRAIN.FREEZE_BACKBONE_EPOCHS leaves the backbone without gradients, which DDP would wait for:
+    find_unused_parameters on (docs/recipes.md, Fine-tuning)."""
     if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS != 0:
         log.info("DDP find_unused_parameters on: TRAIN.FREEZE_BACKBONE_EPOCHS leaves the backbone without gradients")
-        return True
-    return False
+    return cfg.TRAIN.FREEZE_BACKBONE_EPOCHS != 0
 
 
 class DDPStrategy(Strategy):
@@ -218,7 +213,7 @@ class DDPStrategy(Strategy):
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                        bucket_cap_mb=d.BUCKET_CAP_MB or None, static_graph=d.STATIC_GRAPH,
                        gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
-                       find_unused_parameters=find_unused_parameters(self.cfg))
+                       find_unused_parameters=d.FIND_UNUSED_PARAMETERS or frozen_backbone(self.cfg))
         return self.ddp
 
     def no_sync(self) -> contextlib.AbstractContextManager:
