@@ -158,7 +158,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, opts):
     proc = check(_run(SMALL + ["OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", *opts], {"NAN_AT": "3:1"}))
     assert "step skipped on every rank (1 in a row" in proc.stdout + proc.stderr
     ckpt = _ckpt(out)
-    assert ckpt["global_step"] == 7  # 8 batches, one skipped
+    assert ckpt["global_step"] == 8  # 8 steps of the schedule, one of them skipped
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point())
 
 
