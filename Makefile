@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Two processes: the demo's config is the CPU speedrun (DEVICE cpu), also on a machine with GPUs.
 NPROC  ?= 2
 
-.PHONY: demo test test-fast lint venv clean images readme
+.PHONY: demo test test-fast lint venv clean images readme guide
 
 venv: $(STAMP)
 
@@ -47,6 +47,11 @@ images: $(STAMP)
 # (about 2 minutes on 2 cores); tests/test_readme.py runs the same and fails on drift.
 readme: $(STAMP)
 	$(PY) scripts/readme_outputs.py --write
+
+# Trace a default 2-rank torchrun run and rewrite docs/reading-guide.md from it: the package code it
+# executes, in order, with sizes (about a minute on 2 cores); tests/test_layout.py fails on drift.
+guide: $(STAMP)
+	$(PY) scripts/trace_run.py --write
 
 clean:
 	rm -rf runs .pytest_cache
