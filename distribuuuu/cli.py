@@ -182,8 +182,9 @@ def package_version() -> str:
 
 
 def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
-    """`distribuuuu config`: the merged config as YAML, or with --list the shipped configs."""
-    from distribuuuu import config
+    """`distribuuuu config`: the merged config as YAML, the unset keys decided from the data as one
+    process would (inferred.py); with --list the shipped configs, with --explain KEY one key."""
+    from distribuuuu import config, inferred
 
     if args.explain is not None:
         print(cli_help.explain(args.explain), end="")
@@ -196,7 +197,7 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
 
         print(shipped.listing(), end="")
         return 0
-    cfg = config.load_config(args.cfg_file, opts)
+    cfg = inferred.resolve(config.load_config(args.cfg_file, opts), 1)
     from distribuuuu import strategies  # its rules too (they import torch: only here, after the keys passed)
 
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size=1)
@@ -368,13 +369,13 @@ def _other_command(args: argparse.Namespace) -> int:
 
 def _spawn(command: str, cfg_file: str | None, opts: list[str], nproc: int, port: int | None) -> int:
     """--nproc-per-node N: check once here, then start N processes that each run the command."""
-    from distribuuuu import api, run_folder
+    from distribuuuu import api, inferred, run_folder
     from distribuuuu.launch import launcher, spawn
 
     if launcher.detect().launcher != "plain":
         raise UserError("--nproc-per-node starts its own processes; drop it when running under "
                         "torchrun, torch.distributed.launch or srun")
-    cfg = command_config(command, cfg_file, opts)  # fail here, once, before any child starts
+    cfg = inferred.resolve(command_config(command, cfg_file, opts), nproc)  # fail here, once, before any child starts
     new_folder, status = not os.path.lexists(cfg.OUT_DIR), USER_ERROR_EXIT  # preflight makes the folder
     try:
         api.preflight(command, cfg, nproc)

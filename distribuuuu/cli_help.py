@@ -7,7 +7,6 @@ Kept apart from cli.py (which parses); nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 from collections.abc import Callable
 from importlib import resources
@@ -141,12 +140,10 @@ def _type_name(key: str, default: Any) -> str:
 
 def explain(key: str) -> str:
     """What `distribuuuu config --explain KEY` prints: the key, its type and default, its comment."""
-    from distribuuuu.config import flatten, get_defaults
+    from distribuuuu.config import flatten, get_defaults, unknown_key
 
     defaults = flatten(get_defaults())
     if key not in defaults:
-        close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else " (run `distribuuuu config` to list the keys)"
-        raise UserError(f"unknown config key {key}{hint}")
+        raise UserError(unknown_key(key, defaults))
     comment = key_comments().get(key, "")
     return f"{key}  ({_type_name(key, defaults[key])}, default {defaults[key]!r})\n  {comment}\n"
