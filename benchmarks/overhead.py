@@ -81,12 +81,13 @@ def med(xs: list[float]) -> float:
 
 
 def make_cfg(opts: dict[str, Any]) -> Any:
+    from distribuuuu import inferred
     from distribuuuu.config import load_config
 
     flat: list[str] = []
     for k, v in opts.items():
         flat += [k, v if isinstance(v, str) else repr(v)]
-    return load_config(None, flat)
+    return inferred.resolve(load_config(None, flat), 1)  # the unset keys decided as for one process
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,129 @@
-"""The command line as people type it: examples at the end of each --help, options after the KEY VALUE
-pairs, ``--checkpoint PATH`` (timm's spelling) for MODEL.WEIGHTS, and ``config --explain KEY``.
+"""What the `distribuuuu` command shows its users: each command's line in `distribuuuu --help`, its
+options (add_argument's arguments, as data), the examples that end its --help, and what
+``config --explain KEY`` prints.
 
-Kept apart from cli.py (which parses); nothing here imports torch.
+cli.py builds the parser from these tables, the chosen command's options only; nothing here
+imports torch, or cli.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 from distribuuuu.errors import UserError
+
+Option = tuple[tuple[str, ...], dict[str, Any]]  # add_argument's (names, keywords)
+
+_CFG_HELP = "YAML config file, or a shipped config's name (`distribuuuu config --list`); default: none, "
+CFG: Option = (("--cfg",), dict(dest="cfg_file", default=None, help=_CFG_HELP + "the built-in defaults"))
+# eval, predict, export: a checkpoint's stored config is the default (inference.load_config)
+CFG_STORED: Option = (("--cfg",), dict(dest="cfg_file", default=None, help=_CFG_HELP + (
+    "the config stored in the checkpoint that MODEL.WEIGHTS names (else the built-in defaults)")))
+CHECKPOINT: Option = (("--checkpoint",), dict(default=None, metavar="PATH", help=(
+    "the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH (default: none, MODEL.WEIGHTS, else "
+    "the checkpoint OUT_DIR's run chose)")))
+NPROC: Option = (("--nproc-per-node", "--nproc_per_node"), dict(dest="nproc", default=None, help=(
+    "start N processes on this machine with the built-in spawner ('auto': one per GPU, else one per CPU core); "
+    "default: none, one process (or what torchrun / srun started)")))
+MASTER_PORT: Option = (("--master-port", "--master_port"), dict(dest="master_port", type=int, default=None, help=(
+    "with --nproc-per-node: the rendezvous port (default: MASTER_PORT if set, else a free one); a port in use is "
+    "replaced by a free one")))
+# torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
+# environment instead (see launch.launcher.detect), so the value is accepted and ignored.
+LOCAL_RANK: Option = (("--local-rank", "--local_rank"), dict(dest="local_rank", default=None, help=argparse.SUPPRESS))
+IMPORT: Option = (("--import",), dict(dest="imports", action="append", default=None, metavar="MODULE", help=(
+    "import MODULE (a dotted name or a .py file) in every process before the model and data are built, e.g. to "
+    "register a timm model; repeatable, adds to IMPORTS (default: none beyond the config's IMPORTS)")))
+OPTS: Option = (("opts",), dict(nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config"))
+
+BENCH_OPTIONS: list[Option] = [
+    (("--iters",), dict(type=int, default=20, help=(
+        "timed iterations per measurement (the model's: at least this many calls' time, in blocks chosen by "
+        "torch.utils.benchmark.Timer)"))),
+    (("--warmup",), dict(type=int, default=3, help="untimed iterations first")),
+    (("--scaling",), dict(default=None, metavar="LIST", help=(
+        "process counts such as 1,2,4: train the same short run with each (default: none, no scaling sweep)"))),
+    (("--compare",), dict(default=None, metavar="LIST", help=(
+        "methods such as single,dp,ddp,ddp+amp: train the same short job each way (default: none, no comparison)"))),
+    (("--epochs",), dict(type=int, default=None, help=(
+        "epochs of each run: --scaling times the last (default 1), --compare all but the first (default 2)"))),
+    (("--nproc",), dict(type=int, default=None, help=(
+        "--compare: processes of the ddp runs (default one per GPU, 2 on the CPU)"))),
+    (("--global-batch",), dict(dest="global_batch", type=int, default=None, help=(
+        "--compare: the batch of each optimizer step, split over the processes (default TRAIN.BATCH_SIZE)"))),
+    (("--amp",), dict(default="auto", choices=["auto", "bf16", "fp16"], help=(
+        "--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native bf16, else fp16)"))),
+    (("--io",), dict(action="store_true", help=(
+        "time the training data loader alone against the number of loader workers, image folder vs shards of the "
+        "same images (io.csv, io.png)"))),
+    (("--workers",), dict(default=None, metavar="LIST", help=(
+        "--io: loader worker counts such as 0,1,2 (default 0, then 1, 2, 4, ... up to the cores)"))),
+    (("--repeats",), dict(type=int, default=3, help="--io: timed stretches of --iters batches each")),
+    (("--io-shards",), dict(dest="io_shards", default=None, metavar="DIR", help=(
+        "--io: keep the shards of a folder dataset in DIR and reuse them (default: none, written to a temporary "
+        "folder and removed)"))),
+    (("--out",), dict(default=None, help="results folder (default OUT_DIR/bench)")),
+]
+
+# Each command: its line in `distribuuuu --help`, and its options in the order its --help lists them.
+COMMANDS: dict[str, tuple[str, list[Option]]] = {
+    "train": ("train a model", [CFG, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
+    "eval": ("evaluate a checkpoint (--checkpoint PATH) on the val split (without --cfg: with the config stored "
+             "in the checkpoint)", [CFG_STORED, CHECKPOINT, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
+    "config": ("print the merged, validated config as YAML", [
+        (("--list",), dict(dest="list_shipped", action="store_true",
+                           help="list the shipped configs (usable as --cfg NAME) instead")),
+        (("--explain",), dict(default=None, metavar="KEY",
+                              help="print KEY's comment, type and default instead (default: none)")),
+        CFG, LOCAL_RANK, IMPORT, OPTS]),
+    "data": ("dataset utilities", []),  # its subcommands: DATA_COMMANDS
+    "plot": ("learning-curve PNGs of one or more run folders", [
+        (("run_dirs",), dict(nargs="+", metavar="RUN_DIR", help="OUT_DIR of a training run")),
+        (("--out",), dict(default=None, help="folder for the PNGs (default RUN_DIR/plots, or ./plots)"))]),
+    "bench": ("time the model, the data loader and the step; --scaling sweeps processes",
+              [CFG, LOCAL_RANK, IMPORT, OPTS, *BENCH_OPTIONS]),
+    "predict": ("top-k classes of image files, folders and globs (without --cfg: the checkpoint's config, class "
+                "names and preprocessing)", [
+                    CFG_STORED, CHECKPOINT, LOCAL_RANK, IMPORT,
+                    (("opts",), dict(nargs=argparse.REMAINDER, help=(
+                        "KEY VALUE pairs overriding the config, and the images: files, folders, 'globs'"))),
+                    (("--topk",), dict(type=int, default=5, help="how many classes to print per image")),
+                    (("--output",), dict(default=None, metavar="FILE", help=(
+                        "write the predictions to FILE, CSV or JSON by its suffix (preds.csv, preds.json); "
+                        "default: none, a table on stdout"))),
+                    (("--format",), dict(dest="fmt", default=None, choices=["csv", "json"], help=(
+                        "csv or json, whatever --output's suffix; without --output: to stdout (default: from "
+                        "--output's suffix)")))]),
+    "export": ("TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model card "
+               "(without --cfg: the checkpoint's config)", [
+                   CFG_STORED, CHECKPOINT, LOCAL_RANK, IMPORT, OPTS,
+                   (("--out",), dict(default=None, help="output folder (default OUT_DIR/export)")),
+                   (("--tol",), dict(type=float, default=1e-4,
+                                     help="largest allowed |exported - eager| on the logits")),
+                   (("--batch",), dict(type=int, default=4, help="batch size of the check"))]),
+}
+
+# `distribuuuu data ...`: export a built-in dataset as files, write tar shards.
+DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
+    "export": ("write a built-in dataset as an ImageFolder tree", [
+        (("source",), dict(choices=["mnist5k"], metavar="SOURCE", help="the built-in dataset to write: mnist5k")),
+        (("dest",), dict(help="output folder (gets train/<class>/*.png and val/<class>/*.png)"))]),
+    "shard": ("write an image folder (or mnist5k) as WebDataset tar shards + index.json (data/shards/write.py)", [
+        (("source",), dict(metavar="SRC", help=(
+            "an image folder (<class>/<image>), a dataset root holding train/ val/ [test/], or mnist5k"))),
+        (("dest",), dict(metavar="DEST", help="output folder: DEST/<split>/<split>-000000.tar ... + index.json")),
+        (("--shard-size",), dict(dest="shard_size", default="256MB", help=(
+            "largest shard, in bytes with K/M/G (a shard holds at least one image)"))),
+        (("--shard-samples",), dict(dest="shard_samples", type=int, default=None, help=(
+            "at most this many images per shard (default: no limit)"))),
+        (("--seed",), dict(type=int, default=0, help="the one shuffle before writing (same seed, same bytes)"))]),
+}
+
+# Options that take no value; every other --option takes one (or is written --option=value): cli.arrange.
+FLAGS = frozenset({"--help", "-h", "--io", "--list"})
 
 # The end of each subcommand's --help: commands that work as printed (the data from `data export`).
 EXAMPLES: dict[str, str] = {
@@ -56,56 +166,6 @@ EXAMPLES: dict[str, str] = {
 }
 
 
-def with_examples(add_parser: Callable[..., argparse.ArgumentParser],
-                  prefix: str = "") -> Callable[..., argparse.ArgumentParser]:
-    """sub.add_parser that ends each subcommand's --help with its examples (EXAMPLES[prefix + name])."""
-    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        kwargs.setdefault("epilog", EXAMPLES.get(prefix + name))
-        return add_parser(name, **kwargs)
-
-    return add
-
-
-# Options that take no value; every other --option takes one (or is written --option=value).
-FLAGS = frozenset({"--help", "-h", "--io", "--list"})
-_CHECKPOINT_SUFFIXES = (".pth", ".pt", ".safetensors", ".ckpt")
-
-
-def options_first(tokens: list[str]) -> list[str]:
-    """The --options moved, each with its value, in front of the KEY VALUE pairs (and predict's image
-    paths): argparse's REMAINDER would take `--nproc-per-node 2` after the pairs as two config words."""
-    front: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        is_option = token.startswith("--") or token == "-h"  # not "-1": a negative value of a pair
-        take = (1 if "=" in token or token in FLAGS else 2) if is_option else 0
-        if take:
-            front += tokens[i:i + take]
-        else:
-            rest.append(token)
-        i += take or 1
-    return front + rest
-
-
-def with_checkpoint(command: str, checkpoint: str | None, opts: list[str]) -> list[str]:
-    """opts with --checkpoint PATH as MODEL.WEIGHTS PATH (the same thing); a bare checkpoint file among
-    eval's or export's words is a UserError pointing at --checkpoint."""
-    pairs = dict(zip(opts[0::2], opts[1::2]))
-    if checkpoint is not None:
-        given = pairs.get("MODEL.WEIGHTS")
-        if given is not None and given.strip("'\"") != checkpoint:
-            raise UserError(f"--checkpoint {checkpoint} and MODEL.WEIGHTS {given} name two files; give one of them")
-        return ["MODEL.WEIGHTS", checkpoint, *opts]
-    if command in ("eval", "export") and len(opts) % 2:
-        bare = [t for t in opts if t.endswith(_CHECKPOINT_SUFFIXES) and t not in pairs.values()]
-        if bare:
-            raise UserError(f"{command} takes the checkpoint as --checkpoint PATH (or MODEL.WEIGHTS PATH), not as a "
-                            f"bare word: distribuuuu {command} --checkpoint {bare[0]}")
-    return opts
-
-
 # ---------------------------------------------------------------------------------------------
 # config --explain KEY
 # ---------------------------------------------------------------------------------------------
@@ -141,12 +201,10 @@ def _type_name(key: str, default: Any) -> str:
 
 def explain(key: str) -> str:
     """What `distribuuuu config --explain KEY` prints: the key, its type and default, its comment."""
-    from distribuuuu.config import flatten, get_defaults
+    from distribuuuu.config import flatten, get_defaults, unknown_key
 
     defaults = flatten(get_defaults())
     if key not in defaults:
-        close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else " (run `distribuuuu config` to list the keys)"
-        raise UserError(f"unknown config key {key}{hint}")
+        raise UserError(unknown_key(key, defaults))
     comment = key_comments().get(key, "")
     return f"{key}  ({_type_name(key, defaults[key])}, default {defaults[key]!r})\n  {comment}\n"

@@ -187,7 +187,7 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
     config stored with the checkpoint that opts name (see the module docstring), else the defaults."""
     path = None if cfg_file else weights_in(opts)
     if path is None:
-        return config.load_config(cfg_file, opts)
+        return inferred.resolve(config.load_config(cfg_file, opts))
     require_weights_file(path)
     if path.endswith(".safetensors"):
         card = safetensors_card(path)

@@ -303,13 +303,15 @@ def describe(pids: list[int]) -> str:
 
 # ---- Small on-disk data: configs, image trees, fake CIFAR pickles ---------------------------------
 def make_cfg(overrides: dict):
-    """load_config from {KEY: value}; non-string values are passed as Python literals."""
+    """load_config from {KEY: value}, the unset keys decided from the data (inferred.resolve, as api.py
+    does before a run); non-string values are passed as Python literals."""
+    from distribuuuu import inferred
     from distribuuuu.config import load_config
 
     opts: list[str] = []
     for key, value in overrides.items():
         opts += [key, value if isinstance(value, str) else repr(value)]
-    return load_config(None, opts)
+    return inferred.resolve(load_config(None, opts))
 
 
 def write_image(path: str, size: tuple[int, int], mode: str, seed: int) -> None:

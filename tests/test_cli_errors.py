@@ -161,6 +161,21 @@ def test_every_option_without_a_value_is_known_to_the_reordering():
     assert flags(cli.build_parser()) - {"--version"} <= cli_help.FLAGS
 
 
+def test_the_parser_of_a_command_holds_its_own_options_only():
+    """`distribuuuu train ...` builds train's options alone; every command is still listed (`--help`)."""
+    import argparse
+
+    from distribuuuu import cli, cli_help
+
+    def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    for chosen in ("train", "data"):
+        built = {name: len(p._actions) > 1 for name, p in commands(cli.build_parser(chosen)).items()}  # 1: -h
+        assert list(built) == list(cli_help.COMMANDS) and {n for n, b in built.items() if b} == {chosen}
+    assert set(commands(commands(cli.build_parser("data"))["data"])) == set(cli_help.DATA_COMMANDS)
+
+
 @pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data",
                                      "data export", "data shard"])
 def test_each_subcommands_help_ends_with_examples_that_parse(command):

@@ -16,7 +16,7 @@ BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160
 @pytest.mark.parametrize("arch", BASELINES)
 def test_baseline_configs_load_unchanged(arch):
     path = os.path.join(ROOT, "config", f"{arch}.yaml")
-    cfg = config.load_config(path)
+    cfg = inferred.resolve(config.load_config(path))
     assert cfg.MODEL.ARCH == arch
     assert cfg.OUT_DIR == f"./{arch}"
     big = arch.startswith(("efficientnet", "regnet"))
@@ -108,8 +108,20 @@ def test_bad_file_key_names_the_file(tmp_path):
         config.load_config(str(tmp_path / "missing.yaml"))
 
 
+def test_load_config_leaves_the_keys_the_data_decides_to_inferred_resolve(tmp_path):
+    """load_config reads no data: the unset keys stay unset until the caller resolves them (api.py, the CLI)."""
+    for name in ("a", "b"):
+        (tmp_path / "data" / "train" / name).mkdir(parents=True)
+    cfg = config.load_config(None, ["TRAIN.DATASET", str(tmp_path / "data"), "TRAIN.IM_SIZE", "32"])
+    unset = (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.IM_SIZE, cfg.TRAIN.WORKERS)
+    assert unset == (0, "", 0, -1) and inferred.facts(cfg) == []
+    resolved = inferred.resolve(cfg, 1)
+    assert (resolved.MODEL.NUM_CLASSES, resolved.TEST.DATASET, resolved.TEST.IM_SIZE) == (2, str(tmp_path / "data"), 36)
+    assert resolved.TRAIN.WORKERS >= 0 and resolved.is_frozen() and cfg.MODEL.NUM_CLASSES == 0
+
+
 def test_run_folder_gets_full_config_and_diff(tmp_path):
-    cfg = config.load_config(None, ["MODEL.ARCH", "resnet50", "OUT_DIR", str(tmp_path)])
+    cfg = inferred.resolve(config.load_config(None, ["MODEL.ARCH", "resnet50", "OUT_DIR", str(tmp_path)]))
     config.dump_to_run_folder(cfg, str(tmp_path))
     full = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from distribuuuu import engine, heads, models, optim
+from distribuuuu import engine, heads, inferred, models, optim
 from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
@@ -30,7 +30,7 @@ torch.set_num_threads(1)
 
 
 def _cfg(*opts, cfg_file=None):
-    return load_config(cfg_file, list(opts))
+    return inferred.resolve(load_config(cfg_file, list(opts)))
 
 
 def _build(*opts, new_head=True):

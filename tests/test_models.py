@@ -7,7 +7,7 @@ import safetensors.torch
 import torch
 import torch.nn as nn
 
-from distribuuuu import models
+from distribuuuu import inferred, models
 from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 
@@ -17,7 +17,7 @@ BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160
 
 
 def make_cfg(arch="resnet18", *opts):
-    return load_config(None, ["MODEL.ARCH", arch, *opts])
+    return inferred.resolve(load_config(None, ["MODEL.ARCH", arch, *opts]))
 
 
 def build(arch="resnet18", *opts):

@@ -1,7 +1,8 @@
 """The default config: one yacs tree, every key with a one-line comment above it.
 
 Every Distribuuuu key keeps its name, type, default and meaning, so Distribuuuu's YAML files load
-unchanged. The checks that need more than a key's type live in validate.py.
+unchanged. The checks that need more than a key's type live in validate.py; ``get_defaults()``
+(reading.py) hands out a copy.
 """
 
 from __future__ import annotations
@@ -293,8 +294,3 @@ _C.IMPORTS = []
 NULLABLE_TYPES: dict[str, type] = {"MODEL.WEIGHTS": str, "RNG_SEED": int}
 # Keys that take a value of either type (MODEL.PRETRAINED: True/False, or a file path).
 EITHER_TYPES: dict[str, tuple[type, ...]] = {"MODEL.PRETRAINED": (bool, str)}
-
-
-def get_defaults() -> CN:
-    """A fresh, mutable copy of the default config."""
-    return _C.clone()

@@ -1,5 +1,9 @@
-"""Reading a config: YAML files (their encodings and mistakes), ``KEY VALUE`` overrides, and the
-check of every key name and value type against the defaults. Errors are ``UserError`` (exit 2)."""
+"""Reading a config: ``load_config`` (defaults -> the file -> the ``KEY VALUE`` overrides -> validate.py's
+rules -> freeze -> the IMPORTS modules), every key name and value type checked against the defaults; YAML
+files in their encodings and with the mistakes people make; and writing a config back out. Errors are
+``UserError`` (exit status 2). The keys left unset for the data to decide stay unset here: inferred.py
+resolves them where the data and the processes are known.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,38 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from distribuuuu.config import shipped
-from distribuuuu.config.defaults import EITHER_TYPES, NULLABLE_TYPES, get_defaults
+from distribuuuu.config.defaults import _C, EITHER_TYPES, NULLABLE_TYPES
+from distribuuuu.config.user_modules import import_user_modules
+from distribuuuu.config.validate import validate
 from distribuuuu.errors import UserError
+
+CONFIG_DIFF = "config_diff.yaml"  # in OUT_DIR: the keys a run sets that differ from the defaults
+
+
+def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> CN:
+    """Defaults, then the file, then the overrides; validated and frozen. The IMPORTS modules are
+    imported last, so whatever builds the model or the data afterwards finds what they register."""
+    cfg = get_defaults()
+    if cfg_file:
+        merge_file(cfg, cfg_file)
+    merge_opts(cfg, list(opts or []))
+    validate(cfg)
+    cfg.freeze()
+    if cfg.IMPORTS:
+        import_user_modules(cfg.IMPORTS)
+    return cfg
+
+
+def get_defaults() -> CN:
+    """A fresh, mutable copy of the default config (defaults.py)."""
+    return _C.clone()
+
+
+def merge_opts(cfg: CN, opts: list[str]) -> None:
+    """Merge a ``KEY VALUE KEY VALUE ...`` list; values are parsed as Python literals."""
+    if len(opts) % 2:
+        raise UserError(f"overrides come in KEY VALUE pairs, but {len(opts)} words were given: {' '.join(opts)!r}")
+    _set(cfg, [(opts[i], parse_literal(opts[i + 1])) for i in range(0, len(opts), 2)], "the command line")
 
 
 def flatten(node: CN, prefix: str = "") -> dict[str, Any]:
@@ -47,38 +81,35 @@ def _type_name(t: type) -> str:
 
 
 def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
-    """Return value converted to the type of the key's default, or raise UserError."""
+    """value as the type of the key's default (an int for a float key, a tuple for a list), or a UserError."""
+    if key in EITHER_TYPES or value is None or (NULLABLE_TYPES.get(key) is str and str(value).lower() in _NONE_WORDS):
+        return _either_or_none(key, value, default, source)
+    expected = NULLABLE_TYPES.get(key, type(default))
+    if isinstance(value, tuple):
+        value = list(value)
+    if expected is float and not isinstance(value, bool) and (
+            isinstance(value, int) or (isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()))):
+        value = float(value)  # 1 is a fine float; YAML 1.1 reads 1e-3 (no dot) as text, and people mean the number
+    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):  # True is not a count
+        return value
+    raise UserError(f"config key {key} expects {_a(_type_name(expected))}, got {value!r} "
+                    f"({_type_name(type(value))}) from {source}")
+
+
+def _either_or_none(key: str, value: Any, default: Any, source: str) -> Any:
+    """A key that takes either of two types (EITHER_TYPES: MODEL.PRETRAINED, True/False or a path), or
+    None: fine for the keys of NULLABLE_TYPES (a text one also takes 'none', 'null' and ''), else a UserError."""
     if key in EITHER_TYPES:
         if isinstance(value, EITHER_TYPES[key]):
             return value
         raise UserError(f"config key {key} expects {' or '.join(_a(_type_name(t)) for t in EITHER_TYPES[key])}, "
                         f"got {value!r} ({_type_name(type(value))}) from {source}")
-    expected = NULLABLE_TYPES.get(key, type(default))
-    if value is None:
-        if key in NULLABLE_TYPES:
-            return None
-        raise UserError(f"config key {key} cannot be None ({source}); expected {_a(_type_name(expected))}")
-    if expected is tuple:
-        expected = list
-    if isinstance(value, tuple):
-        value = list(value)
-    ok = isinstance(value, expected)
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True  # 1 is a fine float
-    if expected is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
-        value, ok = float(value), True  # YAML 1.1 reads 1e-3 (no dot) as text; people mean the number
-    if expected is int and isinstance(value, bool):
-        ok = False  # True is not a count
-    if expected is str and key in NULLABLE_TYPES and isinstance(value, str) and value.lower() in ("none", "null", ""):
+    if key in NULLABLE_TYPES:
         return None
-    if not ok:
-        raise UserError(
-            f"config key {key} expects {_a(_type_name(expected))}, got {value!r} "
-            f"({_type_name(type(value))}) from {source}"
-        )
-    return value
+    raise UserError(f"config key {key} cannot be None ({source}); expected {_a(_type_name(type(default)))}")
 
 
+_NONE_WORDS = ("none", "null", "")
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -95,18 +126,22 @@ def parse_literal(text: str) -> Any:
 
 
 def _set(cfg: CN, pairs: Iterable[tuple[str, Any]], source: str) -> None:
-    known = flatten(get_defaults())
+    known = flatten(_C)
     for key, value in pairs:
         if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else " (run `distribuuuu config` to list the keys)"
-            raise UserError(f"unknown config key {key}{hint} in {source}")
-        value = _coerce(key, value, known[key], source)
+            raise UserError(f"{unknown_key(key, known)} in {source}")
         node = cfg
         *parents, leaf = key.split(".")
         for part in parents:
             node = node[part]
-        node[leaf] = value
+        node[leaf] = _coerce(key, value, known[key], source)
+
+
+def unknown_key(key: str, known: Iterable[str]) -> str:
+    """"unknown config key KEY", with the closest known key as a suggestion."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else " (run `distribuuuu config` to list the keys)"
+    return f"unknown config key {key}{hint}"
 
 
 # Byte-order marks and their codecs; the UTF-32 ones first (UTF-32 LE's begins with UTF-16 LE's).
@@ -178,11 +213,48 @@ def _merge_yaml(cfg: CN, text: str, source: str, plain_source: str) -> None:
     _set(cfg, _flatten_plain(data), plain_source)
 
 
-def merge_opts(cfg: CN, opts: list[str]) -> None:
-    """Merge a ``KEY VALUE KEY VALUE ...`` list; values are parsed as Python literals."""
-    if len(opts) % 2:
-        raise UserError(
-            f"overrides come in KEY VALUE pairs, but {len(opts)} words were given: {' '.join(opts)!r}"
-        )
-    pairs = [(opts[i], parse_literal(opts[i + 1])) for i in range(0, len(opts), 2)]
-    _set(cfg, pairs, "the command line")
+# ---------------------------------------------------------------------------------------------
+# Writing a config back out, and the CLI's --import
+# ---------------------------------------------------------------------------------------------
+def to_yaml(cfg: CN) -> str:
+    """The whole config as YAML (what OUT_DIR/config.yaml holds)."""
+    return cfg.dump()
+
+
+def diff_from_defaults(cfg: CN) -> dict[str, Any]:
+    """Flat {KEY: value} of the keys whose value differs from the default."""
+    defaults = flatten(_C)
+    return {k: v for k, v in flatten(cfg).items() if defaults.get(k) != v}
+
+
+def dump_to_run_folder(cfg: CN, out_dir: str) -> None:
+    """Write the full config (CFG_DEST) and the diff from the defaults (config_diff.yaml)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, cfg.CFG_DEST), "w") as f:
+        f.write(to_yaml(cfg))
+    nested: dict[str, Any] = {}
+    for key, value in diff_from_defaults(cfg).items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    with open(os.path.join(out_dir, CONFIG_DIFF), "w") as f:
+        yaml.safe_dump(nested, f, sort_keys=True)
+
+
+def with_imports(cfg_file: str | None, opts: list[str], modules: list[str]) -> list[str]:
+    """opts with ``modules`` (the CLI's --import) added to IMPORTS: to an IMPORTS override in opts,
+    else to the IMPORTS of cfg_file, as an ``IMPORTS [...]`` pair put first."""
+    opts = list(opts)
+    if not modules:
+        return opts
+    for i in range(0, len(opts) - 1, 2):
+        if opts[i] == "IMPORTS":  # an explicit override: --import adds to it
+            given = parse_literal(opts[i + 1])
+            opts[i + 1] = repr(list(dict.fromkeys([*(given if isinstance(given, list) else [given]), *modules])))
+            return opts
+    cfg = get_defaults()
+    if cfg_file:
+        merge_file(cfg, cfg_file)
+    return ["IMPORTS", repr(list(dict.fromkeys([*cfg.IMPORTS, *modules]))), *opts]

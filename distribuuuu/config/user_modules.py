@@ -65,20 +65,21 @@ def _import_file(path: str) -> ModuleType:
 
 
 def import_user_modules(entries: Iterable[str]) -> list[ModuleType]:
-    """Import each IMPORTS entry (a dotted module name or a .py path) once; UserError naming the
-    entry and the error when one cannot be imported."""
-    modules = []
-    for entry in entries:
-        if entry not in _imported:
-            try:
-                if is_path(entry):
-                    _imported[entry] = _import_file(entry)
-                else:
-                    with _cwd_on_path():
-                        _imported[entry] = importlib.import_module(entry)
-            except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported the same way
-                raise UserError(f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the "
-                                "name, that its folder is on PYTHONPATH (or give the path of a .py file), "
-                                "and that the module itself imports") from None
-        modules.append(_imported[entry])
-    return modules
+    """Import each IMPORTS entry (a dotted module name or a .py path) once per process; UserError
+    naming the entry and the error when one cannot be imported."""
+    return [_imported[entry] if entry in _imported else _import(entry) for entry in entries]
+
+
+def _import(entry: str) -> ModuleType:
+    try:
+        if is_path(entry):
+            module = _import_file(entry)
+        else:
+            with _cwd_on_path():
+                module = importlib.import_module(entry)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported the same way
+        raise UserError(f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the "
+                        "name, that its folder is on PYTHONPATH (or give the path of a .py file), "
+                        "and that the module itself imports") from None
+    _imported[entry] = module
+    return module

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Measurement, Timer
 
-from distribuuuu import config, data, models, optim, strategies
+from distribuuuu import config, data, inferred, models, optim, strategies
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
@@ -243,6 +243,6 @@ def run_local(cfg: Any, iters: int, warmup: int, out_dir: str) -> dict[str, Any]
 def main(cfg_file: str | None, opts: list[str], iters: int, warmup: int, out: str | None) -> int:
     """`distribuuuu bench` without --scaling / --compare: the one-process measurements (the CLI
     has checked iters >= 1 and warmup >= 0)."""
-    cfg = config.load_config(cfg_file, opts)
+    cfg = inferred.resolve(config.load_config(cfg_file, opts), 1)  # the unset keys, for this one process
     run_local(cfg, iters, warmup, out or os.path.join(cfg.OUT_DIR, "bench"))
     return 0

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from distribuuuu import config, data
+from distribuuuu import config, data, inferred
 from distribuuuu.data import shards, sources
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
@@ -334,6 +334,6 @@ def main(cfg_file: str | None, opts: list[str], workers_text: str | None, timing
          io_shards: str | None, out: str | None) -> int:
     """`distribuuuu bench --io`: the worker list and the config are checked before anything is read."""
     workers = parse_workers(workers_text, cores())
-    cfg = config.load_config(cfg_file, opts + ["TRAIN.VAL_SPLIT", "0.0"])
+    cfg = inferred.resolve(config.load_config(cfg_file, opts + ["TRAIN.VAL_SPLIT", "0.0"]), 1)  # one process
     run_io(cfg, workers, timing, io_shards, out or os.path.join(cfg.OUT_DIR, "bench"))
     return 0
