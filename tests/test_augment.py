@@ -12,6 +12,7 @@ from torchvision.transforms import v2
 
 from distribuuuu import data
 from distribuuuu.data import sources, transforms
+from distribuuuu.data.images import BatchNormalize
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler
 from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_constant_image_tree
@@ -21,7 +22,7 @@ CPU = torch.device("cpu")
 POLICIES = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
 MNIST = {"TRAIN.DATASET": "mnist5k", "TEST.DATASET": "mnist5k", "MODEL.NUM_CLASSES": 10,
          "MODEL.IN_CHANS": 1, "TRAIN.IM_SIZE": 28, "TRAIN.WORKERS": 0, "TRAIN.BATCH_SIZE": 16, "RNG_SEED": 0}
-MNIST_NORM = transforms.BatchNormalize(transforms.MNIST_STATS)
+MNIST_NORM = BatchNormalize(transforms.MNIST_STATS)
 
 
 def _digit_copies(n: int) -> torch.Tensor:

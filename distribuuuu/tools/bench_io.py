@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from distribuuuu import config, data
-from distribuuuu.data import shards, sources
+from distribuuuu.data import images, shards, sources
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
@@ -101,7 +101,7 @@ def dataset_format(cfg: Any) -> str:
     if cfg.MODEL.DUMMY_INPUT:
         raise UserError("bench --io times reading image files, but MODEL.DUMMY_INPUT makes random tensors; "
                         "drop MODEL.DUMMY_INPUT and point TRAIN.DATASET at an image folder or a shard set")
-    if shards.is_shard_set(path) or shards.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
+    if sources.is_shard_set(path) or sources.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
         return "shards"
     kind = sources.source_kind(path)
     if kind != "folder":
@@ -109,7 +109,7 @@ def dataset_format(cfg: Any) -> str:
         raise UserError(f"bench --io times reading image files, but TRAIN.DATASET {path!r} is {what}; point "
                         "TRAIN.DATASET at an image folder (<DATASET>/<SPLIT>/<class>/<image>; `distribuuuu data "
                         "export mnist5k DIR` writes one) or at a shard set (`distribuuuu data shard SRC DEST`)")
-    sources.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN")  # a UserError naming what is missing
+    images.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN")  # a UserError naming what is missing
     return "folder"
 
 

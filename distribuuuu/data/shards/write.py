@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distribuuuu.data import integrity, sources
+from distribuuuu.data import images, sources
 from distribuuuu.data.shards.index import FORMAT, INDEX
 from distribuuuu.errors import UserError
 
@@ -51,9 +51,8 @@ Sample = tuple[str, str, Callable[[], bytes], int]
 
 
 def _folder_samples(split_dir: str) -> tuple[list[str], list[Sample]]:
-    classes = sources.folder_classes(split_dir)
-    listing = integrity.list_split(split_dir, classes)
-    integrity.require_no_loop(listing, "SRC")
+    classes = images.folder_classes(split_dir)
+    listing = images.require_no_loop(images.list_split(split_dir, classes), "SRC")
     out: list[Sample] = []
     for i, (path, label) in enumerate(listing.samples()):
         ext = os.path.splitext(path)[1].lstrip(".").lower() or "img"
@@ -71,8 +70,8 @@ def _png(image: np.ndarray) -> bytes:
 
 def _mnist5k_samples(split: str) -> tuple[list[str], list[Sample]]:
     # The digits exist only as pixels: encoded as PNG (lossless), once.
-    images, labels = sources.load_mnist5k(split, "SRC")
-    arr = images[:, 0].numpy()
+    digits, labels = sources.load_mnist5k(split, "SRC")
+    arr = digits[:, 0].numpy()
     return list(sources.MNIST_CLASSES), [(f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i]))
                                          for i in range(len(arr))]
 
