@@ -38,8 +38,6 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import data, inferred, model_card, models, nonfinite, optim, strategies
-from distribuuuu.data import overlap
-from distribuuuu.data.shards import plan
 from distribuuuu.engine import evaluation, rng
 from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.evaluation import Counter
@@ -123,7 +121,7 @@ class Trainer:
 
     def build_data(self) -> None:
         cfg, ctx = seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
-        overlap.check(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
+        data.check_overlap(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set
@@ -263,7 +261,7 @@ class Trainer:
         counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
         record = {**self.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rngs,
                   "world_size": ctx.world_size, "train_sums": train_sums, "facts": state.facts, "seed": self.seed,
-                  model_card.CARD_KEY: self.card.to_dict(), "shard_plan": plan.plan_of(self.train_loader)}
+                  model_card.CARD_KEY: self.card.to_dict(), "shard_plan": data.shard_plan(self.train_loader)}
         entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.run.shards_path(counters))
         record.update(entries)
         if ctx.is_main:
@@ -292,7 +290,7 @@ class Trainer:
         strategy.load_checkpoint(self.model, opt, ckpt, path, self.run.checkpoints)
         for key in TrainState.COUNTERS:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
-        plan.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
+        data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
         state.resumed_sums = ckpt.get("train_sums")
         # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
