@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 
-from distribuuuu.data import checks, images
+from distribuuuu.data import checks, images, sources
 
 
 def _write_files(root: str, n: int) -> None:
@@ -55,7 +55,7 @@ def main() -> None:
             paths = []
             for split in ("train", "val"):
                 split_dir = os.path.join(root, split)
-                listing = images.list_split(split_dir, images.folder_classes(split_dir))
+                listing = images.list_split(split_dir, sources.folder_classes(split_dir))
                 paths.append([p for p, _ in listing.samples()])
             t1 = time.perf_counter()
             found = checks.find(*paths)

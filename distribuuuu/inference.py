@@ -203,7 +203,7 @@ def load_config(cfg_file: str | None, opts: list[str]) -> CfgNode:
 def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCard:
     """The card described from the config's data: the TRAIN folder's class names when it is here
     (else numbers), or the TEST data of a built-in / registered source (as predict always did)."""
-    from distribuuuu.data import build_dataset, images, shards, sources
+    from distribuuuu.data import build_dataset, shards, sources
 
     kind = "dummy" if cfg.MODEL.DUMMY_INPUT else sources.source_kind(cfg.TRAIN.DATASET)
     if kind == "shards":
@@ -211,7 +211,7 @@ def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCar
     if kind == "folder":
         train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         if classes is None and os.path.isdir(train_dir):
-            classes = images.folder_classes(train_dir)
+            classes = sources.folder_classes(train_dir)
         return describe(cfg, None, classes)
     return describe(cfg, build_dataset(cfg, train=False), classes)
 

@@ -16,7 +16,7 @@ logged once by rank 0 with the setup lines (``log_decisions``):
   a folder of class      TRAIN.DATASET holding class folders but no TRAIN.SPLIT/ sub-folder: the
   folders                folder itself is the training split (TRAIN.SPLIT ''), and with TEST.DATASET
                          unset a stratified, seeded tenth of it is held out as the val set
-                         (TRAIN.VAL_SPLIT 0.1; data/sources.py)
+                         (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
   TRAIN.TOPK             clamped to MODEL.NUM_CLASSES
   TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8
@@ -83,7 +83,8 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     decided = _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
-        decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {out.TEST.SPLIT or '(itself)'!r}"))
+        split = out.TEST.SPLIT or "(itself)"
+        decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}"))
     decided += [*_num_classes(out), _eval_size(out), _workers(out, local_world_size), *_warmup(out)]
     decided += _absolute_imports(out)
     out.freeze()
@@ -98,11 +99,11 @@ def _kind(dataset: str) -> str:
 
 
 def _class_dirs(path: str) -> list[str]:
-    """The class folders of path (images.folder_classes), [] when it is not a folder."""
-    from distribuuuu.data import images
+    """The class folders of path (sources.folder_classes), [] when it is not a folder."""
+    from distribuuuu.data import sources
 
     try:
-        return images.folder_classes(path)
+        return sources.folder_classes(path)
     except OSError:
         return []
 
@@ -138,12 +139,12 @@ def _flat_folder(cfg: CfgNode) -> list[Decision]:
 def _holdout_origin(dataset: str, classes: list[str]) -> str:
     """The held-out part's counts, for the setup line (the loaders' own listing, which the preflight
     checks, decides)."""
-    from distribuuuu.data import images, sources
+    from distribuuuu.data import datasets, images
 
     try:
         listing = images.list_split(dataset, classes)
         counts = {c: listing.count(c) for c in classes}
-        held = sources.check_holdout(counts, HOLDOUT_FRACTION)
+        held = datasets.check_holdout(counts, HOLDOUT_FRACTION)
     except (UserError, OSError):
         return "from the folder: no val/ folder, so a tenth of each class is held out as the val set"
     return (f"from the folder: no val/ folder, so {held} of its {sum(counts.values())} images, a tenth of each "
@@ -160,34 +161,33 @@ def train_classes(cfg: CfgNode) -> tuple[list[str] | None, str]:
     """(class names of the TRAIN data, where they were found), or (None, why not) when there is no
     class count to follow (synthetic, dummy input) or the data cannot be read here."""
     t = cfg.TRAIN
-    if cfg.MODEL.DUMMY_INPUT:
-        return None, "MODEL.DUMMY_INPUT has no classes"
-    if t.DATASET == "synthetic":
-        return None, "synthetic data makes MODEL.NUM_CLASSES classes"
+    if cfg.MODEL.DUMMY_INPUT or t.DATASET == "synthetic":
+        return None, ("MODEL.DUMMY_INPUT has no classes" if cfg.MODEL.DUMMY_INPUT else
+                      "synthetic data makes MODEL.NUM_CLASSES classes")
     kind = _kind(t.DATASET)
-    if kind == "folder":
-        classes = _class_dirs(os.path.join(t.DATASET, t.SPLIT))
-        return (classes, "from the folder") if classes else (None, "TRAIN.DATASET is not readable here")
-    try:
+    if kind != "folder":
         return _source_classes(cfg, kind)
-    except (UserError, OSError):
-        return None, "TRAIN.DATASET is not readable here"
+    classes = _class_dirs(os.path.join(t.DATASET, t.SPLIT))
+    return (classes, "from the folder") if classes else (None, "TRAIN.DATASET is not readable here")
 
 
-def _source_classes(cfg: CfgNode, kind: str) -> tuple[list[str], str]:
-    """(class names, where found) of a TRAIN.DATASET that is not a folder: CIFAR, a shard set, a registered source."""
-    from distribuuuu.data import sources
+def _source_classes(cfg: CfgNode, kind: str) -> tuple[list[str] | None, str]:
+    """train_classes of a TRAIN.DATASET that is not a folder: CIFAR, a shard set, a registered source."""
+    from distribuuuu.data import datasets, sources
     from distribuuuu.data.shards.index import load_shard_set
 
     t = cfg.TRAIN
-    if kind == "cifar":
-        return sources.cifar_classes(*sources.find_cifar(t.DATASET)), "from the CIFAR folder"
-    if kind == "shards":
-        return list(load_shard_set(t.DATASET, t.SPLIT, "TRAIN").classes), "from the shard index"
-    source = sources.get_source(t.DATASET)
-    if source.classes is not None:
-        return list(source.classes), f"stated by the source {t.DATASET!r}"
-    return list(sources.build_source(cfg, "TRAIN").classes), f"from the source {t.DATASET!r}"
+    try:
+        if kind == "cifar":
+            return datasets.cifar_classes(*sources.find_cifar(t.DATASET)), "from the CIFAR folder"
+        if kind == "shards":
+            return list(load_shard_set(t.DATASET, t.SPLIT, "TRAIN").classes), "from the shard index"
+        source = sources.get_source(t.DATASET)
+        if source.classes is not None:
+            return list(source.classes), f"stated by the source {t.DATASET!r}"
+        return list(sources.build_source(cfg, "TRAIN").classes), f"from the source {t.DATASET!r}"
+    except (UserError, OSError):
+        return None, "TRAIN.DATASET is not readable here"
 
 
 def _num_classes(cfg: CfgNode) -> list[Decision]:
@@ -258,7 +258,8 @@ def _warmup(cfg: CfgNode) -> list[Decision]:
     if short == o.WARMUP_EPOCHS:
         return []
     return [Decision("OPTIM.WARMUP_EPOCHS", f"{short:g} in the schedule", f"shortened from {o.WARMUP_EPOCHS:g}: a "
-                     f"warmup over half of the {o.MAX_EPOCH}-epoch run would leave little of it at the peak LR", warn=True)]
+                     f"warmup over half of the {o.MAX_EPOCH}-epoch run would leave little of it at the peak LR",
+                     warn=True)]
 
 
 def _absolute_imports(cfg: CfgNode) -> list[Decision]:

@@ -139,7 +139,8 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
         resize_on = "pil" if cfg.TRAIN.IMAGE_DECODE == "pil" else "tensor"
     else:  # the tensor sources resize to TRAIN.IM_SIZE, no crop; ready items: the stats their source states
         stated = sources.stated_stats(cfg.TRAIN.DATASET, dataset)
-        stats = _normalize_of(dataset) or (stats_for_channels(stated, chans) if stated else ([0.0] * chans, [1.0] * chans))
+        stats = _normalize_of(dataset) or (stats_for_channels(stated, chans) if stated else
+                                           ([0.0] * chans, [1.0] * chans))
         resize, crop_pct, resize_on = size, None, "tensor"
     library, model_name = models.resolve_arch(cfg.MODEL.ARCH)
     return ModelCard(arch=cfg.MODEL.ARCH, library=library, model_name=model_name,

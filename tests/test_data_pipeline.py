@@ -13,11 +13,11 @@ import torch
 
 from distribuuuu import data
 from distribuuuu.data import memory, pipeline, shards
-from distribuuuu.data.images import NormalizedBatches
+from distribuuuu.data.batches import NormalizedBatches
+from distribuuuu.data.datasets import part_of
 from distribuuuu.data.memory import MemoryLoader, MemoryPipeline
 from distribuuuu.data.pipeline import LoaderPipeline, Pipeline, build_split_dataset
 from distribuuuu.data.shards.loader import ShardLoader, ShardPipeline
-from distribuuuu.data.sources import part_of
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_image_tree
 

@@ -23,7 +23,7 @@ from PIL import Image
 
 from distribuuuu import data
 from distribuuuu.config import load_config
-from distribuuuu.data import images, pipeline, transforms
+from distribuuuu.data import batches, images, pipeline, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
@@ -177,9 +177,9 @@ def test_batch_normalize_matches_to_dtype_and_normalize():
     x = torch.randint(0, 256, (4, 3, 5, 5), dtype=torch.uint8)
     stats = transforms.IMAGENET_STATS
     expected = T.Normalize(*stats)(x.float() / 255)
-    torch.testing.assert_close(images.BatchNormalize(stats)(x), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batches.BatchNormalize(stats)(x), expected, rtol=0, atol=1e-5)
     cl = x.contiguous(memory_format=torch.channels_last)
-    assert images.BatchNormalize(stats)(cl).is_contiguous()
+    assert batches.BatchNormalize(stats)(cl).is_contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

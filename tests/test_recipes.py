@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from distribuuuu import inference
-from distribuuuu.data import images, pipeline, sources, transforms
+from distribuuuu.data import datasets, images, pipeline, transforms
 from distribuuuu.data.memory import pad_crop_flip
 from distribuuuu.data.transforms import Recipe, log_recipe, recipe_of
 from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
@@ -169,7 +169,7 @@ def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cfg = make_cfg({**MNIST, "TRAIN.MEAN": [0.5], "TRAIN.STD": [0.25], "TRAIN.FLIP_PROB": 1.0})
     loader = pipeline.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
     images, _ = next(iter(loader))
-    raw, _ = sources.load_mnist5k("val", "TEST")
+    raw, _ = datasets.load_mnist5k("val", "TEST")
     assert torch.allclose(images[0], (raw[0].float() / 255 - 0.5) / 0.25, atol=1e-5)
     assert pipeline.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
     digits = raw[:4]

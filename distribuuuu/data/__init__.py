@@ -25,7 +25,7 @@ Three loaders per rank (pipeline.py):
 Each is the train_loader / eval_loader of the pipeline chosen once for its split (pipeline.pipeline_class,
 from TRAIN.DATA_PIPELINE, the source and the memory budget): memory.MemoryPipeline,
 pipeline.LoaderPipeline, shards.loader.ShardPipeline. TRAIN.VAL_SPLIT holds out a fixed, stratified part
-of the TRAIN data (sources.holdout_indices); len(loader.dataset) is the size of each part.
+of the TRAIN data (datasets.holdout_indices); len(loader.dataset) is the size of each part.
 
 Augmentation (training only): the crops and flips of each source, then TRAIN.AUTO_AUGMENT on the
 uint8 image and TRAIN.RANDOM_ERASE after normalization, drawn per image in every pipeline
@@ -35,7 +35,9 @@ Typical use (the engine): ``check_datasets`` before the process group starts, ``
 is up, then the loaders on each rank; ``stop_workers`` when the run ends.
 """
 
+from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.checks import check_datasets, check_overlap
+from distribuuuu.data.datasets import TensorSource, export_mnist5k
 from distribuuuu.data.pipeline import (
     ShardedEvalSampler,
     build_dataset,
@@ -44,10 +46,9 @@ from distribuuuu.data.pipeline import (
     build_val_loader,
     require_same_plan,
     shard_plan,
-    stop_workers,
     take_bad_image_count,
 )
-from distribuuuu.data.sources import TensorSource, export_mnist5k, register_source, source_names, unregister_source
+from distribuuuu.data.sources import register_source, source_names, unregister_source
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",

@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image
 from yacs.config import CfgNode
 
-from distribuuuu.data import images, sources
+from distribuuuu.data import datasets, images, sources
 from distribuuuu.data.pipeline import data_pipeline
 from distribuuuu.errors import UserError
 
@@ -53,28 +53,37 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
         _require_class_count(cfg, key, n_classes)
         if key == "TRAIN":
             train_n, kept = _training_samples(cfg, n, counts, world_size)
+            shards = counts is None  # (a shard set has no per-class counts)
     if train:  # after TEST's checks: a wrong path or layout is the first thing to hear about
         _require_one_step(cfg, train_n, kept, world_size)
+        if shards:
+            _require_no_empty_step(cfg, train_n, world_size)
 
 
 def _scan(cfg: CfgNode, key: str) -> tuple[int, int, dict[str, int] | None]:
     """(number of classes, number of samples, {class: samples}; None for a shard set) of cfg[key].DATASET,
     with the source's own checks."""
-    group = cfg[key]
-    kind = sources.source_kind(group.DATASET)
+    kind = sources.source_kind(cfg[key].DATASET)
     if kind in ("folder", "cifar", "shards"):
         sources.require_image_chans(cfg, key)
-    if kind == "folder":
-        counts = _scan_folder(cfg, key)
-        return len(counts), sum(counts.values()), counts
-    if kind == "shards":  # counts and classes from the index; every shard present at its size
+    if kind != "folder":
+        return _scan_source(cfg, key, kind)
+    counts = _scan_folder(cfg, key)
+    return len(counts), sum(counts.values()), counts
+
+
+def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[int, int, dict[str, int] | None]:
+    """_scan of a shard set (counts and classes from the index; every shard present at its size), CIFAR or a
+    registered source (synthetic's targets are i mod NUM_CLASSES, made without images)."""
+    group = cfg[key]
+    if kind == "shards":
         from distribuuuu.data.shards.index import load_shard_set
 
         shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
         return len(shard_set.classes), shard_set.num_samples, None
     if kind == "cifar":
-        _, targets, names = sources.load_cifar(*sources.find_cifar(group.DATASET), group.SPLIT, key)
-    else:  # a registered source (synthetic's targets are i mod NUM_CLASSES, made without images)
+        _, targets, names = datasets.load_cifar(*sources.find_cifar(group.DATASET), group.SPLIT, key)
+    else:
         data = sources.build_source(cfg, key)
         sources.tensor_source(cfg, key, data)  # the channel checks of a TensorSource
         targets, names = data.targets, data.classes
@@ -85,10 +94,10 @@ def _scan(cfg: CfgNode, key: str) -> tuple[int, int, dict[str, int] | None]:
 def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
     """{class: number of images} of a folder split, after refusing what cannot work."""
     group = cfg[key]
-    split_dir = images.folder_split_dir(group.DATASET, group.SPLIT, key)
-    classes = images.folder_classes(split_dir)
+    split_dir = sources.folder_split_dir(group.DATASET, group.SPLIT, key)
+    classes = sources.folder_classes(split_dir)
     if not classes:
-        raise UserError(f"{key}.DATASET: {split_dir} holds no class folders; expected {images.LAYOUT} "
+        raise UserError(f"{key}.DATASET: {split_dir} holds no class folders; expected {sources.LAYOUT} "
                         f"(e.g. {os.path.join(split_dir, 'cat', '0001.jpg')})")
     listing = images.require_no_loop(images.list_split(split_dir, classes), key)
     if cfg.TRAIN.DUPLICATE_IMAGES == "fail":
@@ -104,7 +113,7 @@ def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
                         f"unreadable: {'; '.join(dead[:NAMED])}{_more(dead)}. Replace them with images that open, "
                         "or remove the class folder(s)")
     if key == "TEST":
-        images.eval_folder_classes(cfg, classes)  # val classes must be train classes
+        sources.eval_folder_classes(cfg, classes)  # val classes must be train classes
         _require_eval_resize(cfg, "val images are")
     return counts
 
@@ -167,7 +176,7 @@ def _training_samples(cfg: CfgNode, n: int, counts: dict[str, int] | None, world
                             "TEST.DATASET to it, with TRAIN.VAL_SPLIT 0")
         if sources.source_kind(t.DATASET) == "folder":
             _require_eval_resize(cfg, "the images TRAIN.VAL_SPLIT holds out are")
-        held = sources.check_holdout(counts, t.VAL_SPLIT)
+        held = datasets.check_holdout(counts, t.VAL_SPLIT)
         n, kept = n - held, f" left after TRAIN.VAL_SPLIT holds out {held}"
     if n < world_size:
         raise UserError(f"world size {world_size} is larger than the {n} training samples{kept} of "
@@ -176,25 +185,29 @@ def _training_samples(cfg: CfgNode, n: int, counts: dict[str, int] | None, world
 
 
 def _require_one_step(cfg: CfgNode, n: int, kept: str, world_size: int) -> None:
-    """UserError when n training samples make no whole optimizer step (an epoch would run none); for a shard
-    set, which runs every sample in equal step counts (shards/plan.py), when a rank would have an empty step."""
+    """UserError when n training samples make no whole optimizer step (an epoch would run none)."""
     batch, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
     step = batch * world_size * accum
-    if n < step:
-        per_rank = n // world_size
-        fix = (f"set TRAIN.BATCH_SIZE {per_rank // accum} or less" if per_rank >= accum
-               else f"set TRAIN.ACCUM_STEPS {per_rank} or less and TRAIN.BATCH_SIZE 1")
-        raise UserError(f"TRAIN.DATASET {cfg.TRAIN.DATASET!r} has {n} training samples{kept}, {per_rank} per "
-                        f"process, but one optimizer step takes TRAIN.BATCH_SIZE {batch} x {world_size} process(es) "
-                        f"x TRAIN.ACCUM_STEPS {accum} = {step}: an epoch would run no step; {fix}, or use more data")
-    if sources.source_kind(cfg.TRAIN.DATASET) == "shards":
-        from distribuuuu.data.shards import plan
+    if n >= step:
+        return
+    per_rank = n // world_size
+    fix = (f"set TRAIN.BATCH_SIZE {per_rank // accum} or less" if per_rank >= accum
+           else f"set TRAIN.ACCUM_STEPS {per_rank} or less and TRAIN.BATCH_SIZE 1")
+    raise UserError(f"TRAIN.DATASET {cfg.TRAIN.DATASET!r} has {n} training samples{kept}, {per_rank} per process, "
+                    f"but one optimizer step takes TRAIN.BATCH_SIZE {batch} x {world_size} process(es) x "
+                    f"TRAIN.ACCUM_STEPS {accum} = {step}: an epoch would run no step; {fix}, or use more data")
 
-        if plan.smallest_train_batch(n, world_size, batch, accum) < 1:
-            raise UserError(f"TRAIN.DATASET {cfg.TRAIN.DATASET!r}: {n} samples over {world_size} process(es) in "
-                            f"{plan.train_steps(n, world_size, batch, accum)} steps (TRAIN.BATCH_SIZE {batch}, "
-                            f"ACCUM_STEPS {accum}) would leave a step without a sample on some process; raise "
-                            "TRAIN.BATCH_SIZE to 2 or more, or lower TRAIN.ACCUM_STEPS")
+
+def _require_no_empty_step(cfg: CfgNode, n: int, world_size: int) -> None:
+    """Shards run every sample in equal step counts (shards/plan.py): refuse a plan where a rank has an empty step."""
+    from distribuuuu.data.shards import plan
+
+    batch, accum = cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS
+    if plan.smallest_train_batch(n, world_size, batch, accum) < 1:
+        raise UserError(f"TRAIN.DATASET {cfg.TRAIN.DATASET!r}: {n} samples over {world_size} process(es) in "
+                        f"{plan.train_steps(n, world_size, batch, accum)} steps (TRAIN.BATCH_SIZE {batch}, ACCUM_STEPS "
+                        f"{accum}) would leave a step without a sample on some process; raise TRAIN.BATCH_SIZE to 2 "
+                        "or more, or lower TRAIN.ACCUM_STEPS")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +256,8 @@ def require_no_duplicates(listing: images.SplitListing, key: str) -> None:
     pairs = duplicates(listing)
     if pairs:
         split = listing.split_dir.rstrip(os.sep) + os.sep
-        shown = "; ".join(f"{again.removeprefix(split)} is {first.removeprefix(split)}" for again, first in pairs[:NAMED])
+        shown = "; ".join(f"{again.removeprefix(split)} is {first.removeprefix(split)}"
+                          for again, first in pairs[:NAMED])
         raise UserError(f"{key}.DATASET: {len(pairs)} image file(s) in {listing.split_dir} are, through symlinks or "
                         f"hard links, the same real file as another listed one: {shown}{_more(pairs)}. Remove the "
                         "extra links, or set TRAIN.DUPLICATE_IMAGES keep to train on every listed copy (oversampling)")
@@ -313,8 +327,8 @@ def find(train_paths: list[str], test_paths: list[str]) -> Overlap:
 
 
 def _split_paths(cfg: CfgNode, key: str) -> list[str]:
-    split_dir = images.folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
-    return [path for path, _ in images.list_split(split_dir, images.folder_classes(split_dir)).samples()]
+    split_dir = sources.folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
+    return [path for path, _ in images.list_split(split_dir, sources.folder_classes(split_dir)).samples()]
 
 
 def overlap_message(cfg: CfgNode, found: Overlap) -> str:

@@ -1,22 +1,20 @@
-"""Image files: the folder layout and its listing, decoding, the folder dataset, and batches
-normalized on the device.
+"""Image files: an image folder's listing, decoding, and the folder dataset.
 
-An image folder is <DATASET>/<SPLIT>/<class>/<image>. ``list_split`` lists a split as torchvision's
-ImageFolder does (symlinks followed, the same files in the same order), in one walk that never enters
-a symlink to a folder containing it (``ln -s .. train/2/loop`` would list 300 images as tens of
-thousands): such loops are recorded and refused (require_no_loop). Each file keeps readdir's inode
-number, free, with which checks.py finds the same file listed twice.
+``list_split`` lists a split of an image folder (sources.LAYOUT) as torchvision's ImageFolder does
+(symlinks followed, the same files in the same order), in one walk that never enters a symlink to a
+folder containing it (``ln -s .. train/2/loop`` would list 300 images as tens of thousands): such loops
+are recorded and refused (require_no_loop). Each file keeps readdir's inode number, free, with which
+checks.py finds the same file listed twice.
 
 The fast path (TRAIN.IMAGE_DECODE fast, the default): the worker turns a file into a uint8 crop
 (FastTrainDecode / FastEvalDecode: the crop is drawn by torchvision's own RandomResizedCrop.get_params
 from the image size, so the crops are torchvision's, then resized on the uint8 tensor), and
-NormalizedBatches normalizes whole batches on the training device: no per-image float conversion,
-4x fewer bytes from the workers. JPEGs take a faster road (_jpeg_crop): the size from the header,
-decoded by torchvision.io.decode_jpeg (libjpeg-turbo, as PIL, the same pixels) or, when the crop is
-at least twice the output size, at 1/2, 1/4 or 1/8 scale by PIL's draft (libjpeg's DCT scaling:
-detail the resize would have averaged away anyway).
+batches.NormalizedBatches normalizes whole batches on the training device: no per-image float
+conversion, 4x fewer bytes from the workers. JPEGs take a faster road (_jpeg_crop): the size from the
+header, decoded by torchvision.io.decode_jpeg (libjpeg-turbo, as PIL, the same pixels) or, when the
+crop is at least twice the output size, at 1/2, 1/4 or 1/8 scale by PIL's draft (libjpeg's DCT
+scaling: detail the resize would have averaged away anyway).
 """
-
 from __future__ import annotations
 
 import io
@@ -25,7 +23,7 @@ import multiprocessing
 import os
 import pathlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +31,13 @@ import numpy as np
 import torch
 import torchvision.io as tio
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms import RandomResizedCrop, v2
-from yacs.config import CfgNode
 
-from distribuuuu.data import sources
-from distribuuuu.data.transforms import Recipe, Stats, batch_erasing
+from distribuuuu.data.transforms import Recipe
 from distribuuuu.errors import UserError
 
-LAYOUT = "<DATASET>/<SPLIT>/<class>/<image>"
 NAMED = 5  # how many offenders a message names
 
 # What the datasets treat as an unreadable file.
@@ -52,50 +47,8 @@ log = logging.getLogger("distribuuuu")
 
 
 # ---------------------------------------------------------------------------------------------
-# The layout and the listing
+# The listing
 # ---------------------------------------------------------------------------------------------
-def folder_split_dir(dataset: str, split: str, key: str) -> str:
-    """<DATASET>/<SPLIT>, or a UserError that says what was looked for and what is expected."""
-    split_dir = os.path.join(dataset, split)
-    if not os.path.isdir(split_dir):
-        missing = "" if os.path.isdir(dataset) else f"; {dataset!r} itself does not exist"
-        raise UserError(
-            f"{key}.DATASET is {dataset!r} but there is no folder {split_dir!r} "
-            f"({key}.DATASET/{key}.SPLIT{missing}). Expected an image tree {LAYOUT} "
-            f"(e.g. {os.path.join(split_dir, 'cat', '0001.jpg')}), a CIFAR folder holding "
-            f"cifar-10-batches-py/ or cifar-100-python/, or a built-in source: {', '.join(sources.BUILTIN_SOURCES)}"
-            f"{sources.user_sources_note()}")
-    return split_dir
-
-
-def folder_classes(split_dir: str) -> list[str]:
-    """Sorted class folder names. Hidden folders (.ipynb_checkpoints, ...) are skipped: plain
-    ImageFolder would make them classes and shift every label after them."""
-    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
-
-
-def split_classes(cfg: CfgNode, key: str) -> tuple[str, list[str]]:
-    """(<DATASET>/<SPLIT>, its classes in label order) of the folder cfg[key] (TEST: eval_folder_classes)."""
-    split_dir = folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
-    classes = folder_classes(split_dir)
-    return split_dir, eval_folder_classes(cfg, classes) if key == "TEST" else classes
-
-
-def eval_folder_classes(cfg: CfgNode, classes: list[str]) -> list[str]:
-    """The label order of a TEST folder: the training folder's when it is here (the model's labels are
-    the train split's; a val split lacking a class folder would shift every later label), else its own."""
-    train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
-    if sources.source_kind(cfg.TRAIN.DATASET) != "folder" or not os.path.isdir(train_dir):
-        return classes  # e.g. evaluating on a machine without the training images
-    train_classes = folder_classes(train_dir)
-    extra = [c for c in classes if c not in set(train_classes)]
-    if extra:
-        raise UserError(f"TEST.DATASET has class folders that the training split {train_dir} lacks: "
-                        f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; val classes must be "
-                        "a subset of the train classes")
-    return train_classes
-
-
 @dataclass
 class SplitListing:
     """The image files of a split, per class in ImageFolder's order, and the symlink loops met.
@@ -142,7 +95,11 @@ def _walk_class(class_dir: str, loops: list[tuple[str, str]]) -> list[tuple[str,
             continue
         files = []
         for e in entries:
-            if _is_dir(e):
+            try:
+                is_dir = e.is_dir()  # follows symlinks, as os.walk(followlinks=True)
+            except OSError:
+                is_dir = False
+            if is_dir:
                 real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(chain[-1], e.name)
                 if any(r == real or r.startswith(real.rstrip(os.sep) + os.sep) for r in chain):
                     loops.append((e.path, real))
@@ -152,13 +109,6 @@ def _walk_class(class_dir: str, loops: list[tuple[str, str]]) -> list[tuple[str,
                 files.append((e.path, None if e.is_symlink() else e.inode()))
         found.append((root, files))
     return [file for _, files in sorted(found, key=lambda f: f[0]) for file in files]
-
-
-def _is_dir(entry: os.DirEntry) -> bool:
-    try:
-        return entry.is_dir()  # follows symlinks, as os.walk(followlinks=True)
-    except OSError:
-        return False
 
 
 def require_no_loop(listing: SplitListing, key: str) -> SplitListing:
@@ -334,20 +284,23 @@ class FastTrainDecode:
 
 class FastEvalDecode:
     """A file (path or bytes) -> uint8 [C, crop, crop]: shorter side resized to resize_to, then a center
-    crop, as folder_transform(train=False); JPEGs at least twice resize_to on the shorter side may be
-    decoded at reduced scale (decode_scale)."""
+    crop, as folder_transform(train=False)."""
 
     def __init__(self, resize_to: int, crop: int, mode: str, recipe: Recipe = Recipe()) -> None:
         self.resize_to, self.crop, self.mode, self.recipe = resize_to, crop, mode, recipe
 
     def __call__(self, file: str | bytes) -> torch.Tensor:
         data = file if isinstance(file, bytes) else pathlib.Path(file).read_bytes()
-        width, height = image_size(data)
-        short = min(width, height)
-        image = decode(data, self.mode, decode_scale(data, width, height, short, short, self.resize_to))
+        image = self._jpeg(data) if data[:3] == JPEG_MAGIC else pil_tensor(Image.open(io.BytesIO(data)), self.mode)
         image = v2.functional.resize(image, self.resize_to, interpolation=self.recipe.mode,
                                      antialias=self.recipe.antialias)
         return v2.functional.center_crop(image, [self.crop, self.crop]).contiguous()
+
+    def _jpeg(self, data: bytes) -> torch.Tensor:
+        """A JPEG whose shorter side is at least twice resize_to may be decoded at reduced scale (decode_scale)."""
+        width, height = image_size(data)
+        short = min(width, height)
+        return decode(data, self.mode, decode_scale(data, width, height, short, short, self.resize_to))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,41 +382,3 @@ class FolderDataset(Dataset):
         with self.bad_count.get_lock():
             count, self.bad_count.value = self.bad_count.value, 0
         return count
-
-
-# ---------------------------------------------------------------------------------------------
-# uint8 batches normalized on the device (the fast path's second half)
-# ---------------------------------------------------------------------------------------------
-class BatchNormalize:
-    """uint8 [B, C, H, W] -> float32 (x / 255 - mean) / std, for a whole batch on its device."""
-
-    def __init__(self, stats: Stats, device: torch.device | str = "cpu") -> None:
-        mean, std = (torch.tensor(s, dtype=torch.float32, device=device).view(1, -1, 1, 1) for s in stats)
-        self.scale, self.shift = 1.0 / (255.0 * std), mean / std
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        # One pass converts the dtype and the layout (workers' crops come in channels-last strides).
-        return images.to(dtype=torch.float32, memory_format=torch.contiguous_format).mul_(self.scale).sub_(self.shift)
-
-
-class NormalizedBatches:
-    """A DataLoader of uint8 batches, moved to the device and normalized there (and randomly erased: it
-    needs the normalized floats, which exist only here), one batch at a time. Everything else
-    (dataset, sampler, len ...) is the DataLoader's."""
-
-    def __init__(self, loader: DataLoader, stats: Stats, device: torch.device, erase: float = 0.0) -> None:
-        self.loader, self.device = loader, device
-        self.normalize, self.erase = BatchNormalize(stats, device), batch_erasing(erase)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for images, target in self.loader:
-            images = self.normalize(images.to(self.device, non_blocking=True))
-            if self.erase is not None:
-                images = self.erase(images)
-            yield images, target.to(self.device, non_blocking=True)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)

@@ -39,10 +39,10 @@ from torch.utils.data import Sampler
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import sources
-from distribuuuu.data.images import BatchNormalize
+from distribuuuu.data import datasets, sources
+from distribuuuu.data.batches import BatchNormalize
 from distribuuuu.data.pipeline import Pipeline, build_split_dataset
-from distribuuuu.data.transforms import augment_policy, batch_erasing, per_image, recipe_of, stats_for_channels
+from distribuuuu.data.transforms import BatchRandomErasing, augment_policy, per_image, recipe_of, stats_for_channels
 
 # 'auto' keeps a split in memory only while it fits this budget (per rank, in host memory and again on
 # the device): CIFAR's 50,000 training images are ~0.4 GB at 32 px but ~15 GB at 224 px.
@@ -129,7 +129,7 @@ def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
         samples, pad = len(src.images), src.pad
     else:
         root, variant = sources.find_cifar(cfg[key].DATASET)
-        paths = [os.path.join(root, n) for n in sources.cifar_files(root, variant, cfg[key].SPLIT)]
+        paths = [os.path.join(root, n) for n in datasets.cifar_files(root, variant, cfg[key].SPLIT)]
         samples, pad = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3), 4
     side = cfg.TRAIN.IM_SIZE
     return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
@@ -158,7 +158,7 @@ class MemoryPipeline(Pipeline):
         if cls.refusal(cfg, key) is not None:
             return False
         if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(sources.registered_data(cfg, key),
-                                                                                sources.TensorSource):
+                                                                                datasets.TensorSource):
             return False
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
@@ -178,7 +178,7 @@ class MemoryPipeline(Pipeline):
         """The MemoryLoader of cfg[key] (or its VAL_SPLIT part), augmented when train."""
         cfg, key = self.cfg, self.key
         # The per-sample twin: len, classes, items for inspection (and the split's labels).
-        dataset = sources.part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
+        dataset = datasets.part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
         src = sources.tensor_source(cfg, key)
         policy = erase = None
         if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
@@ -198,7 +198,8 @@ class MemoryPipeline(Pipeline):
                 images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode,
                                               antialias=True)
             if train:
-                policy, erase = augment_policy(cfg), batch_erasing(cfg.TRAIN.RANDOM_ERASE)
+                policy = augment_policy(cfg)
+                erase = BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
         sampler = self.sampler(dataset, train, rank, world_size)
         batch_size = cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE
         drop_last = train and len(sampler) >= batch_size

@@ -1,14 +1,6 @@
-"""The input pipelines' seam: from the config to one rank's train / val / test loader.
-
-This module holds, in reading order:
-  Pipeline                     the interface every input pipeline keeps (one subclass per way of reading a split)
-  the samplers                 a resumable shuffle for training (it restarts mid-epoch at the next unseen
-                               sample), an exact one for evaluation (every sample once over all ranks)
-  the worker processes         seeded, deaf to stop signals, ended by stop_workers
-  build_split_dataset          the per-sample dataset of a split, with its transforms
-  LoaderPipeline               the default pipeline: a torch DataLoader over per-sample items
-  PIPELINES, pipeline_class    the one place that chooses a split's pipeline
-  build_train_loader / build_val_loader / build_test_loader
+"""The input pipelines' seam: from the config to one rank's train / val / test loader: the Pipeline
+interface, the samplers every pipeline shares, the per-sample dataset of a split, the default pipeline
+(a torch DataLoader), and the one place that chooses a split's pipeline.
 
 pipeline_class picks, once per split key, the Pipeline subclass that reads cfg[key]:
   a shard set                  shards.loader.ShardPipeline (whatever TRAIN.DATA_PIPELINE says)
@@ -22,38 +14,22 @@ The side modules (memory.py, shards/loader.py) import this one, so PIPELINES nam
 imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline: such a module, one line
 in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices (config/validate.py
 DATA_PIPELINES, which load_config checks).
-
-TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (sources.part_of): the train loader reads the kept
-part, the val loader the held-out part with the eval transforms; the test loader always reads TEST.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import multiprocessing.util
-import os
-import random
-import signal
-import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler
 from yacs.config import CfgNode
 
-from distribuuuu.data import images, sources
-from distribuuuu.data.transforms import (
-    augment_policy,
-    folder_transform,
-    image_stats,
-    log_recipe,
-    recipe_of,
-    small_image_transform,
-    stats_for_channels,
-)
+from distribuuuu.data import datasets, images, sources, transforms
+from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker, track_workers
 from distribuuuu.errors import UserError
 
 
@@ -85,7 +61,8 @@ class Pipeline:
 
     @classmethod
     def auto_takes(cls, cfg: CfgNode, key: str) -> bool:
-        """Whether TRAIN.DATA_PIPELINE auto reads cfg[key] (not an image folder) this way (asked in PIPELINES' order)."""
+        """Whether TRAIN.DATA_PIPELINE auto reads cfg[key] (not an image folder) this way (asked in PIPELINES'
+        order)."""
         return False
 
     def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
@@ -170,112 +147,6 @@ def _check_shard(num_replicas: int, rank: int, repeats: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The loader worker processes
-# ---------------------------------------------------------------------------------------------
-# Signals a loader worker never acts on: a stop or preemption sent to the whole process group (Slurm,
-# systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main process would
-# fail reading its next batch and could not write its step checkpoint. The main process stops,
-# checkpoints, then ends its workers (stop_workers); a worker whose main process is gone ends by itself
-# (torch's watchdog checks the parent every 5 s).
-WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-_loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders with worker processes
-_exit_hooks: list[multiprocessing.util.Finalize] = []
-
-
-def quiet_worker(worker_id: int) -> None:
-    """worker_init_fn of every loader with workers: the stop signals are the main process's business."""
-    for signum in WORKER_IGNORED_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def seed_worker(worker_id: int) -> None:
-    """torch seeds each worker itself (base seed + worker id); numpy and random need it too (torch's
-    reproducibility notes). Also quiet_worker."""
-    quiet_worker(worker_id)
-    worker_seed = torch.initial_seed() % 2**32
-    np.random.seed(worker_seed)
-    random.seed(worker_seed)
-
-
-def track_workers(loader: DataLoader) -> DataLoader:
-    """Remember loader (if it has workers) so that stop_workers() can end them; returns it. The first
-    one arms _end_left_workers, run by multiprocessing's exit function before it terminates children."""
-    if loader.num_workers > 0:
-        _loaders.add(loader)
-        if not _exit_hooks:
-            _exit_hooks.append(multiprocessing.util.Finalize(None, _end_left_workers, args=(os.getpid(),),
-                                                             exitpriority=100))
-    return loader
-
-
-def stop_workers() -> None:
-    """End the worker processes of every tracked loader now, while the interpreter still runs.
-
-    Needed on a stop: the workers ignore SIGTERM (quiet_worker), persistent workers live as long
-    as their loader, and a traceback can keep the loader alive until exit, where torch skips its
-    own shutdown and multiprocessing would wait on workers that ignore its SIGTERM."""
-    for loader in list(_loaders):
-        stop_loader_workers(loader)
-
-
-def stop_loader_workers(loader: DataLoader) -> None:
-    """End one loader's worker processes now. Also for a loader whose iteration failed: its persistent
-    workers would otherwise live until the garbage collector frees it (a traceback keeps it in a
-    reference cycle), and torch's shutdown then waits out its join timeouts (about 20 s)."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    loader._iterator = None
-    _loaders.discard(loader)
-
-
-def _end_left_workers(owner: int) -> None:
-    """At exit, before multiprocessing ends its daemonic children with SIGTERM and waits for them:
-    a loader worker still running (its iterator kept alive by a traceback, an API user's loader)
-    ignores that SIGTERM (quiet_worker), so the wait would never end. torch skips its own shutdown
-    by then; such a worker holds nothing that needs a clean end: SIGKILL."""
-    if os.getpid() != owner:
-        return
-    for child in multiprocessing.active_children():
-        if child.daemon and child.pid and _ignores_sigterm(child.pid):
-            os.kill(child.pid, signal.SIGKILL)
-            child.join(5)
-
-
-def _ignores_sigterm(pid: int) -> bool:
-    """Whether process pid ignores SIGTERM (Linux: /proc/PID/status, SigIgn); False if unknown."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next((line.split()[1] for line in f if line.startswith("SigIgn:")), "0")
-    except OSError:
-        return False
-    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
-
-
-def collate_readable(items: list[Any]) -> Any:
-    """default_collate of the items that are not None (the unreadable images of an evaluation
-    set); None when none is left (ReadableBatches drops that batch)."""
-    kept = [item for item in items if item is not None]
-    return default_collate(kept) if kept else None
-
-
-class ReadableBatches:
-    """An evaluation DataLoader (collate_readable) without its empty batches; the rest is the loader's."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        return (batch for batch in self.loader if batch is not None)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
-
-
-# ---------------------------------------------------------------------------------------------
 # The per-sample dataset of a split, which every pipeline starts from
 # ---------------------------------------------------------------------------------------------
 def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
@@ -285,37 +156,43 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
 
 
 def build_split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset:
-    """The data of cfg[key], with the training transforms (train) or the eval ones.
-
-    mnist5k, CIFAR and a registered TensorSource are uint8 tensors; image folders are listed and decoded
-    per item (images.FolderDataset); synthetic data, a registered Dataset and MODEL.DUMMY_INPUT are ready
-    tensors, never transformed. batched=True (TRAIN.IMAGE_DECODE fast): folder items are uint8 crops
-    (images.FastTrainDecode / FastEvalDecode), normalized (and erased) per batch on the device."""
-    chans, size = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE  # val crops TRAIN.IM_SIZE too
-    if cfg.MODEL.DUMMY_INPUT:
-        return sources.RandomTensorDataset(cfg[key].SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, (chans, size, size),
-                                           seed=0 if key == "TRAIN" else 1)
-    data = sources.registered_data(cfg, key)
-    if data is not None and not isinstance(data, sources.TensorSource):
-        return data  # synthetic or a user's Dataset: items are ready, not transformed
-    policy, erase = (augment_policy(cfg), cfg.TRAIN.RANDOM_ERASE) if train else (None, 0.0)
-    recipe = recipe_of(cfg)
-    src = sources.tensor_source(cfg, key, data)
-    if src is not None:
-        stats = stats_for_channels(recipe.stats or src.stats, chans)
-        tf = small_image_transform(train, size, src.images.shape[-1], pad=src.pad, flip=src.flip, stats=stats,
-                                   policy=policy, erase=erase, recipe=recipe)
-        return sources.TensorImageDataset(src.images, src.targets, src.classes, tf)
+    """The data of cfg[key], with the training transforms (train) or the eval ones: an image folder's
+    items are listed here and decoded one at a time (images.FolderDataset); other sources: _source_dataset.
+    batched=True (TRAIN.IMAGE_DECODE fast): folder items are uint8 crops (images.FastTrainDecode /
+    FastEvalDecode), normalized (and erased) per batch on the device."""
+    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) not in ("folder", "shards"):
+        return _source_dataset(cfg, key, train)
+    chans, size, recipe = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, transforms.recipe_of(cfg)  # val: TRAIN.IM_SIZE too
     sources.require_image_chans(cfg, key)
-    listing = images.require_no_loop(images.list_split(*images.split_classes(cfg, key)), key)
-    mode = "L" if chans == 1 else "RGB"
+    listing = images.require_no_loop(images.list_split(*sources.split_classes(cfg, key)), key)
+    policy, mode = transforms.augment_policy(cfg) if train else None, "L" if chans == 1 else "RGB"
     if batched:  # decode + geometry in the dataset's loader, so that its errors meet the bad-image handling
         load: Callable = (images.FastTrainDecode(size, mode, recipe) if train else
                           images.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
         return images.FolderDataset(listing, load, policy, cfg.TRAIN.BAD_IMAGES, replace_bad=train)  # erased per batch
-    tf = folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase, recipe=recipe)
+    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy,
+                          erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
     return images.FolderDataset(listing, functools.partial(images.open_image, mode=mode), tf, cfg.TRAIN.BAD_IMAGES,
                                 replace_bad=train)
+
+
+def _source_dataset(cfg: CfgNode, key: str, train: bool) -> Dataset:
+    """The data of a source that is not a folder of image files: MODEL.DUMMY_INPUT's random tensors, synthetic
+    data or a user's Dataset (ready items, never transformed), or the uint8 images of mnist5k, CIFAR or a
+    registered TensorSource with the small-image recipe (pad-and-crop, transforms.small_image_transform)."""
+    chans, size = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
+    if cfg.MODEL.DUMMY_INPUT:
+        return datasets.RandomTensorDataset(cfg[key].SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, (chans, size, size),
+                                            seed=0 if key == "TRAIN" else 1)
+    data = sources.registered_data(cfg, key)
+    if data is not None and not isinstance(data, datasets.TensorSource):
+        return data
+    src, recipe = sources.tensor_source(cfg, key, data), transforms.recipe_of(cfg)
+    tf = transforms.small_image_transform(train, size, src.images.shape[-1], pad=src.pad, flip=src.flip,
+                               stats=transforms.stats_for_channels(recipe.stats or src.stats, chans),
+                               policy=transforms.augment_policy(cfg) if train else None,
+                               erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    return datasets.TensorImageDataset(src.images, src.targets, src.classes, tf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,15 +200,11 @@ def build_split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> D
 # ---------------------------------------------------------------------------------------------
 class LoaderPipeline(Pipeline):
     """A DataLoader with worker processes over the split's per-sample items (TRAIN.DATA_PIPELINE loader;
-    what auto falls back to).
-
-    It reads image folders, synthetic data, a registered Dataset and MODEL.DUMMY_INPUT, and the tensor
-    sources (mnist5k, CIFAR) when the in-memory pipeline does not take them. TRAIN.IMAGE_DECODE fast is an
-    option of this class: a folder item is a uint8 crop decoded in the worker, and each batch is normalized
-    on the device (images.NormalizedBatches); the shard pipeline takes the same option for its records.
-    An unreadable folder image (TRAIN.BAD_IMAGES skip) is replaced by the next readable one in training
-    (every rank keeps its batch size); in evaluation it is left out of its batch (collate_readable), so
-    evaluation counts distinct readable images.
+    what auto falls back to): image folders, synthetic data, a registered Dataset, MODEL.DUMMY_INPUT, and
+    the tensor sources the in-memory pipeline does not take. TRAIN.IMAGE_DECODE fast: a folder item is a
+    uint8 crop decoded in the worker, each batch normalized on the device (batches.NormalizedBatches).
+    An unreadable image is replaced by the next readable one in training (every rank keeps its batch
+    size); in evaluation it is left out of its batch (collate_readable): n counts distinct readable images.
     """
 
     name = "loader"
@@ -341,9 +214,8 @@ class LoaderPipeline(Pipeline):
         return True  # reads every source: the last resort of 'auto'
 
     def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        cfg, fast = self.cfg, self.fast_decode()
-        dataset = sources.part_of(cfg, build_split_dataset(cfg, self.key, True, batched=fast), part)
-        sampler = self.sampler(dataset, True, rank, world_size)
+        cfg = self.cfg
+        dataset, sampler, fast = self.items(True, part, rank, world_size)
         # An image folder's items are seeded by (seed, epoch, index), so that a resumed epoch redraws the same
         # augmentations; not with TRAIN.REPEATED_AUG > 1, whose copies of an index need their own draws.
         folder = getattr(dataset, "dataset", dataset)  # (a VAL_SPLIT part's whole folder)
@@ -352,15 +224,25 @@ class LoaderPipeline(Pipeline):
         # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
         drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
         loader = self.data_loader(dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)
-        return images.NormalizedBatches(loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE) if fast else loader
+        erase = cfg.TRAIN.RANDOM_ERASE
+        return NormalizedBatches(loader, transforms.image_stats(cfg), device, erase) if fast else loader
 
     def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        cfg, fast = self.cfg, self.fast_decode()
-        dataset = sources.part_of(cfg, build_split_dataset(cfg, self.key, False, batched=fast), part)
-        sampler = self.sampler(dataset, False, rank, world_size)
-        loader = ReadableBatches(self.data_loader(dataset, sampler, cfg.TEST.BATCH_SIZE, False, rank, device,
+        dataset, sampler, fast = self.items(False, part, rank, world_size)
+        loader = ReadableBatches(self.data_loader(dataset, sampler, self.cfg.TEST.BATCH_SIZE, False, rank, device,
                                                   stream=1, collate_fn=collate_readable))
-        return images.NormalizedBatches(loader, image_stats(cfg), device) if fast else loader
+        return NormalizedBatches(loader, transforms.image_stats(self.cfg), device) if fast else loader
+
+    def items(self, train: bool, part: str | None, rank: int, world_size: int) -> tuple[Dataset, Sampler, bool]:
+        """(the per-sample dataset of the split or its part, its sampler, whether it is an image folder read by
+        the fast path: uint8 items, normalized per batch)."""
+        cfg = self.cfg
+        fast = (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
+                and sources.source_kind(cfg[self.key].DATASET) == "folder")
+        dataset = build_split_dataset(cfg, self.key, train, batched=fast)
+        if part is not None:
+            dataset = datasets.part_of(cfg, dataset, part)
+        return dataset, self.sampler(dataset, train, rank, world_size), fast
 
     def data_loader(self, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool, rank: int,
                     device: torch.device, stream: int, collate_fn: Callable | None = None) -> DataLoader:
@@ -374,12 +256,6 @@ class LoaderPipeline(Pipeline):
             dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=workers,
             persistent_workers=workers > 0, pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
             worker_init_fn=seed_worker, generator=torch.Generator().manual_seed(seed), collate_fn=collate_fn))
-
-    def fast_decode(self) -> bool:
-        """Whether the split is an image folder read by the fast path (uint8 items, batch normalization)."""
-        cfg = self.cfg
-        return (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
-                and sources.source_kind(cfg[self.key].DATASET) == "folder")
 
 
 PIPELINE = LoaderPipeline  # the class of PIPELINES' 'loader' entry, as each side module names its own
@@ -437,7 +313,7 @@ def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.d
     if rank == 0:
         if cfg.MODEL.DUMMY_INPUT or sources.get_source(cfg.TRAIN.DATASET) is not None:
             sources.note_ready_items(cfg)
-        log_recipe(cfg)
+        transforms.log_recipe(cfg)
     pipeline = pipeline_class(cfg, "TRAIN")(cfg, "TRAIN")
     return pipeline.train_loader("train" if cfg.TRAIN.VAL_SPLIT else None, rank, world_size, device)
 

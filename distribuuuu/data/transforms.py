@@ -107,7 +107,8 @@ def recipe_of(cfg: CfgNode) -> Recipe:
     the source defaults."""
     t = cfg.TRAIN
     recipe = Recipe(scale=tuple(t.CROP_SCALE) or None, ratio=tuple(t.CROP_RATIO),
-                    flip=t.FLIP_PROB if t.FLIP_PROB >= 0 else None, interpolation=t.INTERPOLATION or DEFAULT_INTERPOLATION,
+                    flip=t.FLIP_PROB if t.FLIP_PROB >= 0 else None,
+                    interpolation=t.INTERPOLATION or DEFAULT_INTERPOLATION,
                     stats=(tuple(t.MEAN), tuple(t.STD)) if t.MEAN else None, crop_pct=cfg.TEST.CROP_PCT or None)
     return _with_timm_data_config(cfg, recipe) if cfg.MODEL.PRETRAINED else recipe
 
@@ -209,10 +210,6 @@ class BatchRandomErasing:
         in_cols = (cols >= left) & (cols < left + w)  # [B, W]
         mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]  # [B, 1, H, W]
         return torch.where(mask, torch.randn_like(images), images)
-
-
-def batch_erasing(p: float) -> BatchRandomErasing | None:
-    return BatchRandomErasing(p) if p > 0 else None
 
 
 def per_image(policy: Any, images: torch.Tensor) -> torch.Tensor:

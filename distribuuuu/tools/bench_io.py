@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from distribuuuu import config, data
-from distribuuuu.data import images, shards, sources
+from distribuuuu.data import shards, sources
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
@@ -109,7 +109,7 @@ def dataset_format(cfg: Any) -> str:
         raise UserError(f"bench --io times reading image files, but TRAIN.DATASET {path!r} is {what}; point "
                         "TRAIN.DATASET at an image folder (<DATASET>/<SPLIT>/<class>/<image>; `distribuuuu data "
                         "export mnist5k DIR` writes one) or at a shard set (`distribuuuu data shard SRC DEST`)")
-    images.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN")  # a UserError naming what is missing
+    sources.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN")  # a UserError naming what is missing
     return "folder"
 
 

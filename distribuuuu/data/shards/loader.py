@@ -2,7 +2,7 @@
 
 The images go through the folder pipeline's recipe (transforms.py): with TRAIN.IMAGE_DECODE fast the
 records are decoded and cropped to uint8 in the workers (images.FastTrainDecode / FastEvalDecode)
-and normalized per batch on the device (images.NormalizedBatches); with 'pil', torchvision's
+and normalized per batch on the device (batches.NormalizedBatches); with 'pil', torchvision's
 per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
 left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
 whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources
-from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, NormalizedBatches, open_image
-from distribuuuu.data.pipeline import Pipeline, quiet_worker, stop_loader_workers, track_workers
+from distribuuuu.data.batches import NormalizedBatches, quiet_worker, stop_loader_workers, track_workers
+from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, open_image
+from distribuuuu.data.pipeline import Pipeline
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
 from distribuuuu.data.shards.tar import ShardError
@@ -119,7 +120,7 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
         workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
         label_map=_label_map(cfg, key, shard_set))
     # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
-    # The workers leave stop signals to the main process (pipeline.quiet_worker).
+    # The workers leave stop signals to the main process (batches.quiet_worker).
     loader = ShardLoader(track_workers(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
                                                   persistent_workers=cfg.TRAIN.WORKERS > 0, worker_init_fn=quiet_worker,
                                                   pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda")))
