@@ -175,7 +175,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
             refused = True
             discard_log()
             raise
-        finally:  # however the run ended: its loader workers ignore stop signals (data.pipeline)
+        finally:  # however the run ended: its loader workers ignore stop signals (data.batches)
             data.stop_workers()
             if not refused:  # a crash or a stop: its lines are kept
                 release_log()
