@@ -233,7 +233,7 @@ def digits(tmp_path_factory) -> str:
     """`distribuuuu data export mnist5k`'s layout and files, the first PER_CLASS images of each digit
     (the export of all 5,000 takes half a minute on a loaded 2-core machine: made once, then cut)."""
     full = tmp_path_factory.mktemp("mnist5k_export")
-    from distribuuuu.data.mnist5k import export_mnist5k
+    from distribuuuu.data import export_mnist5k
 
     export_mnist5k(str(full))
     small = tmp_path_factory.mktemp("digits")

@@ -81,7 +81,6 @@ def is_shard_set(path: str) -> bool:
 
 
 CIFAR_SUBDIRS = {"cifar-10-batches-py": "cifar10", "cifar-100-python": "cifar100"}
-CIFAR_SPLITS = ("train", "val", "test")  # val and test both mean the test batch
 
 
 def find_cifar(path: str) -> tuple[str, str] | None:

@@ -86,7 +86,7 @@ class Recipe:
 
     def flip_prob(self, source_flips: bool) -> float:
         """The flip probability: the key, else 0.5 for a source that flips (folders, CIFAR), 0 otherwise."""
-        return self.flip if self.flip is not None else 0.5 * source_flips
+        return self.flip if self.flip is not None else (0.5 if source_flips else 0.0)
 
     def eval_resize(self, im_size: int, test_im_size: int) -> int:
         """The shorter side before the eval center crop: IM_SIZE / crop_pct (floored, as timm), else TEST.IM_SIZE."""
