@@ -421,7 +421,7 @@ def _cpu_throughput(loader: Any, n_batches: int) -> float:
 
 def section_jpeg(args: argparse.Namespace) -> None:
     from distribuuuu import data
-    from distribuuuu.data import transforms as dtf
+    from distribuuuu.data import images as dtf
 
     torch.set_num_threads(1)
     n_images = 128 if args.quick else 256

@@ -29,7 +29,6 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, data, engine, inference, inferred, models, run_folder, strategies
-from distribuuuu.data.batches import stop_workers
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
@@ -167,7 +166,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
         refused = False
         try:
             if ctx.is_main:
-                inferred.log_facts(cfg)  # the values decided from the data, with their origins
+                inferred.log_decisions(cfg)  # the values decided from the data, with their origins
             if command == "eval":
                 return run_eval(cfg, ctx)
             return _fit(cfg, ctx, hooks)
@@ -176,7 +175,7 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
             discard_log()
             raise
         finally:  # however the run ended: its loader workers ignore stop signals (data.batches)
-            stop_workers()
+            data.stop_workers()
             if not refused:  # a crash or a stop: its lines are kept
                 release_log()
 

@@ -13,7 +13,7 @@ The preprocessing is the evaluation pipeline's: the image as a uint8 tensor (``r
 "tensor"; "pil": the PIL image, then to a tensor), its shorter side resized to ``resize`` with
 ``interpolation`` (antialiased), a center crop of ``image_size``, pixels scaled to [0, 1], then
 ``(x - mean) / std`` per channel, on a ``in_chans``-channel image (1: gray "L", 3: "RGB"). It is
-computed by ``describe`` from the run's data recipe (data/recipe.py) and its training data: folders
+computed by ``describe`` from the run's data recipe (data/transforms.py) and its training data: folders
 take the recipe's mean/std (ImageNet's unless set) and eval resize (TEST.IM_SIZE, or
 TRAIN.IM_SIZE / TEST.CROP_PCT); mnist5k, CIFAR and a registered TensorSource their own mean/std,
 resized to TRAIN.IM_SIZE; a registered Dataset (items that are ready tensors) the mean/std its
@@ -33,9 +33,9 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.data import registry, sources, transforms
-from distribuuuu.data.recipe import INTERPOLATIONS, recipe_of
+from distribuuuu.data import images, sources
 from distribuuuu.data.shards.reader import ShardDataset
+from distribuuuu.data.transforms import image_stats, recipe_of, stats_for_channels
 from distribuuuu.errors import UserError
 
 CARD_KEY = "card"  # the checkpoint entry
@@ -114,8 +114,7 @@ class ToMode:
         self.mode = mode
 
     def __call__(self, image: Image.Image) -> Image.Image:
-        image = transforms.to_8bit(image)
-        return image if image.mode == self.mode else image.convert(self.mode)
+        return images.as_mode(image, self.mode)
 
     def __repr__(self) -> str:
         return f"ToMode({self.mode!r})"
@@ -133,25 +132,22 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
     None for an image folder that is not here). classes: the names, when not the dataset's."""
     dataset = getattr(dataset, "dataset", dataset)  # a TRAIN.VAL_SPLIT part: the whole dataset
     recipe, chans, size = recipe_of(cfg), cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
-    names = list(classes if classes is not None else getattr(dataset, "classes", []))
-    stats: tuple[Any, Any]
-    if dataset is None or isinstance(dataset, (sources.ImageFolderWithClasses, ShardDataset)):  # image files
-        stats = transforms.stats_for_channels(recipe.stats or transforms.IMAGENET_STATS, chans)
-        resize, crop_pct = recipe.eval_resize(size, cfg.TEST.IM_SIZE), recipe.crop_pct
+    names = [str(c) for c in (classes if classes is not None else getattr(dataset, "classes", []))]
+    names += [str(c) for c in range(len(names), cfg.MODEL.NUM_CLASSES)]
+    if dataset is None or isinstance(dataset, (images.FolderDataset, ShardDataset)):  # image files
+        stats, resize, crop_pct = image_stats(cfg), recipe.eval_resize(size, cfg.TEST.IM_SIZE), recipe.crop_pct
         resize_on = "pil" if cfg.TRAIN.IMAGE_DECODE == "pil" else "tensor"
     else:  # the tensor sources resize to TRAIN.IM_SIZE, no crop; ready items: the stats their source states
-        stated = registry.stated_stats(cfg.TRAIN.DATASET, dataset)
-        stats = _normalize_of(dataset) or (transforms.stats_for_channels(stated, chans) if stated else
+        stated = sources.stated_stats(cfg.TRAIN.DATASET, dataset)
+        stats = _normalize_of(dataset) or (stats_for_channels(stated, chans) if stated else
                                            ([0.0] * chans, [1.0] * chans))
         resize, crop_pct, resize_on = size, None, "tensor"
-    names = [str(c) for c in names] + [str(c) for c in range(len(names), cfg.MODEL.NUM_CLASSES)]
-    interpolation = recipe.interpolation if recipe.interpolation in INTERPOLATIONS else "bilinear"
     library, model_name = models.resolve_arch(cfg.MODEL.ARCH)
     return ModelCard(arch=cfg.MODEL.ARCH, library=library, model_name=model_name,
                      small_stem=bool(cfg.MODEL.SMALL_STEM), num_classes=cfg.MODEL.NUM_CLASSES, in_chans=chans,
                      classes=names[:cfg.MODEL.NUM_CLASSES], image_size=size, resize=resize,
                      mean=[float(m) for m in stats[0]], std=[float(s) for s in stats[1]],
-                     interpolation=interpolation, crop_pct=crop_pct, resize_on=resize_on, config=cfg.dump())
+                     interpolation=recipe.interpolation, crop_pct=crop_pct, resize_on=resize_on, config=cfg.dump())
 
 
 def from_checkpoint(ckpt: dict[str, Any]) -> ModelCard | None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from distribuuuu import data
-from distribuuuu.data import sources, transforms
+from distribuuuu.data import batches, datasets, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler
 from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_constant_image_tree
@@ -21,12 +21,12 @@ CPU = torch.device("cpu")
 POLICIES = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
 MNIST = {"TRAIN.DATASET": "mnist5k", "TEST.DATASET": "mnist5k", "MODEL.NUM_CLASSES": 10,
          "MODEL.IN_CHANS": 1, "TRAIN.IM_SIZE": 28, "TRAIN.WORKERS": 0, "TRAIN.BATCH_SIZE": 16, "RNG_SEED": 0}
-MNIST_NORM = transforms.BatchNormalize(transforms.MNIST_STATS)
+MNIST_NORM = batches.BatchNormalize(transforms.MNIST_STATS)
 
 
 def _digit_copies(n: int) -> torch.Tensor:
     """n copies of one mnist5k digit, uint8 [n, 1, 28, 28]."""
-    images, _ = sources.load_mnist5k("train", "TRAIN")
+    images, _ = datasets.load_mnist5k("train", "TRAIN")
     return images[:1].expand(n, -1, -1, -1).contiguous()
 
 
@@ -168,7 +168,7 @@ def test_off_by_default_memory_batches_equal_crop_flip_normalize():
     torch.manual_seed(0)
     got = [x for _, (x, _) in zip(range(3), loader)]
     after = torch.rand(4)
-    images, _ = sources.load_mnist5k("train", "TRAIN")
+    images, _ = datasets.load_mnist5k("train", "TRAIN")
     padded, order = F.pad(images, (2,) * 4), torch.tensor(list(loader.sampler))
     torch.manual_seed(0)
     want = [MNIST_NORM(pad_crop_flip(padded, order[b * 16:(b + 1) * 16], 28, 2, False)) for b in range(3)]
@@ -183,7 +183,7 @@ def test_off_by_default_per_sample_and_fast_paths_add_nothing(tmp_path):
     assert [type(s) for s in steps] == [v2.RandomCrop, v2.ToDtype, v2.Normalize]
     ref = v2.Compose([v2.RandomCrop(28, padding=2, fill=0), v2.ToDtype(torch.float32, scale=True),
                       v2.Normalize(mean=[0.1307], std=[0.3081])])
-    images, _ = sources.load_mnist5k("train", "TRAIN")
+    images, _ = datasets.load_mnist5k("train", "TRAIN")
     torch.manual_seed(0)
     x, _ = next(iter(loader))
     after = torch.rand(4)

@@ -127,7 +127,7 @@ def test_run_folder_gets_full_config_and_diff(tmp_path):
     assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32
     diff = yaml.safe_load((tmp_path / "config_diff.yaml").read_text())
     # What was given, and the values decided from the data (#27): the stored config holds the values used.
-    decided = {f.key for f in inferred.facts(cfg) if f.origin != "config"} & set(config.flatten(cfg))
+    decided = {f.key for f in inferred.decisions(cfg) if f.origin != "config"} & set(config.flatten(cfg))
     assert set(_flat_yaml(diff)) == {"MODEL.ARCH", "OUT_DIR", "TEST.IM_SIZE"} | decided  # TEST.IM_SIZE: "eval size"
     assert (diff["MODEL"]["ARCH"], diff["OUT_DIR"]) == ("resnet50", str(tmp_path))
     assert "MODEL.NUM_CLASSES" in decided and full["MODEL"]["NUM_CLASSES"] == 1000  # ImageNet's path: not here

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from distribuuuu import data
-from distribuuuu.data import sources
+from distribuuuu.data import datasets
 from distribuuuu.data.pipeline import ResumableDistributedSampler
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_fake_cifar100, write_image, write_image_tree
@@ -38,16 +38,16 @@ def unnormalize(x: torch.Tensor, mean: float, std: float) -> torch.Tensor:
 # mnist5k
 # ---------------------------------------------------------------------------------------------
 def test_mnist5k_split_sizes_stratified_disjoint_and_fixed():
-    _, labels = sources.mnist5k_arrays()
-    split = sources.mnist5k_split_indices()
+    _, labels = datasets.mnist5k_arrays()
+    split = datasets.mnist5k_split_indices()
     train, val = split["train"], split["val"]
     assert (len(train), len(val)) == (4000, 1000)
     assert not set(train.tolist()) & set(val.tolist())
     for c in range(10):
         n_c = int((labels == c).sum())
         assert abs(int((labels[val] == c).sum()) - 0.2 * n_c) <= 1
-    sources.mnist5k_split_indices.cache_clear()  # recompute from scratch: the same split
-    again = sources.mnist5k_split_indices()
+    datasets.mnist5k_split_indices.cache_clear()  # recompute from scratch: the same split
+    again = datasets.mnist5k_split_indices()
     assert np.array_equal(again["train"], train) and np.array_equal(again["val"], val)
 
 

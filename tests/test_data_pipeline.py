@@ -13,9 +13,10 @@ import torch
 
 from distribuuuu import data
 from distribuuuu.data import memory, pipeline, shards
-from distribuuuu.data.datasets import build_split_dataset, part_of
+from distribuuuu.data.batches import NormalizedBatches
+from distribuuuu.data.datasets import part_of
 from distribuuuu.data.memory import MemoryLoader, MemoryPipeline
-from distribuuuu.data.pipeline import LoaderPipeline, Pipeline
+from distribuuuu.data.pipeline import LoaderPipeline, Pipeline, build_split_dataset
 from distribuuuu.data.shards.loader import ShardLoader, ShardPipeline
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_image_tree
@@ -104,8 +105,8 @@ def test_auto_falls_back_to_the_dataloader_above_the_memory_budget(sources_on_di
 
 @pytest.mark.parametrize("source,overrides,loader_type", [
     ("mnist", {}, MemoryLoader), ("syn", {}, torch.utils.data.DataLoader),
-    ("folder", {}, data.batches.NormalizedBatches), ("folder", {"TRAIN.IMAGE_DECODE": "pil"}, torch.utils.data.DataLoader),
-    ("shards", {}, data.batches.NormalizedBatches), ("shards", {"TRAIN.IMAGE_DECODE": "pil"}, ShardLoader),
+    ("folder", {}, NormalizedBatches), ("folder", {"TRAIN.IMAGE_DECODE": "pil"}, torch.utils.data.DataLoader),
+    ("shards", {}, NormalizedBatches), ("shards", {"TRAIN.IMAGE_DECODE": "pil"}, ShardLoader),
 ])
 def test_every_pipeline_keeps_the_train_loader_contract(sources_on_disk, source, overrides, loader_type):
     """len(), .dataset, .sampler.set_epoch(epoch, start), (images, target) batches: the Pipeline docstring."""

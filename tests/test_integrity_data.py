@@ -18,7 +18,7 @@ from PIL import Image
 
 from distribuuuu import data, models
 from distribuuuu.config import load_config
-from distribuuuu.data import integrity, sources, transforms
+from distribuuuu.data import checks, images
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, write_image_tree
@@ -67,7 +67,7 @@ def test_symlink_loop_in_a_class_is_refused_naming_the_link(tmp_path):
     assert "rm " + link in line
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before anything ran
     # The walk lists each real image once and never enters the loop.
-    listing = integrity.list_split(os.path.join(root, "train"), ["0", "1", "2"])
+    listing = images.list_split(os.path.join(root, "train"), ["0", "1", "2"])
     assert [listing.count(c) for c in "012"] == [4, 4, 4] and listing.loops == [(link, listing.loops[0][1])]
     with pytest.raises(UserError, match="loop"):  # the dataset itself refuses too (no preflight needed)
         data.build_dataset(_folder_cfg(root), train=True)
@@ -81,7 +81,7 @@ def test_loop_through_two_links_is_found(tmp_path):
     Image.new("RGB", (10, 10)).save(pool / "p.png")
     os.symlink(str(pool), os.path.join(root, "train", "0", "away"))
     os.symlink(os.path.join(root, "train", "0"), str(pool / "back"))
-    listing = integrity.list_split(os.path.join(root, "train"), ["0", "1", "2"])
+    listing = images.list_split(os.path.join(root, "train"), ["0", "1", "2"])
     assert listing.count("0") == 5  # its 4 images and pool/p.png, once
     assert listing.loops == [(os.path.join(root, "train", "0", "away", "back"), os.path.join(root, "train", "0"))]
 
@@ -141,13 +141,13 @@ def test_16bit_png_is_scaled_not_clipped_on_both_decode_paths(tmp_path):
     values = _png16(path)
     assert Image.open(path).mode == "I;16"  # what PIL makes of it: the mode that used to be clipped
     want = (values >> 8).astype(np.uint8)  # the high byte, 0..255
-    pil_gray = np.asarray(sources.open_image(path, "L"))
-    pil_rgb = np.asarray(sources.open_image(path, "RGB"))
+    pil_gray = np.asarray(images.open_image(path, "L"))
+    pil_rgb = np.asarray(images.open_image(path, "RGB"))
     with open(path, "rb") as f:
         raw = f.read()
-    fast_gray = transforms.decode(raw, "L")[0].numpy()
-    fast_rgb = transforms.decode(raw, "RGB").permute(1, 2, 0).numpy()
-    fast_eval = transforms.FastEvalDecode(32, 32, "L")(path)[0].numpy()  # resize to its own size: no-op
+    fast_gray = images.decode(raw, "L")[0].numpy()
+    fast_rgb = images.decode(raw, "RGB").permute(1, 2, 0).numpy()
+    fast_eval = images.FastEvalDecode(32, 32, "L")(path)[0].numpy()  # resize to its own size: no-op
     for got in (pil_gray, fast_gray, fast_eval, *(rgb[..., c] for rgb in (pil_rgb, fast_rgb) for c in range(3))):
         np.testing.assert_array_equal(got, want)
     assert want.min() == 0 and want.max() == 255 and (want == 255).mean() < 0.01  # was 99% white
@@ -156,11 +156,11 @@ def test_16bit_png_is_scaled_not_clipped_on_both_decode_paths(tmp_path):
 def test_32bit_and_float_gray_images_are_scaled():
     ints = Image.fromarray(np.array([[0, 256, 65535, 70000]], dtype=np.int32))  # mode I: read as 16-bit
     assert ints.mode == "I"
-    assert np.asarray(transforms.to_8bit(ints)).tolist() == [[0, 1, 255, 255]]
+    assert np.asarray(images.to_8bit(ints)).tolist() == [[0, 1, 255, 255]]
     unit = Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32))  # mode F in [0, 1]
-    assert np.asarray(transforms.to_8bit(unit)).tolist() == [[0, 128, 255]]
+    assert np.asarray(images.to_8bit(unit)).tolist() == [[0, 128, 255]]
     rgb = Image.new("RGB", (2, 2), (1, 2, 3))
-    assert transforms.to_8bit(rgb) is rgb  # 8-bit modes are left alone
+    assert images.to_8bit(rgb) is rgb  # 8-bit modes are left alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_truncated_jpeg_with_a_good_header_counts_as_unreadable(tmp_path):
     path = tmp_path / "cut.jpg"
     path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
     Image.open(path)  # the header opens ...
-    assert integrity.can_decode(str(path)) is not None  # ... but the image does not decode
+    assert checks.can_decode(str(path)) is not None  # ... but the image does not decode
 
 
 def test_batch_larger_than_the_training_set_is_refused_with_the_numbers():

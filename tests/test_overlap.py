@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from distribuuuu import data
-from distribuuuu.data import overlap
+from distribuuuu.data import checks, images
 from distribuuuu.errors import UserError
 from tests.conftest import ROOT, TINY, check, env, make_cfg, write_image_tree
 
@@ -44,11 +44,11 @@ def _leak(root: str) -> None:
 
 def test_hard_link_symlink_and_copy_of_val_images_are_each_reported(tmp_path, caplog):
     root = _tree(tmp_path / "ds")
-    overlap.check(_cfg(root), is_main=True)  # a clean pair of splits: no warning
+    checks.check_overlap(_cfg(root), is_main=True)  # a clean pair of splits: no warning
     assert not [r for r in caplog.records if "TEST.DATASET" in r.getMessage()]
     _leak(root)
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
-        overlap.check(_cfg(root), is_main=True)
+        checks.check_overlap(_cfg(root), is_main=True)
     [line] = [r.getMessage() for r in caplog.records if "also in TEST.DATASET" in r.getMessage()]
     assert line.startswith("3 image(s) of TRAIN.DATASET are also in TEST.DATASET (1 hard link, 1 symlink, "
                            "1 same bytes)"), line
@@ -56,9 +56,9 @@ def test_hard_link_symlink_and_copy_of_val_images_are_each_reported(tmp_path, ca
                     "train/2/copy.png is val/2/1.png (same bytes)"):
         assert example in line, (example, line)
     with pytest.raises(UserError, match=r"^3 image\(s\) of TRAIN.DATASET are also in TEST.DATASET"):
-        overlap.check(_cfg(root, **{"TRAIN.OVERLAP": "error"}), is_main=True)
+        checks.check_overlap(_cfg(root, **{"TRAIN.OVERLAP": "error"}), is_main=True)
     caplog.clear()
-    overlap.check(_cfg(root, **{"TRAIN.OVERLAP": "off"}), is_main=True)
+    checks.check_overlap(_cfg(root, **{"TRAIN.OVERLAP": "off"}), is_main=True)
     assert not caplog.records
 
 
@@ -75,9 +75,9 @@ def test_only_files_of_a_size_the_other_split_has_are_read(tmp_path, monkeypatch
     for split in ("train", "val"):  # two empty (unreadable) files: the same bytes, but not a copied image
         open(os.path.join(root, split, "0", "empty.png"), "wb").close()
     read = []
-    real_digest = overlap.digest
-    monkeypatch.setattr(overlap, "digest", lambda path, limit=None: read.append(path) or real_digest(path, limit))
-    found = overlap.find(*(sorted(p for p, _ in data.integrity.list_split(os.path.join(root, s), list("012"))
+    real_digest = checks.digest
+    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
+    found = checks.find(*(sorted(p for p, _ in images.list_split(os.path.join(root, s), list("012"))
                                   .samples()) for s in ("train", "val")))
     assert sorted(h for *_, h in found.pairs) == ["hard link", "same bytes", "symlink"]
     assert big not in read and near in read
@@ -85,6 +85,28 @@ def test_only_files_of_a_size_the_other_split_has_are_read(tmp_path, monkeypatch
     # of their sizes are read (hard and symbolic links are found by their inode, unread).
     train_read = {p for p in read if os.sep + "train" + os.sep in p}
     assert train_read == {os.path.join(root, "train", "2", "copy.png"), near}, train_read
+
+
+def test_files_sharing_a_size_and_a_header_are_each_read_once(tmp_path, monkeypatch):
+    """Same-size files that share their first 4 KiB (raw images of one format) are grouped by a hash of the
+    whole file: each is read once, however many share a size (a pairwise comparison would be quadratic)."""
+    header, paths = os.urandom(4096), {"train": [], "val": []}
+    for split, n in (("train", 300), ("val", 100)):
+        os.makedirs(tmp_path / split)
+        for i in range(n):
+            path = tmp_path / split / f"{i}.ppm"
+            path.write_bytes(header + os.urandom(100))
+            paths[split].append(str(path))
+    for i in (3, 50):
+        shutil.copyfile(paths["val"][i], tmp_path / "train" / f"copy{i}.ppm")
+        paths["train"].append(str(tmp_path / "train" / f"copy{i}.ppm"))
+    read = []
+    real_digest = checks.digest
+    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
+    found = checks.find(paths["train"], paths["val"])
+    assert sorted((os.path.basename(a), os.path.basename(b), how) for a, b, how in found.pairs) == [
+        ("copy3.ppm", "3.ppm", "same bytes"), ("copy50.ppm", "50.ppm", "same bytes")]
+    assert sorted(read) == sorted(paths["train"] + paths["val"]) and found.read == len(read) == 402
 
 
 def test_hard_links_inside_train_are_refused_like_symlinks(tmp_path):

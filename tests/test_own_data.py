@@ -24,8 +24,8 @@ CPU = torch.device("cpu")
 BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]
 
 
-def facts(cfg) -> dict[str, inferred.Fact]:
-    return {f.key: f for f in inferred.facts(cfg)}
+def decisions(cfg) -> dict[str, inferred.Decision]:
+    return {d.key: d for d in inferred.decisions(cfg)}
 
 
 def unresolved(*opts: str):
@@ -51,7 +51,7 @@ def test_unset_keys_follow_a_folder_of_train_and_val(tmp_path):
     root = three_classes(tmp_path)
     cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.BATCH_SIZE", "4"])
     assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.TOPK) == (3, root, "val", 3)
-    f = facts(cfg)
+    f = decisions(cfg)
     assert f["MODEL.NUM_CLASSES"].line() == "MODEL.NUM_CLASSES 3 (from the folder)"
     assert f["TEST.DATASET"].line() == f"TEST.DATASET {root} (TRAIN.DATASET, split 'val')"
     assert f["TRAIN.TOPK"].line() == "TRAIN.TOPK 3 (clamped from 5 to MODEL.NUM_CLASSES)"
@@ -63,7 +63,7 @@ def test_values_given_are_kept_and_said_to_come_from_the_config(tmp_path):
     root = three_classes(tmp_path)
     cfg = resolved(None, ["TRAIN.DATASET", root, "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "2",
                                     "TEST.DATASET", root, "TRAIN.WORKERS", "0"])
-    f = facts(cfg)
+    f = decisions(cfg)
     assert [f[k].line() for k in ("MODEL.NUM_CLASSES", "TRAIN.TOPK", "TRAIN.WORKERS")] == [
         "MODEL.NUM_CLASSES 3 (config)", "TRAIN.TOPK 2 (config)", "TRAIN.WORKERS 0 (config)"]
     assert "TEST.DATASET" not in f
@@ -83,11 +83,11 @@ def test_a_num_classes_that_differs_from_the_folder_exits_2_naming_both(tmp_path
 def test_num_classes_of_cifar_mnist5k_and_the_fallback(tmp_path):
     write_fake_cifar10(str(tmp_path))
     cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path)])
-    assert cfg.MODEL.NUM_CLASSES == 10 and facts(cfg)["MODEL.NUM_CLASSES"].origin == "from the CIFAR folder"
+    assert cfg.MODEL.NUM_CLASSES == 10 and decisions(cfg)["MODEL.NUM_CLASSES"].origin == "from the CIFAR folder"
     cfg = resolved(None, ["TRAIN.DATASET", "mnist5k"])
     assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET) == (10, "mnist5k")
     cfg = resolved(None, ["TRAIN.DATASET", "synthetic"])  # makes MODEL.NUM_CLASSES classes
-    assert cfg.MODEL.NUM_CLASSES == 1000 and "the former default" in facts(cfg)["MODEL.NUM_CLASSES"].origin
+    assert cfg.MODEL.NUM_CLASSES == 1000 and "the former default" in decisions(cfg)["MODEL.NUM_CLASSES"].origin
     cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path / "not_here")])  # preflight names it
     assert cfg.MODEL.NUM_CLASSES == 1000
     with pytest.raises(UserError, match="TRAIN.DATASET"):
@@ -101,15 +101,15 @@ def test_eval_size_follows_train_im_size_and_an_explicit_one_wins(tmp_path):
     root = three_classes(tmp_path, size=(64, 48))
     cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TRAIN.WORKERS", "0"])
     assert cfg.TEST.IM_SIZE == 36  # floor(32 / 0.875)
-    assert facts(cfg)["eval size"].line() == ("eval size resize to 36, center crop 32 px "
+    assert decisions(cfg)["eval size"].line() == ("eval size resize to 36, center crop 32 px "
                                               "(TEST.IM_SIZE 36, follows TRAIN.IM_SIZE: 32 / 0.875)")
     x, _ = data.build_dataset(cfg, train=False)[0]
     assert tuple(x.shape[-2:]) == (32, 32)  # the whole digit at 32 px, not a 32 px crop of a 256 px resize
     assert resolved(None, ["TRAIN.IM_SIZE", "224"]).TEST.IM_SIZE == 256  # Distribuuuu's 256 for 224
     cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "40"])
-    assert cfg.TEST.IM_SIZE == 40 and facts(cfg)["eval size"].origin == "TEST.IM_SIZE 40, config"
+    assert cfg.TEST.IM_SIZE == 40 and decisions(cfg)["eval size"].origin == "TEST.IM_SIZE 40, config"
     cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.CROP_PCT", "0.8"])
-    assert facts(cfg)["eval size"].line() == "eval size resize to 40, center crop 32 px (TEST.CROP_PCT 0.8)"
+    assert decisions(cfg)["eval size"].line() == "eval size resize to 40, center crop 32 px (TEST.CROP_PCT 0.8)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,14 +118,14 @@ def test_eval_size_follows_train_im_size_and_an_explicit_one_wins(tmp_path):
 def test_a_warmup_longer_than_half_the_run_is_shortened_and_reaches_the_peak():
     cfg = resolved(None, ["OPTIM.MAX_EPOCH", "3"])  # the default 5 warmup epochs
     assert cfg.OPTIM.WARMUP_EPOCHS == 5.0  # the key keeps its value: a resume with more epochs compares equal
-    assert inferred.warmup_epochs(cfg) == pytest.approx(0.6)
-    fact = facts(cfg)["OPTIM.WARMUP_EPOCHS"]
+    assert optim.warmup_epochs(cfg) == pytest.approx(0.6)
+    fact = decisions(cfg)["OPTIM.WARMUP_EPOCHS"]
     assert fact.warn and fact.line().startswith("OPTIM.WARMUP_EPOCHS 0.6 in the schedule (shortened from 5")
     factors = [optim.Schedule(cfg, 1.0)(e / 100) for e in range(300)]
     assert max(factors) == pytest.approx(1.0) and factors[60] == pytest.approx(1.0)  # the peak, at 0.6
     assert factors[0] == pytest.approx(0.1) and factors[30] == pytest.approx(0.55)
     cfg = resolved(None, ["OPTIM.MAX_EPOCH", "10"])  # 5 of 10 fits: as given
-    assert inferred.warmup_epochs(cfg) == 5.0 and "OPTIM.WARMUP_EPOCHS" not in facts(cfg)
+    assert optim.warmup_epochs(cfg) == 5.0 and "OPTIM.WARMUP_EPOCHS" not in decisions(cfg)
     assert optim.Schedule(cfg, 1.0)(5.0) == pytest.approx(1.0)
 
 
@@ -142,7 +142,7 @@ def test_workers_follow_the_cores_of_each_process(monkeypatch):
     for procs, want in ((1, 7), (2, 3), (4, 1), (8, 0), (16, 0)):
         cfg = inferred.resolve(unresolved(), local_world_size=procs)
         assert cfg.TRAIN.WORKERS == want, procs
-        assert facts(cfg)["TRAIN.WORKERS"].origin.startswith(f"from the cores: {max(1, 8 // procs)} per process")
+        assert decisions(cfg)["TRAIN.WORKERS"].origin.startswith(f"from the cores: {max(1, 8 // procs)} per process")
     monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert inferred.resolve(unresolved(), local_world_size=1).TRAIN.WORKERS == inferred.MAX_AUTO_WORKERS
     assert inferred.resolve(unresolved("TRAIN.WORKERS", "2"), local_world_size=1).TRAIN.WORKERS == 2
@@ -163,7 +163,7 @@ def test_a_folder_of_class_folders_holds_out_a_stratified_seeded_tenth(tmp_path)
     cfg = resolved(None, opts)
     assert (cfg.TRAIN.SPLIT, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == ("", str(tmp_path), "", 0.1)
     assert cfg.MODEL.NUM_CLASSES == 3
-    f = facts(cfg)
+    f = decisions(cfg)
     assert "holds 3 class folders and no train/" in f["TRAIN.SPLIT"].origin
     assert "6 of its 60 images, a tenth of each class, chosen by a fixed seed" in f["TRAIN.VAL_SPLIT"].origin
     data.check_datasets(cfg, 1)
@@ -184,7 +184,7 @@ def test_a_split_layout_is_not_taken_for_a_folder_of_class_folders(tmp_path):
     write_image_tree(str(tmp_path), "training", {"a": 2})  # another split name: not class folders
     write_image_tree(str(tmp_path), "val", {"a": 1})
     cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path)])
-    assert cfg.TRAIN.SPLIT == "train" and "TRAIN.SPLIT" not in facts(cfg)
+    assert cfg.TRAIN.SPLIT == "train" and "TRAIN.SPLIT" not in decisions(cfg)
     with pytest.raises(UserError, match="TRAIN.DATASET"):
         data.check_datasets(cfg, 1)
 
@@ -217,8 +217,8 @@ def test_the_original_yamls_decide_nothing(arch):
     stated = yaml.safe_load(open(path))
     assert cfg.MODEL.NUM_CLASSES == stated["MODEL"]["NUM_CLASSES"] == 1000
     assert (cfg.TEST.DATASET, cfg.TEST.IM_SIZE, cfg.TRAIN.WORKERS) == ("./data/ILSVRC/", 256, 4)
-    assert inferred.warmup_epochs(cfg) == stated["OPTIM"]["WARMUP_EPOCHS"] == 5
-    lines = [f.line() for f in inferred.facts(cfg)]
+    assert optim.warmup_epochs(cfg) == stated["OPTIM"]["WARMUP_EPOCHS"] == 5
+    lines = [f.line() for f in inferred.decisions(cfg)]
     assert lines == ["MODEL.NUM_CLASSES 1000 (config)", "TRAIN.TOPK 5 (config)",
                      "eval size resize to 256, center crop 224 px (TEST.IM_SIZE 256, config)",
                      "TRAIN.WORKERS 4 (config)"], lines
@@ -235,7 +235,7 @@ def digits(tmp_path_factory) -> str:
     """`distribuuuu data export mnist5k`'s layout and files, the first PER_CLASS images of each digit
     (the export of all 5,000 takes half a minute on a loaded 2-core machine: made once, then cut)."""
     full = tmp_path_factory.mktemp("mnist5k_export")
-    from distribuuuu.data.mnist5k import export_mnist5k
+    from distribuuuu.data import export_mnist5k
 
     export_mnist5k(str(full))
     small = tmp_path_factory.mktemp("digits")

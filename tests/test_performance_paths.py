@@ -23,7 +23,7 @@ from PIL import Image
 
 from distribuuuu import data
 from distribuuuu.config import load_config
-from distribuuuu.data import pipeline, transforms
+from distribuuuu.data import batches, images, pipeline, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
@@ -177,9 +177,9 @@ def test_batch_normalize_matches_to_dtype_and_normalize():
     x = torch.randint(0, 256, (4, 3, 5, 5), dtype=torch.uint8)
     stats = transforms.IMAGENET_STATS
     expected = T.Normalize(*stats)(x.float() / 255)
-    torch.testing.assert_close(transforms.BatchNormalize(stats)(x), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batches.BatchNormalize(stats)(x), expected, rtol=0, atol=1e-5)
     cl = x.contiguous(memory_format=torch.channels_last)
-    assert transforms.BatchNormalize(stats)(cl).is_contiguous()
+    assert batches.BatchNormalize(stats)(cl).is_contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def _photo(path, size=(500, 375), seed=0, quality=90, mode="RGB"):
 def test_fast_train_decode_draws_the_reference_crops_and_pixels(tmp_path):
     size = 64
     reference = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
-    fast = transforms.FastTrainDecode(size, "RGB")
+    fast = images.FastTrainDecode(size, "RGB")
     for seed in range(6):
         path = _photo(str(tmp_path / f"{seed}.jpg"), size=(150, 110), seed=seed)  # crops < 2x64: no draft
         torch.manual_seed(seed)
@@ -212,39 +212,39 @@ def test_fast_train_decode_draws_the_reference_crops_and_pixels(tmp_path):
 
 
 def test_draft_factor_and_reduced_decoding(tmp_path):
-    assert transforms.draft_factor(447, 500, 224, 224) == 1  # needs >= 448 both ways for 1/2
-    assert transforms.draft_factor(448, 448, 224, 224) == 2
-    assert transforms.draft_factor(1000, 890, 224, 224) == 2  # 890 / 4 < 224
-    assert transforms.draft_factor(1000, 900, 224, 224) == 4
-    assert transforms.draft_factor(2000, 2000, 100, 100) == 8  # at most 1/8 (libjpeg's DCT scales)
+    assert images.draft_factor(447, 500, 224, 224) == 1  # needs >= 448 both ways for 1/2
+    assert images.draft_factor(448, 448, 224, 224) == 2
+    assert images.draft_factor(1000, 890, 224, 224) == 2  # 890 / 4 < 224
+    assert images.draft_factor(1000, 900, 224, 224) == 4
+    assert images.draft_factor(2000, 2000, 100, 100) == 8  # at most 1/8 (libjpeg's DCT scales)
     jpeg, png = b"\xff\xd8\xff\xe0", b"\x89PNG"
-    assert transforms.decode_scale(jpeg, 500, 375, 300, 300, 128) == 1  # 1/2 of a small image: not worth it
-    assert transforms.decode_scale(jpeg, 1000, 750, 300, 300, 128) == 2
-    assert transforms.decode_scale(jpeg, 500, 375, 300, 300, 64) == 4  # 1/4 always pays
-    assert transforms.decode_scale(png, 1000, 750, 300, 300, 64) == 1  # only JPEGs have DCT scaling
+    assert images.decode_scale(jpeg, 500, 375, 300, 300, 128) == 1  # 1/2 of a small image: not worth it
+    assert images.decode_scale(jpeg, 1000, 750, 300, 300, 128) == 2
+    assert images.decode_scale(jpeg, 500, 375, 300, 300, 64) == 4  # 1/4 always pays
+    assert images.decode_scale(png, 1000, 750, 300, 300, 64) == 1  # only JPEGs have DCT scaling
     path = _photo(str(tmp_path / "big.jpg"), size=(801, 603))
     blob = open(path, "rb").read()
-    assert transforms.decode(blob, "RGB").shape == (3, 603, 801)
-    assert transforms.decode(blob, "RGB", reduce=2).shape == (3, 302, 401)  # ceil(603/2) x ceil(801/2)
-    assert transforms.decode(blob, "RGB", reduce=4).shape == (3, 151, 201)
-    assert transforms.decode(blob, "L", reduce=8).shape == (1, 76, 101)
-    full = transforms.decode(blob, "RGB").float()
-    quarter = transforms.decode(blob, "RGB", reduce=4).float()
+    assert images.decode(blob, "RGB").shape == (3, 603, 801)
+    assert images.decode(blob, "RGB", reduce=2).shape == (3, 302, 401)  # ceil(603/2) x ceil(801/2)
+    assert images.decode(blob, "RGB", reduce=4).shape == (3, 151, 201)
+    assert images.decode(blob, "L", reduce=8).shape == (1, 76, 101)
+    full = images.decode(blob, "RGB").float()
+    quarter = images.decode(blob, "RGB", reduce=4).float()
     assert abs(full.mean() - quarter.mean()) < 1.0  # the same picture, smaller
 
 
 def test_fast_decode_uses_the_reduced_size_only_when_the_crop_allows_it(tmp_path, monkeypatch):
     path = _photo(str(tmp_path / "big.jpg"), size=(900, 700))
     calls = []
-    real = transforms.decode
+    real = images.decode
 
     def spy(data, mode, reduce=1):
         image = real(data, mode, reduce)
         calls.append((reduce, tuple(image.shape)))
         return image
 
-    monkeypatch.setattr(transforms, "decode", spy)
-    small, large = transforms.FastTrainDecode(64, "RGB"), transforms.FastTrainDecode(400, "RGB")
+    monkeypatch.setattr(images, "decode", spy)
+    small, large = images.FastTrainDecode(64, "RGB"), images.FastTrainDecode(400, "RGB")
     for seed in range(20):
         torch.manual_seed(seed)
         assert small(path).shape == (3, 64, 64)
@@ -258,7 +258,7 @@ def test_fast_decode_uses_the_reduced_size_only_when_the_crop_allows_it(tmp_path
         assert s == (3, -(-700 // r), -(-900 // r))  # decoded at 1/r scale
     # val: a shorter side >= 2x TEST.IM_SIZE is decoded reduced, and the output keeps its size
     calls.clear()
-    assert transforms.FastEvalDecode(256, 224, "RGB")(path).shape == (3, 224, 224)
+    assert images.FastEvalDecode(256, 224, "RGB")(path).shape == (3, 224, 224)
     assert calls == [(2, (3, 350, 450))]  # 700 / 2 >= 256 > 700 / 4
 
 
@@ -267,18 +267,18 @@ def test_jpeg_size_reads_the_header_of_every_kind(tmp_path):
         for mode in ("RGB", "L", "CMYK"):
             buf = io.BytesIO()
             Image.new(mode, (37, 23)).save(buf, "JPEG", **kw)
-            assert transforms.jpeg_size(buf.getvalue()) == (37, 23)
-            assert transforms.image_size(buf.getvalue()) == (37, 23)
+            assert images.jpeg_size(buf.getvalue()) == (37, 23)
+            assert images.image_size(buf.getvalue()) == (37, 23)
     buf = io.BytesIO()
     Image.new("RGB", (9, 7)).save(buf, "PNG")
-    assert transforms.jpeg_size(buf.getvalue()) is None and transforms.image_size(buf.getvalue()) == (9, 7)
+    assert images.jpeg_size(buf.getvalue()) is None and images.image_size(buf.getvalue()) == (9, 7)
 
 
 def test_broken_and_unusual_files_in_the_fast_path(tmp_path):
     good = _photo(str(tmp_path / "good.jpg"), size=(64, 48))
     blob = open(good, "rb").read()
     (tmp_path / "truncated.jpg").write_bytes(blob[: len(blob) // 2])
-    decode = transforms.FastTrainDecode(32, "RGB")
+    decode = images.FastTrainDecode(32, "RGB")
     with pytest.raises(OSError):  # the error the dataset's TRAIN.BAD_IMAGES handling catches
         decode(str(tmp_path / "truncated.jpg"))
     _photo(str(tmp_path / "cmyk.jpg"), size=(64, 48), mode="CMYK")
@@ -286,7 +286,7 @@ def test_broken_and_unusual_files_in_the_fast_path(tmp_path):
     Image.open(good).save(tmp_path / "png_named.jpg", "PNG")
     for name in ("cmyk.jpg", "gray.jpg", "png_named.jpg"):
         assert decode(str(tmp_path / name)).shape == (3, 32, 32)
-        assert transforms.FastTrainDecode(32, "L")(str(tmp_path / name)).shape == (1, 32, 32)
+        assert images.FastTrainDecode(32, "L")(str(tmp_path / name)).shape == (1, 32, 32)
 
 
 def test_fast_folder_loader_matches_the_pil_loader_statistics(tmp_path):

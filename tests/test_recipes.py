@@ -16,9 +16,9 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from distribuuuu import inference
-from distribuuuu.data import datasets, pipeline, sources, transforms
+from distribuuuu.data import datasets, images, pipeline, transforms
 from distribuuuu.data.memory import pad_crop_flip
-from distribuuuu.data.recipe import Recipe, log_recipe, recipe_of
+from distribuuuu.data.transforms import Recipe, log_recipe, recipe_of
 from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
 
 torch.set_num_threads(1)
@@ -35,6 +35,15 @@ def _photo(path: str, size: tuple[int, int] = (60, 40)) -> str:
     rgb = np.stack([xx * 255 // w, yy * 255 // h, (xx * yy) % 256], axis=-1).astype(np.uint8)
     Image.fromarray(rgb).save(path)
     return path
+
+
+def _resized_crop(image, top: int, left: int, height: int, width: int, size: int, flip: bool = False):
+    """The fast decode's geometry, written out: the crop of a uint8 [C, H, W] image resized by torch's uint8
+    antialiased bilinear kernel (channels-last), maybe mirrored."""
+    crop = image[None, :, top:top + height, left:left + width].contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
+                                          align_corners=False)[0]
+    return out.flip(-1) if flip else out
 
 
 def _seeded(tf, image, seed: int = 7):
@@ -81,13 +90,13 @@ def test_default_fast_decode_draws_the_same_crops_as_before(tmp_path):
         torch.manual_seed(seed)
         top, left, h, w = v2.RandomResizedCrop.get_params(data, [0.08, 1.0], [3 / 4, 4 / 3])
         flip = bool(torch.rand(1) < 0.5)
-        want = transforms.resized_crop(data, top, left, h, w, 16, flip=flip)
-        assert torch.equal(_seeded(transforms.FastTrainDecode(16, "RGB", recipe_of(make_cfg({}))), path, seed), want)
+        want = _resized_crop(data, top, left, h, w, 16, flip=flip)
+        assert torch.equal(_seeded(images.FastTrainDecode(16, "RGB", recipe_of(make_cfg({}))), path, seed), want)
 
 
 def test_default_mnist5k_keeps_pad_crop_without_flip():
     cfg = make_cfg(MNIST)
-    ds = datasets.build_dataset(cfg, train=True)
+    ds = pipeline.build_dataset(cfg, train=True)
     kinds = [type(t) for t in ds.transform.transforms]
     assert v2.RandomCrop in kinds and v2.RandomResizedCrop not in kinds and v2.RandomHorizontalFlip not in kinds
     assert pipeline.data_pipeline(cfg, "TRAIN") == "memory"
@@ -119,9 +128,9 @@ def test_flip_probability_one_mirrors_every_fast_crop(tmp_path):
     path = _photo(str(tmp_path / "a.png"), (60, 40))
     data = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
     keys = {"TRAIN.CROP_SCALE": [1.0, 1.0], "TRAIN.CROP_RATIO": [1.5, 1.5]}
-    whole = transforms.resized_crop(data, 0, 0, 40, 60, 16)
+    whole = _resized_crop(data, 0, 0, 40, 60, 16)
     for flip, want in ((1.0, whole.flip(-1)), (0.0, whole)):
-        decode = transforms.FastTrainDecode(16, "RGB", recipe_of(make_cfg({**keys, "TRAIN.FLIP_PROB": flip})))
+        decode = images.FastTrainDecode(16, "RGB", recipe_of(make_cfg({**keys, "TRAIN.FLIP_PROB": flip})))
         for seed in range(4):
             assert torch.equal(_seeded(decode, path, seed), want)
 
@@ -132,7 +141,7 @@ def test_interpolation_changes_the_fast_and_pil_eval_resize(tmp_path):
     outputs = {}
     for name in ("bilinear", "bicubic", "nearest"):
         recipe = recipe_of(make_cfg({"TRAIN.INTERPOLATION": name}))
-        out = transforms.FastEvalDecode(20, 16, "RGB", recipe)(path)
+        out = images.FastEvalDecode(20, 16, "RGB", recipe)(path)
         mode = v2.InterpolationMode(name)
         want = v2.functional.center_crop(v2.functional.resize(data, 20, interpolation=mode,
                                                               antialias=name != "nearest"), [16, 16])
@@ -151,7 +160,7 @@ def test_mean_std_and_crop_pct_reach_the_folder_loaders(tmp_path, decode):
     want = (torch.tensor([120 / 255] * 3) - torch.tensor([0.5, 0.4, 0.3])) / torch.tensor([0.2, 0.25, 0.5])
     assert images.shape == (2, 3, 8, 8)
     assert torch.allclose(images[0, :, 0, 0], want, atol=1e-5)
-    dataset = datasets.build_split_dataset(cfg, "TEST", False, batched=decode == "fast")
+    dataset = pipeline.build_split_dataset(cfg, "TEST", False, batched=decode == "fast")
     resize = dataset.loader.resize_to if decode == "fast" else dataset.transform.transforms[0].size[0]
     assert resize == 16  # floor(TRAIN.IM_SIZE 8 / CROP_PCT 0.5), not TEST.IM_SIZE 10
 
@@ -160,7 +169,7 @@ def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cfg = make_cfg({**MNIST, "TRAIN.MEAN": [0.5], "TRAIN.STD": [0.25], "TRAIN.FLIP_PROB": 1.0})
     loader = pipeline.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
     images, _ = next(iter(loader))
-    raw, _ = sources.load_mnist5k("val", "TEST")
+    raw, _ = datasets.load_mnist5k("val", "TEST")
     assert torch.allclose(images[0], (raw[0].float() / 255 - 0.5) / 0.25, atol=1e-5)
     assert pipeline.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
     digits = raw[:4]
@@ -169,7 +178,7 @@ def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cropped = make_cfg({**MNIST, "TRAIN.CROP_SCALE": [0.8, 1.0], "TRAIN.INTERPOLATION": "bicubic"})
     assert pipeline.data_pipeline(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
     assert pipeline.data_pipeline(cropped, "TEST") == "memory"
-    tf = datasets.build_dataset(cropped, train=True).transform
+    tf = pipeline.build_dataset(cropped, train=True).transform
     want = v2.Compose([v2.RandomResizedCrop(28, scale=(0.8, 1.0), interpolation=BICUBIC, antialias=True),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.1307], [0.3081])])
     for seed in range(3):
@@ -182,7 +191,7 @@ def test_predict_uses_the_eval_recipe(tmp_path):
                                "TRAIN.STD": [0.1, 0.2, 0.4], "TEST.CROP_PCT": 0.5, "TRAIN.INTERPOLATION": "bicubic"})
     path = _photo(os.path.join(root, "val", "a", "0.png"), (30, 24))
     prepare = _card_transform(cfg)
-    evaluated = datasets.build_dataset(cfg, train=False)
+    evaluated = pipeline.build_dataset(cfg, train=False)
     index = [p for p, _ in evaluated.samples].index(path)
     assert torch.equal(prepare(path), evaluated[index][0])
     plain = _folder_cfg(str(tmp_path / "e"), **{"TRAIN.IMAGE_DECODE": "pil"})

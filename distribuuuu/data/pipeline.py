@@ -1,34 +1,25 @@
-"""The input pipelines' seam: from the config to one rank's train / val / test loader.
-
-This module holds, in reading order:
-  Pipeline                     the interface every input pipeline keeps (one subclass per way of reading a split)
-  the samplers                 the pipelines' shared part: a resumable shuffle for training (it restarts
-                               mid-epoch at the next unseen sample), an exact one for evaluation (every
-                               sample once over all ranks)
-  LoaderPipeline               the default pipeline: a torch DataLoader over per-sample items
-  PIPELINES, pipeline_class    the one place that chooses a split's pipeline
-  build_train_loader / build_val_loader / build_test_loader   thin calls to the chosen pipeline
+"""The input pipelines' seam: from the config to one rank's train / val / test loader: the Pipeline
+interface, the samplers every pipeline shares, the per-sample dataset of a split, the default pipeline
+(a torch DataLoader), and the one place that chooses a split's pipeline.
 
 pipeline_class picks, once per split key, the Pipeline subclass that reads cfg[key]:
   a shard set                  shards.loader.ShardPipeline (whatever TRAIN.DATA_PIPELINE says)
   TRAIN.DATA_PIPELINE memory   memory.MemoryPipeline (UserError for folders, shards, TRAIN.CROP_SCALE)
   TRAIN.DATA_PIPELINE loader   LoaderPipeline (here); MODEL.DUMMY_INPUT always
-  TRAIN.DATA_PIPELINE auto     the first class of PIPELINES whose auto_takes(cfg, key) holds: the memory
-                               pipeline for mnist5k, CIFAR and TensorSources that fit its budget, else
-                               the DataLoader
+  TRAIN.DATA_PIPELINE auto     an image folder: LoaderPipeline (its files are read by the DataLoader's
+                               workers); another source: the first class of PIPELINES whose
+                               auto_takes(cfg, key) holds: the memory pipeline for mnist5k, CIFAR and
+                               TensorSources that fit its budget, else the DataLoader
 The side modules (memory.py, shards/loader.py) import this one, so PIPELINES names each class's module,
 imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline: such a module, one line
 in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices (config/validate.py
 DATA_PIPELINES, which load_config checks).
-
-TRAIN.VAL_SPLIT > 0 cuts the TRAIN data in two (datasets.part_of): the train loader reads the kept
-part, the val loader the held-out part with the eval transforms; the test loader always reads TEST.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import logging
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
@@ -37,17 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from yacs.config import CfgNode
 
-from distribuuuu.data import registry, sources, transforms
+from distribuuuu.data import datasets, images, sources, transforms
 from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker, track_workers
-from distribuuuu.data.datasets import build_split_dataset, part_of, registered_data
-from distribuuuu.data.recipe import log_recipe, recipe_of
-from distribuuuu.data.registry import TensorSource
 from distribuuuu.errors import UserError
-
-log = logging.getLogger("distribuuuu")
-__all__ = ["Pipeline", "ResumableDistributedSampler", "ShardedEvalSampler", "LoaderPipeline", "PIPELINES",
-           "registered", "pipeline_class", "data_pipeline", "build_train_loader", "build_val_loader",
-           "build_test_loader", "take_bad_image_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +61,8 @@ class Pipeline:
 
     @classmethod
     def auto_takes(cls, cfg: CfgNode, key: str) -> bool:
-        """Whether TRAIN.DATA_PIPELINE auto reads cfg[key] this way (asked in PIPELINES' order)."""
+        """Whether TRAIN.DATA_PIPELINE auto reads cfg[key] (not an image folder) this way (asked in PIPELINES'
+        order)."""
         return False
 
     def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
@@ -87,16 +71,13 @@ class Pipeline:
     def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
         raise NotImplementedError
 
-    def seed(self) -> int:
-        """The shuffle's seed: the engine's cfg holds the run's (engine.trainer.seeded_cfg draws one for
-        RNG_SEED None), so the logged seed repeats the shuffle; a tool without one gets 0."""
-        return self.cfg.RNG_SEED if self.cfg.RNG_SEED is not None else 0
-
     def sampler(self, dataset: Sized, train: bool, rank: int, world_size: int) -> Sampler:
-        """Training: resumable even for one process, so set_epoch(epoch, start) always works. Evaluation: exact."""
+        """Training: resumable even for one process, so set_epoch(epoch, start) always works; its seed is the
+        engine's cfg's (engine.trainer.seeded_cfg draws one for RNG_SEED None), so the logged seed repeats
+        the shuffle; a tool without one gets 0. Evaluation: exact."""
         if not train:
             return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
-        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed(),
+        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
                                            repeats=self.cfg.TRAIN.REPEATED_AUG)
 
 
@@ -113,18 +94,13 @@ class ShardedEvalSampler(Sampler[int]):
 
     def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
         _check_shard(num_replicas, rank)
-        self.num_samples_total = len(dataset)
-        self.num_replicas = num_replicas
-        self.rank = rank
-
-    def _indices(self) -> range:
-        return range(self.rank, self.num_samples_total, self.num_replicas)
+        self.indices = range(rank, len(dataset), num_replicas)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices())
+        return iter(self.indices)
 
     def __len__(self) -> int:
-        return len(self._indices())
+        return len(self.indices)
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -152,7 +128,10 @@ class ResumableDistributedSampler(Sampler[int]):
             self.on_epoch(self.seed, epoch)
 
     def __iter__(self) -> Iterator[int]:
-        rest = _epoch_order(self.size, self.seed + self.epoch, self.repeats)[self.start:]
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        if self.repeats > 1:  # each index written `repeats` times in a row: the copies land on different ranks
+            order = order.repeat_interleave(self.repeats)[:self.size]
+        rest = order[self.start:]
         usable = len(rest) // self.num_replicas * self.num_replicas
         return iter(rest[self.rank:usable:self.num_replicas].tolist())
 
@@ -167,14 +146,53 @@ def _check_shard(num_replicas: int, rank: int, repeats: int = 1) -> None:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
 
-def _epoch_order(size: int, seed: int, repeats: int) -> torch.Tensor:
-    """A seeded permutation of range(size), each index written ``repeats`` times in a row, cut to size."""
-    g = torch.Generator()
-    g.manual_seed(seed)
-    order = torch.randperm(size, generator=g)
-    if repeats > 1:  # the copies of an index stay adjacent, hence on different ranks
-        order = order.repeat_interleave(repeats)[:size]
-    return order
+# ---------------------------------------------------------------------------------------------
+# The per-sample dataset of a split, which every pipeline starts from
+# ---------------------------------------------------------------------------------------------
+def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
+    """The whole TRAIN (train=True, augmented) or TEST dataset, with its per-sample transforms: items
+    are (float32 [C, H, W] normalized, int label), one at a time."""
+    return build_split_dataset(cfg, "TRAIN" if train else "TEST", train, batched=False)
+
+
+def build_split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset:
+    """The data of cfg[key], with the training transforms (train) or the eval ones: an image folder's
+    items are listed here and decoded one at a time (images.FolderDataset); other sources: _source_dataset.
+    batched=True (TRAIN.IMAGE_DECODE fast): folder items are uint8 crops (images.FastTrainDecode /
+    FastEvalDecode), normalized (and erased) per batch on the device."""
+    if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) not in ("folder", "shards"):
+        return _source_dataset(cfg, key, train)
+    chans, size, recipe = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, transforms.recipe_of(cfg)  # val: TRAIN.IM_SIZE too
+    sources.require_image_chans(cfg, key)
+    listing = images.require_no_loop(images.list_split(*sources.split_classes(cfg, key)), key)
+    policy, mode = transforms.augment_policy(cfg) if train else None, "L" if chans == 1 else "RGB"
+    if batched:  # decode + geometry in the dataset's loader, so that its errors meet the bad-image handling
+        load: Callable = (images.FastTrainDecode(size, mode, recipe) if train else
+                          images.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
+        return images.FolderDataset(listing, load, policy, cfg.TRAIN.BAD_IMAGES, replace_bad=train)  # erased per batch
+    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, chans, policy=policy,
+                          erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    return images.FolderDataset(listing, functools.partial(images.open_image, mode=mode), tf, cfg.TRAIN.BAD_IMAGES,
+                                replace_bad=train)
+
+
+def _source_dataset(cfg: CfgNode, key: str, train: bool) -> Dataset:
+    """The data of a source that is not a folder of image files: MODEL.DUMMY_INPUT's random tensors, synthetic
+    data or a user's Dataset (ready items, never transformed), or the uint8 images of mnist5k, CIFAR or a
+    registered TensorSource with the small-image recipe (pad-and-crop, transforms.small_image_transform)."""
+    chans, size = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
+    if cfg.MODEL.DUMMY_INPUT:
+        return datasets.RandomTensorDataset(cfg[key].SYNTHETIC_SAMPLES, cfg.MODEL.NUM_CLASSES, (chans, size, size),
+                                            seed=0 if key == "TRAIN" else 1)
+    data = sources.registered_data(cfg, key)
+    if data is not None and not isinstance(data, datasets.TensorSource):
+        return data
+    src, recipe = sources.tensor_source(cfg, key, data), transforms.recipe_of(cfg)
+    tf = transforms.small_image_transform(train, size, src.images.shape[-1], pad=src.pad, flip=src.flip,
+                               stats=transforms.stats_for_channels(recipe.stats or src.stats, chans),
+                               policy=transforms.augment_policy(cfg) if train else None,
+                               erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    return datasets.TensorImageDataset(src.images, src.targets, src.classes, tf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,17 +200,11 @@ def _epoch_order(size: int, seed: int, repeats: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 class LoaderPipeline(Pipeline):
     """A DataLoader with worker processes over the split's per-sample items (TRAIN.DATA_PIPELINE loader;
-    what auto falls back to).
-
-    It reads image folders, synthetic data, a registered Dataset and MODEL.DUMMY_INPUT, and the tensor
-    sources (mnist5k, CIFAR) when the in-memory pipeline does not take them (TRAIN.DATA_PIPELINE loader,
-    TRAIN.CROP_SCALE, or above the memory budget). TRAIN.IMAGE_DECODE fast is an option of this class, not
-    a class of its own: it changes only what a folder item is (a uint8 crop decoded in the worker) and adds
-    one wrapper that normalizes each batch on the device (batches.NormalizedBatches); the datasets, samplers
-    and workers are the same, and the shard pipeline takes the same option for its records.
-    An unreadable folder image (TRAIN.BAD_IMAGES skip) is replaced by the next readable one in training
-    (every rank keeps its batch size); in evaluation it is left out of its batch (collate_readable), so
-    evaluation counts distinct readable images.
+    what auto falls back to): image folders, synthetic data, a registered Dataset, MODEL.DUMMY_INPUT, and
+    the tensor sources the in-memory pipeline does not take. TRAIN.IMAGE_DECODE fast: a folder item is a
+    uint8 crop decoded in the worker, each batch normalized on the device (batches.NormalizedBatches).
+    An unreadable image is replaced by the next readable one in training (every rank keeps its batch
+    size); in evaluation it is left out of its batch (collate_readable): n counts distinct readable images.
     """
 
     name = "loader"
@@ -202,58 +214,48 @@ class LoaderPipeline(Pipeline):
         return True  # reads every source: the last resort of 'auto'
 
     def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        cfg, fast = self.cfg, self.fast_decode()
-        dataset = part_of(cfg, build_split_dataset(cfg, self.key, True, batched=fast), part)
-        sampler = self.sampler(dataset, True, rank, world_size)
-        self.seed_items_per_epoch(dataset, sampler)
+        cfg = self.cfg
+        dataset, sampler, fast = self.items(True, part, rank, world_size)
+        # An image folder's items are seeded by (seed, epoch, index), so that a resumed epoch redraws the same
+        # augmentations; not with TRAIN.REPEATED_AUG > 1, whose copies of an index need their own draws.
+        folder = getattr(dataset, "dataset", dataset)  # (a VAL_SPLIT part's whole folder)
+        if cfg.TRAIN.REPEATED_AUG == 1 and isinstance(folder, images.FolderDataset):
+            sampler.on_epoch = folder.seed_items
         # Drop the last partial batch (a BatchNorm batch of 1 fails) unless that would leave nothing.
         drop_last = len(sampler) >= cfg.TRAIN.BATCH_SIZE
         loader = self.data_loader(dataset, sampler, cfg.TRAIN.BATCH_SIZE, drop_last, rank, device, stream=0)
-        return self.normalized(loader, device, erase=cfg.TRAIN.RANDOM_ERASE) if fast else loader
+        erase = cfg.TRAIN.RANDOM_ERASE
+        return NormalizedBatches(loader, transforms.image_stats(cfg), device, erase) if fast else loader
 
     def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        fast = self.fast_decode()
-        dataset = part_of(self.cfg, build_split_dataset(self.cfg, self.key, False, batched=fast), part)
-        sampler = self.sampler(dataset, False, rank, world_size)
+        dataset, sampler, fast = self.items(False, part, rank, world_size)
         loader = ReadableBatches(self.data_loader(dataset, sampler, self.cfg.TEST.BATCH_SIZE, False, rank, device,
                                                   stream=1, collate_fn=collate_readable))
-        return self.normalized(loader, device) if fast else loader
+        return NormalizedBatches(loader, transforms.image_stats(self.cfg), device) if fast else loader
+
+    def items(self, train: bool, part: str | None, rank: int, world_size: int) -> tuple[Dataset, Sampler, bool]:
+        """(the per-sample dataset of the split or its part, its sampler, whether it is an image folder read by
+        the fast path: uint8 items, normalized per batch)."""
+        cfg = self.cfg
+        fast = (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
+                and sources.source_kind(cfg[self.key].DATASET) == "folder")
+        dataset = build_split_dataset(cfg, self.key, train, batched=fast)
+        if part is not None:
+            dataset = datasets.part_of(cfg, dataset, part)
+        return dataset, self.sampler(dataset, train, rank, world_size), fast
 
     def data_loader(self, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool, rank: int,
                     device: torch.device, stream: int, collate_fn: Callable | None = None) -> DataLoader:
-        """TRAIN.WORKERS processes kept alive between epochs; pinned batches only for a GPU (docs/performance.md)."""
+        """TRAIN.WORKERS processes kept alive between epochs; pinned batches only for a GPU (docs/performance.md).
+        The workers' base seed is fixed by RNG_SEED (or the seed torch was given when it is None), different
+        per rank and per loader (stream), so that their augmentations differ."""
         cfg, workers = self.cfg, self.cfg.TRAIN.WORKERS
+        base = cfg.RNG_SEED if cfg.RNG_SEED is not None else torch.initial_seed()
+        seed = int(np.random.SeedSequence([base % 2**64, rank, stream]).generate_state(1)[0])
         return track_workers(DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-            num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
-            worker_init_fn=seed_worker, generator=self.worker_generator(rank, stream), collate_fn=collate_fn,
-        ))
-
-    def seed_items_per_epoch(self, dataset: Dataset, sampler: ResumableDistributedSampler) -> None:
-        """An image folder's items are seeded by (seed, epoch, index), so a resumed epoch redraws the same
-        augmentations; not with TRAIN.REPEATED_AUG > 1, whose copies of an index need their own draws."""
-        folder = getattr(dataset, "dataset", dataset)  # (a VAL_SPLIT part's whole folder)
-        if self.cfg.TRAIN.REPEATED_AUG == 1 and isinstance(folder, sources.ImageFolderWithClasses):
-            sampler.on_epoch = folder.seed_items
-
-    def worker_generator(self, rank: int, stream: int) -> torch.Generator:
-        """The generator that draws the workers' base seed: fixed by RNG_SEED (or the seed torch was given
-        when RNG_SEED is None), different per rank and per loader (stream) so augmentations differ."""
-        base = self.cfg.RNG_SEED if self.cfg.RNG_SEED is not None else torch.initial_seed()
-        generator = torch.Generator()
-        generator.manual_seed(int(np.random.SeedSequence([base % 2**64, rank, stream]).generate_state(1)[0]))
-        return generator
-
-    def fast_decode(self) -> bool:
-        """Whether the split is an image folder read by the fast path (uint8 items, batch normalization)."""
-        cfg = self.cfg
-        return (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
-                and sources.source_kind(cfg[self.key].DATASET) == "folder")
-
-    def normalized(self, loader: Any, device: torch.device, erase: float = 0.0) -> NormalizedBatches:
-        stats = recipe_of(self.cfg).stats or transforms.IMAGENET_STATS
-        return NormalizedBatches(loader, transforms.stats_for_channels(stats, self.cfg.MODEL.IN_CHANS), device, erase)
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=workers,
+            persistent_workers=workers > 0, pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
+            worker_init_fn=seed_worker, generator=torch.Generator().manual_seed(seed), collate_fn=collate_fn))
 
 
 PIPELINE = LoaderPipeline  # the class of PIPELINES' 'loader' entry, as each side module names its own
@@ -273,26 +275,12 @@ SHARD_PIPELINE = "distribuuuu.data.shards.loader"
 
 def registered(name: str) -> type[Pipeline]:
     """The class of TRAIN.DATA_PIPELINE ``name``: the PIPELINE of its module, imported on first use."""
-    return _pipeline_in(PIPELINES[name])
-
-
-def _pipeline_in(module: str) -> type[Pipeline]:
-    return importlib.import_module(module).PIPELINE
+    return importlib.import_module(PIPELINES[name]).PIPELINE
 
 
 def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
-    """The pipeline that reads cfg[key]: the one TRAIN.DATA_PIPELINE forces, or the first that auto takes."""
-    overriding = _overriding_pipeline(cfg, key)
-    if overriding is not None:
-        return overriding
-    if cfg.TRAIN.DATA_PIPELINE != "auto":
-        return registered(cfg.TRAIN.DATA_PIPELINE)
-    return next(cls for cls in map(registered, PIPELINES) if cls.auto_takes(cfg, key))
-
-
-def _overriding_pipeline(cfg: CfgNode, key: str) -> type[Pipeline] | None:
-    """Checks TRAIN.DATA_PIPELINE (UserError when its pipeline cannot read cfg[key]); the pipeline that
-    reads cfg[key] whatever it says (dummy input, a shard set), else None."""
+    """The pipeline that reads cfg[key] (module docstring); UserError when TRAIN.DATA_PIPELINE forces one
+    that cannot read it."""
     choice, names = cfg.TRAIN.DATA_PIPELINE, ("auto", *PIPELINES)
     if choice not in names:
         raise UserError(f"TRAIN.DATA_PIPELINE must be one of {', '.join(names)}, got {choice!r}")
@@ -301,9 +289,14 @@ def _overriding_pipeline(cfg: CfgNode, key: str) -> type[Pipeline] | None:
     refusal = registered(choice).refusal(cfg, key) if choice != "auto" else None
     if refusal is not None:
         raise UserError(refusal)
-    if sources.source_kind(cfg[key].DATASET) == "shards":
-        return _pipeline_in(SHARD_PIPELINE)  # read as a stream, whatever the choice
-    return None
+    kind = sources.source_kind(cfg[key].DATASET)
+    if kind == "shards":
+        return importlib.import_module(SHARD_PIPELINE).PIPELINE  # read as a stream, whatever the choice
+    if choice != "auto":
+        return registered(choice)
+    if kind == "folder":
+        return LoaderPipeline
+    return next(cls for cls in map(registered, PIPELINES) if cls.auto_takes(cfg, key))
 
 
 def data_pipeline(cfg: CfgNode, key: str) -> str:
@@ -315,8 +308,12 @@ def data_pipeline(cfg: CfgNode, key: str) -> str:
 # One rank's loaders
 # ---------------------------------------------------------------------------------------------
 def build_train_loader(cfg: CfgNode, rank: int, world_size: int, device: torch.device) -> Any:
-    """The TRAIN data (with TRAIN.VAL_SPLIT, the kept part only), augmented, in a resumable shuffle."""
-    _log_train_data(cfg, rank)
+    """The TRAIN data (with TRAIN.VAL_SPLIT, the kept part only), augmented, in a resumable shuffle.
+    Rank 0 says what the recipe is, and what ready-made items (dummy input, a registered Dataset) lack."""
+    if rank == 0:
+        if cfg.MODEL.DUMMY_INPUT or sources.get_source(cfg.TRAIN.DATASET) is not None:
+            sources.note_ready_items(cfg)
+        transforms.log_recipe(cfg)
     pipeline = pipeline_class(cfg, "TRAIN")(cfg, "TRAIN")
     return pipeline.train_loader("train" if cfg.TRAIN.VAL_SPLIT else None, rank, world_size, device)
 
@@ -340,25 +337,19 @@ def take_bad_image_count(loader: DataLoader) -> int:
     return take() if take else 0
 
 
-def _log_train_data(cfg: CfgNode, rank: int) -> None:
-    """What rank 0 says about the training data: unaugmented sources, unstated mean/std, the recipe."""
-    _note_unaugmented(cfg, rank)
-    if rank == 0:
-        registry.warn_unstated_stats(cfg)
-        log_recipe(cfg)
+def shard_plan(loader: Any) -> dict[str, Any] | None:
+    """What decides the batches of a shard set's epoch (shards.reader.describe_plan), kept in checkpoints;
+    None for other data."""
+    plan = getattr(loader, "shard_plan", None)
+    return plan() if plan is not None else None
 
 
-def _note_unaugmented(cfg: CfgNode, rank: int) -> None:
-    """Synthetic data, a registered Dataset and dummy input are never augmented (no crops either): say so once."""
-    asked = cfg.TRAIN.AUTO_AUGMENT != "none" or cfg.TRAIN.RANDOM_ERASE > 0
-    if not asked or rank != 0:
+def require_same_plan(loader: Any, samples_in_epoch: int, ckpt: dict[str, Any], path: str) -> None:
+    """A mid-epoch position on shards means particular batches: refuse to resume it under another plan."""
+    now, then = shard_plan(loader), ckpt.get("shard_plan")
+    if now is None or samples_in_epoch == 0 or then == now:
         return
-    if cfg.MODEL.DUMMY_INPUT:
-        what = "MODEL.DUMMY_INPUT"
-    else:
-        data, name = registered_data(cfg, "TRAIN"), cfg.TRAIN.DATASET
-        if data is None or isinstance(data, TensorSource):
-            return
-        what = "synthetic data" if name == "synthetic" else f"the {name} source's items"
-    log.warning("TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE have no effect on %s: those images are "
-                "not augmented", what)
+    changed = ", ".join(f"{k} {then.get(k)} -> {v}" for k, v in now.items() if then.get(k) != v) if then else "unknown"
+    raise UserError(f"{path} stopped {samples_in_epoch} samples into an epoch of a shard set, whose "
+                    f"batches depend on the world size, TRAIN.WORKERS, BATCH_SIZE, ACCUM_STEPS and SHARD_SHUFFLE "
+                    f"({changed}); resume with the values it was written with, then change them at an epoch end")

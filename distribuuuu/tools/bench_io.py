@@ -101,7 +101,7 @@ def dataset_format(cfg: Any) -> str:
     if cfg.MODEL.DUMMY_INPUT:
         raise UserError("bench --io times reading image files, but MODEL.DUMMY_INPUT makes random tensors; "
                         "drop MODEL.DUMMY_INPUT and point TRAIN.DATASET at an image folder or a shard set")
-    if shards.is_shard_set(path) or shards.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
+    if sources.is_shard_set(path) or sources.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
         return "shards"
     kind = sources.source_kind(path)
     if kind != "folder":

@@ -6,8 +6,7 @@ loader worker reads in an epoch; tar.py: reading a shard's samples; reader.py: S
 rank's batches; loader.py: the train / eval loaders of a shard set (docs/data-at-scale.md).
 """
 
-from distribuuuu.data.shards.index import FORMAT, INDEX, ShardSet, expand_braces, is_shard_set, load_shard_set
+from distribuuuu.data.shards.index import FORMAT, INDEX, ShardSet, expand_braces, load_shard_set
 from distribuuuu.data.shards.write import parse_size, write_shards
 
-__all__ = ["FORMAT", "INDEX", "ShardSet", "expand_braces", "is_shard_set", "load_shard_set", "parse_size",
-           "write_shards"]
+__all__ = ["FORMAT", "INDEX", "ShardSet", "expand_braces", "load_shard_set", "parse_size", "write_shards"]

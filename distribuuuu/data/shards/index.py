@@ -1,7 +1,8 @@
 """Finding a shard set from TRAIN.DATASET / TEST.DATASET and checking it before any rank reads it.
 
-Accepted forms: a shard root (DEST of `data shard`, holding <SPLIT>/index.json), a split folder
-holding index.json, the index.json path itself, or a brace pattern ``.../train-{000000..000127}.tar``.
+Accepted forms (recognised by sources.is_shard_set): a shard root (DEST of `data shard`, holding
+<SPLIT>/index.json), a split folder holding index.json, the index.json path itself, or a brace pattern
+``.../train-{000000..000127}.tar``.
 A brace pattern takes its counts and classes from the index.json beside the tars; without one it is
 refused: exactly-once splitting and equal step counts need every shard's sample count before the
 first read, and scanning every tar's headers on every rank at start would cost a full pass over
@@ -41,37 +42,16 @@ class ShardSet:
         return sum(s.num_samples for s in self.shards)
 
 
-_BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
 def expand_braces(pattern: str) -> list[str]:
     """'a-{000..002}.tar' -> ['a-000.tar', 'a-001.tar', 'a-002.tar'] (zero padding kept; one range)."""
-    m = _BRACE.search(pattern)
+    m = BRACE.search(pattern)
     if not m:
         return [pattern]
     lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
     return [pattern[:m.start()] + f"{i:0{width}d}" + pattern[m.end():] for i in range(lo, hi + 1)]
-
-
-def _is_index(path: str) -> bool:
-    try:
-        with open(path) as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def is_shard_set(path: str) -> bool:
-    """Whether path names a shard set in any accepted form (a root with at least one split in it)."""
-    if _BRACE.search(path) and path.endswith(".tar"):
-        return True
-    if os.path.isfile(path):
-        return _is_index(path)
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(os.path.join(path, INDEX)):
-        return _is_index(os.path.join(path, INDEX))
-    return any(_is_index(os.path.join(path, e.name, INDEX)) for e in os.scandir(path) if e.is_dir())
 
 
 def _read_index(path: str, key: str) -> dict:
@@ -90,7 +70,7 @@ def index_path(dataset: str, split: str, key: str) -> str:
     """The index.json that cfg[key].DATASET (with cfg[key].SPLIT) names."""
     if os.path.isfile(dataset):
         return dataset
-    if _BRACE.search(dataset) or dataset.endswith(".tar"):
+    if BRACE.search(dataset) or dataset.endswith(".tar"):
         beside = os.path.join(os.path.dirname(dataset), INDEX)
         if not os.path.isfile(beside):
             raise UserError(f"{key}.DATASET {dataset!r}: no {INDEX} beside the tars, so the per-shard sample counts "
@@ -113,7 +93,7 @@ def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
     index = _read_index(path, key)
     folder = os.path.dirname(os.path.abspath(path))
     listed = {s["name"]: s for s in index["shards"]}
-    if _BRACE.search(dataset) or dataset.endswith(".tar"):
+    if BRACE.search(dataset) or dataset.endswith(".tar"):
         names = [os.path.basename(p) for p in expand_braces(dataset)]
         unknown = [n for n in names if n not in listed]
         if unknown:

@@ -1,7 +1,7 @@
 """The train / val / test loaders of a shard set (TRAIN.DATASET or TEST.DATASET naming one).
 
-The images go through the folder pipeline's recipe (recipe.py): with TRAIN.IMAGE_DECODE fast the
-records are decoded and cropped to uint8 in the workers (transforms.FastTrainDecode / FastEvalDecode)
+The images go through the folder pipeline's recipe (transforms.py): with TRAIN.IMAGE_DECODE fast the
+records are decoded and cropped to uint8 in the workers (images.FastTrainDecode / FastEvalDecode)
 and normalized per batch on the device (batches.NormalizedBatches); with 'pil', torchvision's
 per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
 left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
@@ -21,13 +21,14 @@ import torch
 from torch.utils.data import DataLoader
 from yacs.config import CfgNode
 
-from distribuuuu.data import sources, transforms
+from distribuuuu.data import sources
 from distribuuuu.data.batches import NormalizedBatches, quiet_worker, stop_loader_workers, track_workers
+from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, open_image
 from distribuuuu.data.pipeline import Pipeline
-from distribuuuu.data.recipe import recipe_of
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
 from distribuuuu.data.shards.tar import ShardError
+from distribuuuu.data.transforms import augment_policy, folder_transform, image_stats, recipe_of
 from distribuuuu.errors import UserError
 
 
@@ -72,14 +73,14 @@ def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor]
     """(bytes -> image tensor, whether the images are uint8 to be normalized per batch)."""
     size, recipe = cfg.TRAIN.IM_SIZE, recipe_of(cfg)
     mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
-    policy = transforms.augment_policy(cfg.TRAIN.AUTO_AUGMENT, cfg.TRAIN.RANDAUG_MAGNITUDE) if train else None
+    policy = augment_policy(cfg) if train else None
     if cfg.TRAIN.IMAGE_DECODE == "fast":
-        crop = (transforms.FastTrainDecode(size, mode, recipe) if train else
-                transforms.FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
-        return (_Then(crop.from_bytes, policy) if policy is not None else crop.from_bytes), True
-    tf = transforms.folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
-                                     erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
-    return _Then(functools.partial(sources.open_image, mode=mode), tf), False
+        crop = (FastTrainDecode(size, mode, recipe) if train else
+                FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
+        return (_Then(crop, policy) if policy is not None else crop), True
+    tf = folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
+                          erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    return _Then(functools.partial(open_image, mode=mode), tf), False
 
 
 class _Then:
@@ -125,8 +126,7 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
                                                   pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda")))
     if not batched:
         return loader
-    stats = transforms.stats_for_channels(recipe_of(cfg).stats or transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
-    return NormalizedBatches(loader, stats, device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
+    return NormalizedBatches(loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
 
 
 class ShardPipeline(Pipeline):
@@ -136,7 +136,7 @@ class ShardPipeline(Pipeline):
     name = "shards"
 
     def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        return build_shard_loader(self.cfg, self.key, True, rank, world_size, device, self.seed())
+        return build_shard_loader(self.cfg, self.key, True, rank, world_size, device, self.cfg.RNG_SEED or 0)
 
     def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
         return build_shard_loader(self.cfg, self.key, False, rank, world_size, device, 0)

@@ -21,11 +21,8 @@ which batches. Pure arithmetic on the index's per-shard counts; nothing is read 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
-
-from distribuuuu.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,21 +101,3 @@ def block_order(seed: int, epoch: int, block_begin: int, length: int, shuffle: b
     if not shuffle:
         return np.arange(length)
     return np.random.default_rng([seed, epoch, block_begin]).permutation(length)
-
-
-# -- a resume in the middle of an epoch --------------------------------------------------------------
-def plan_of(loader: Any) -> dict[str, Any] | None:
-    """What decides the batches of a shard set's epoch (data/shards/reader.describe_plan); None for other data."""
-    plan = getattr(loader, "shard_plan", None)
-    return plan() if plan is not None else None
-
-
-def require_same_plan(loader: Any, samples_in_epoch: int, ckpt: dict[str, Any], path: str) -> None:
-    """A mid-epoch position on shards means particular batches: refuse to resume it under another plan."""
-    now, then = plan_of(loader), ckpt.get("shard_plan")
-    if now is None or samples_in_epoch == 0 or then == now:
-        return
-    changed = ", ".join(f"{k} {then.get(k)} -> {v}" for k, v in now.items() if then.get(k) != v) if then else "unknown"
-    raise UserError(f"{path} stopped {samples_in_epoch} samples into an epoch of a shard set, whose "
-                    f"batches depend on the world size, TRAIN.WORKERS, BATCH_SIZE, ACCUM_STEPS and SHARD_SHUFFLE "
-                    f"({changed}); resume with the values it was written with, then change them at an epoch end")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from distribuuuu.data.integrity import DECODE_ERRORS
+from distribuuuu.data.images import DECODE_ERRORS
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.index import ShardSet
 
@@ -54,7 +54,7 @@ class ShardDataset(IterableDataset):
         # the engine sets before each one (a plain attribute would stay as it was when they started).
         self._position = multiprocessing.Array("q", [seed, 0, 0], lock=False)
         self.counts = np.array([s.num_samples for s in shard_set.shards])
-        # Shared with the worker processes, which inherit it when they start (as ImageFolderWithClasses').
+        # Shared with the worker processes, which inherit it when they start (as images.FolderDataset's).
         self.bad_count = multiprocessing.Value("i", 0)
 
     seed = property(lambda self: self._position[0], lambda self, v: self._position.__setitem__(0, v))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distribuuuu.data import integrity, sources
+from distribuuuu.data import datasets, images, sources
 from distribuuuu.data.shards.index import FORMAT, INDEX
 from distribuuuu.errors import UserError
 
@@ -52,8 +52,7 @@ Sample = tuple[str, str, Callable[[], bytes], int]
 
 def _folder_samples(split_dir: str) -> tuple[list[str], list[Sample]]:
     classes = sources.folder_classes(split_dir)
-    listing = integrity.list_split(split_dir, classes)
-    integrity.require_no_loop(listing, "SRC")
+    listing = images.require_no_loop(images.list_split(split_dir, classes), "SRC")
     out: list[Sample] = []
     for i, (path, label) in enumerate(listing.samples()):
         ext = os.path.splitext(path)[1].lstrip(".").lower() or "img"
@@ -71,16 +70,16 @@ def _png(image: np.ndarray) -> bytes:
 
 def _mnist5k_samples(split: str) -> tuple[list[str], list[Sample]]:
     # The digits exist only as pixels: encoded as PNG (lossless), once.
-    images, labels = sources.load_mnist5k(split, "SRC")
-    arr = images[:, 0].numpy()
-    return list(sources.MNIST_CLASSES), [(f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i]))
+    digits, labels = datasets.load_mnist5k(split, "SRC")
+    arr = digits[:, 0].numpy()
+    return list(datasets.MNIST_CLASSES), [(f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i]))
                                          for i in range(len(arr))]
 
 
 def _splits_of(src: str) -> dict[str, Callable[[], tuple[list[str], list[Sample]]]]:
     """split name -> a function listing its (classes, samples)."""
     if src == "mnist5k":
-        return {s: (lambda s=s: _mnist5k_samples(s)) for s in sources.MNIST_SPLITS}
+        return {s: (lambda s=s: _mnist5k_samples(s)) for s in datasets.MNIST_SPLITS}
     if not os.path.isdir(src):
         raise UserError(f"data shard: SRC {src!r} is neither a folder nor a built-in source; give an image folder "
                         "(<class>/<image>), a dataset root holding train/ val/, or mnist5k")
