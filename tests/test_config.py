@@ -114,7 +114,7 @@ def test_load_config_leaves_the_keys_the_data_decides_to_inferred_resolve(tmp_pa
         (tmp_path / "data" / "train" / name).mkdir(parents=True)
     cfg = config.load_config(None, ["TRAIN.DATASET", str(tmp_path / "data"), "TRAIN.IM_SIZE", "32"])
     unset = (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.IM_SIZE, cfg.TRAIN.WORKERS)
-    assert unset == (0, "", 0, -1) and inferred.facts(cfg) == []
+    assert unset == (0, "", 0, -1) and inferred.decisions(cfg) == []
     resolved = inferred.resolve(cfg, 1)
     assert (resolved.MODEL.NUM_CLASSES, resolved.TEST.DATASET, resolved.TEST.IM_SIZE) == (2, str(tmp_path / "data"), 36)
     assert resolved.TRAIN.WORKERS >= 0 and resolved.is_frozen() and cfg.MODEL.NUM_CLASSES == 0
