@@ -70,7 +70,7 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
 def _check_cfg_dest(cfg: Any) -> None:
     """CFG_DEST names a file in OUT_DIR: not a name the run folder uses for something else, and not
     an existing folder there."""
-    if cfg.CFG_DEST in (*run_folder.layout.NAMES, LOG_FILE, config.CONFIG_DIFF):
+    if cfg.CFG_DEST in (*run_folder.NAMES, LOG_FILE, config.CONFIG_DIFF):
         raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
                         "use a name such as config.yaml")
     path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
@@ -101,7 +101,7 @@ def preflight(command: str, cfg: Any, world_size: int, all_ranks_here: bool = Tr
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
                         "True for MODEL.ARCH's file in torch hub's cache")
     data.check_datasets(cfg, world_size, train=(command == "train"))
-    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
+    run_folder.check_folder(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
 
 
 # ---------------------------------------------------------------------------------------------

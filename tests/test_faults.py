@@ -189,16 +189,18 @@ def tiny_fs(tmp_path):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(tiny_fs):
-    from distribuuuu.run_folder import checkpoint
+    from distribuuuu.run_folder import RunFolder
+    from tests.conftest import make_cfg
 
     small = {"model": {"w": torch.zeros(1000)}, "epoch": 1, "global_step": 1}  # ~4 KB
-    checkpoint.save(small, tiny_fs, is_best=False, keep=3)
+    folder = RunFolder(make_cfg({"OUT_DIR": tiny_fs, "TRAIN.CKPT_KEEP": 3}))
+    folder.save(small, is_best=False)
     big = {"model": {"w": torch.zeros(100_000)}, "epoch": 2, "global_step": 2}  # ~400 KB: does not fit
     with pytest.raises(OSError):
-        checkpoint.save(big, tiny_fs, is_best=False, keep=3)
+        folder.save(big, is_best=False)
     names = sorted(os.listdir(os.path.join(tiny_fs, "checkpoints")))
     assert names == ["epoch_0001.pth", "last.pth"]  # no half file left behind
-    ckpt, _ = checkpoint.load_latest(tiny_fs)
+    ckpt, _ = folder.latest()
     assert ckpt["epoch"] == 1
 
 

@@ -12,7 +12,7 @@ carries, saved to and resumed from a checkpoint.
 What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks:
 see engine/hooks.py for the events and their order.
 
-A checkpoint is a plain dict (the files themselves: run_folder/checkpoint.py):
+A checkpoint is a plain dict (the files themselves: weights.py, run_folder):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step, best_metric, best_epoch, evals_since_best,
@@ -67,7 +67,7 @@ class TrainState:
     bad_steps: int = 0  # consecutive non-finite steps
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     stop_signal: int = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
-    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (RunFolder.facts), checked on resume
+    facts: dict[str, Any] = field(default_factory=dict)  # the data's sizes (RunFolder.data_identity), checked on resume
 
     COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
 
@@ -163,7 +163,7 @@ class Trainer:
         self.build_model(bare)
         self.build_data()
         self.log_facts()
-        state.facts = self.run.facts(len(self.train_loader.dataset), len(self.val_loader.dataset))
+        state.facts = self.run.data_identity(len(self.train_loader.dataset), len(self.val_loader.dataset))
         self.resumed = self.resume() is not None
         self.run.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
