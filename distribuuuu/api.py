@@ -230,7 +230,7 @@ def load_model(checkpoint_path: str | os.PathLike[str], device: str | torch.devi
     model's input tensor, as evaluation prepares images), ``.classes`` (the name of each output),
     ``.config`` (the run's config) and ``.card`` (the checkpoint's model card, model_card.py).
     The architecture and the preprocessing come from the checkpoint's card (an older checkpoint:
-    from its stored config); the file is read with ``checkpoint.load`` (tensors only, integrity
+    from its stored config); the file is read with ``weights.load_checkpoint`` (tensors only, integrity
     digest verified). ema=True loads the EMA weights (TRAIN.EMA runs). A sharded FSDP checkpoint
     (DIST.FSDP_STATE_DICT sharded) is refused: its weights are spread over a .dcp folder.
 
