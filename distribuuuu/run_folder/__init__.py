@@ -226,6 +226,7 @@ class RunFolder:
         config.yaml, config_diff.yaml, env.json and model.txt, each replaced atomically, and a line
         added to env_history.jsonl; every rank: log.txt gets the lines held so far (logger.release_log)."""
         if prepared is not None:
+            os.makedirs(self.out_dir, exist_ok=True)  # engine.fit called without api's checks
             env = {**prepared["env"], "seed": seed}
             texts = {self.cfg.CFG_DEST: config.to_yaml(self.cfg), config.CONFIG_DIFF: records.config_diff(self.cfg),
                      records.ENV: json.dumps(env, indent=2) + "\n", records.MODEL_TABLE: prepared["model"]}
