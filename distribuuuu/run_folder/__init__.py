@@ -37,7 +37,7 @@ from yacs.config import CfgNode
 from distribuuuu import config, files, weights
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
-from distribuuuu.logger import release_log
+from distribuuuu.logger import LOG_FILE, release_log
 from distribuuuu.run_folder import lock, records, resume_check
 from distribuuuu.run_folder.lock import BEST, CHECKPOINTS, LAST, LOCK, owned
 from distribuuuu.run_folder.metrics_files import (
@@ -54,10 +54,9 @@ __all__ = ["RunFolder", "owned", "check_folder", "log_notes", "remove_if_empty",
 
 log = logging.getLogger("distribuuuu")
 
-# What this package writes into OUT_DIR, and what the tools put there: CFG_DEST must replace none of
-# them (api.py adds log.txt and config_diff.yaml, whose writers name them)
+# Everything a run, and the tools, put into OUT_DIR besides the config (CFG_DEST must be none of them)
 NAMES = (CHECKPOINTS, *METRICS_FILES, records.ENV, records.ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
-         records.MODEL_TABLE, LOCK, "plots", "bench", "export")
+         records.MODEL_TABLE, config.CONFIG_DIFF, LOG_FILE, LOCK, "plots", "bench", "export")
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
