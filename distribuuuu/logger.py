@@ -27,10 +27,22 @@ PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
 LOG_FILE = "log.txt"  # in OUT_DIR: every rank's warnings and errors, rank 0's lines
 
 
+class _HeldFile(MemoryHandler):
+    """log.txt (file), its lines held in memory until release_log() lets them through (setup_logging(hold=True))."""
+
+    def __init__(self, file: logging.Handler) -> None:
+        super().__init__(sys.maxsize, flushLevel=logging.CRITICAL + 1, target=file, flushOnClose=False)
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.close()
+        super().close()
+
+
 def release_log() -> None:
     """Write the log lines held so far to log.txt, and the later ones as they come (setup_logging(hold=True))."""
     for handler in logging.getLogger(LOGGER_NAME).handlers:
-        if isinstance(handler, MemoryHandler):
+        if isinstance(handler, _HeldFile):
             handler.capacity = 0  # from now on every record goes straight through
             handler.flush()
 
@@ -38,7 +50,7 @@ def release_log() -> None:
 def discard_log() -> None:
     """A refused command: forget the held log lines (log.txt is left as it was, or not made)."""
     for handler in logging.getLogger(LOGGER_NAME).handlers:
-        if isinstance(handler, MemoryHandler):
+        if isinstance(handler, _HeldFile):
             handler.buffer.clear()
 
 
@@ -53,7 +65,6 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
     log = logging.getLogger(LOGGER_NAME)
     for handler in list(log.handlers):
         log.removeHandler(handler)
-        getattr(handler, "target", handler).close()  # a held log.txt: its file
         handler.close()
     log.propagate = False
     log.setLevel(logging.INFO if is_main else logging.WARNING)
@@ -66,7 +77,7 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
         file = logging.FileHandler(os.path.join(out_dir, LOG_FILE), delay=True)  # made at its first line
         tag = "" if is_main else f"[rank {rank}] "
         file.setFormatter(logging.Formatter(f"[%(asctime)s] {tag}%(message)s", datefmt="%H:%M:%S"))
-        log.addHandler(MemoryHandler(sys.maxsize, logging.CRITICAL + 1, file, flushOnClose=False) if hold else file)
+        log.addHandler(_HeldFile(file) if hold else file)
     return log
 
 
