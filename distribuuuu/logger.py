@@ -28,10 +28,8 @@ LOG_FILE = "log.txt"  # in OUT_DIR: every rank's warnings and errors, rank 0's l
 
 
 class _HeldFile(MemoryHandler):
-    """log.txt (file), its lines held in memory until release_log() lets them through (setup_logging(hold=True))."""
-
-    def __init__(self, file: logging.Handler) -> None:
-        super().__init__(sys.maxsize, flushLevel=logging.CRITICAL + 1, target=file, flushOnClose=False)
+    """log.txt (the target), its lines held in memory until release_log() lets them through
+    (setup_logging(hold=True)); closed with its file."""
 
     def close(self) -> None:
         if self.target is not None:
@@ -77,7 +75,8 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
         file = logging.FileHandler(os.path.join(out_dir, LOG_FILE), delay=True)  # made at its first line
         tag = "" if is_main else f"[rank {rank}] "
         file.setFormatter(logging.Formatter(f"[%(asctime)s] {tag}%(message)s", datefmt="%H:%M:%S"))
-        log.addHandler(_HeldFile(file) if hold else file)
+        held = _HeldFile(sys.maxsize, flushLevel=logging.CRITICAL + 1, target=file, flushOnClose=False) if hold else None
+        log.addHandler(held or file)
     return log
 
 
@@ -169,7 +168,10 @@ class Progress:
     def close(self) -> None:
         """End of the epoch: the bar stays on screen, finished; log lines go straight to the console again."""
         if self.bar is not None:
-            self.bar.close()
-            for handler, stream in self.consoles:
-                handler.setStream(stream)
-            self.bar = None
+            self._close_bar()
+
+    def _close_bar(self) -> None:
+        self.bar.close()
+        for handler, stream in self.consoles:
+            handler.setStream(stream)
+        self.bar = None

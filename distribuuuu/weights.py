@@ -68,8 +68,8 @@ class DamagedCheckpoint(UnreadableCheckpoint):
     """The file reads, but its integrity digest says its bytes changed after it was written."""
 
 
-def _feed(h: Any, value: Any) -> None:
-    """Hash one value of a checkpoint: type tags keep [1] from (1,) and 1 from 1.0 or True."""
+def _feed(h: Any, value: Any) -> Any:
+    """Hash one value of a checkpoint into h (returned): type tags keep [1] from (1,) and 1 from 1.0 or True."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
         h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
@@ -88,16 +88,12 @@ def _feed(h: Any, value: Any) -> None:
         h.update(b"B%d;%s" % (len(value), value))
     else:  # str, int, float, bool, None, torch.Size/dtype: repr round-trips them exactly
         h.update(f"{type(value).__name__}:{value!r};".encode())
+    return h
 
 
 def integrity_digest(state: dict[str, Any]) -> dict[str, Any]:
     """The SHA-256 of every top-level entry but the digest itself (see the module docstring)."""
-    parts = {}
-    for key, value in state.items():
-        if key != INTEGRITY_KEY:
-            h = hashlib.sha256()
-            _feed(h, value)
-            parts[key] = h.hexdigest()
+    parts = {key: _feed(hashlib.sha256(), value).hexdigest() for key, value in state.items() if key != INTEGRITY_KEY}
     return {"algorithm": "sha256", "parts": parts}
 
 
