@@ -1,11 +1,11 @@
 """What the checkpoint integrity digest costs: torch.save/torch.load alone against
-checkpoint.save/checkpoint.load (SHA-256 of every entry, verified on load), on a ResNet-18 with
+weights.save_checkpoint/load_checkpoint (SHA-256 of every entry, verified on load), on a ResNet-18 with
 its SGD momentum state (the size of a real small run's checkpoint).
 
     python benchmarks/checkpoint_cost.py [--arch resnet18] [--repeat 5]
 
 Prints the best of --repeat for each, in one run, so the two are measured side by side. Both
-writes are fsynced (checkpoint.save always is); the page cache stays warm for the loads.
+writes are fsynced (save_checkpoint always is); the page cache stays warm for the loads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torchvision
 
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.weights import load_checkpoint, save_checkpoint
 
 
 def _state(arch: str) -> dict:
@@ -60,12 +60,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         plain = os.path.join(out, "plain.pth")
         rows = [("torch.save (fsync)", _best(lambda: _plain_save(state, plain), args.repeat))]
-        rows.append(("checkpoint.save (+SHA-256, links)",
-                     _best(lambda: checkpoint.save(state, out, is_best=True, keep=1), args.repeat)))
-        saved = os.path.join(out, "checkpoints", "last.pth")
+        saved = os.path.join(out, "epoch_0001.pth")
+        rows.append(("save_checkpoint (+SHA-256, atomic)", _best(lambda: save_checkpoint(state, saved), args.repeat)))
         rows.append(("torch.load", _best(lambda: torch.load(plain, map_location="cpu", weights_only=True),
                                          args.repeat)))
-        rows.append(("checkpoint.load (+verify)", _best(lambda: checkpoint.load(saved), args.repeat)))
+        rows.append(("load_checkpoint (+verify)", _best(lambda: load_checkpoint(saved), args.repeat)))
         size_mb = os.path.getsize(saved) / 1e6
     print(f"checkpoint cost: {args.arch} + SGD momentum, {size_mb:.1f} MB, best of {args.repeat}, 1 thread")
     print(f"{'operation':36s} {'ms':>8s}")

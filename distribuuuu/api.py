@@ -33,7 +33,7 @@ from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import comm, launcher, signals, store
-from distribuuuu.logger import LOG_FILE, LOGGER_NAME, discard_log, release_log, setup_logging
+from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "run_eval", "check_before_start", "LoadedModel"]
 
@@ -64,18 +64,6 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
                 f"of memory before any activation; lower {key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE")
 
 
-def _check_cfg_dest(cfg: Any) -> None:
-    """CFG_DEST names a file in OUT_DIR: not a name the run folder uses for something else, and not
-    an existing folder there."""
-    if cfg.CFG_DEST in (*run_folder.layout.NAMES, LOG_FILE, config.CONFIG_DIFF):
-        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is a name the run folder uses for something else; "
-                        "use a name such as config.yaml")
-    path = os.path.join(cfg.OUT_DIR, cfg.CFG_DEST)
-    if os.path.isdir(path):
-        raise UserError(f"CFG_DEST {cfg.CFG_DEST!r} is an existing folder in OUT_DIR ({path}); the full config "
-                        "is written to that name: use a file name such as config.yaml")
-
-
 def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
     """Checks that need no process group, run before any starts so no rank is left waiting (a user
     error here ends every rank alike, at once). Run by ``run_command`` in each process, and once more
@@ -88,8 +76,6 @@ def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: 
         inference.chosen_weights(cfg, "eval")
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     _check_batch_fits(command, cfg)
-    if command == "train":
-        _check_cfg_dest(cfg)
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size)  # its own rules (strategies/)
     if command == "train" and cfg.MODEL.WEIGHTS:  # eval's: chosen_weights, above
         inference.require_weights_file(cfg.MODEL.WEIGHTS)
@@ -98,7 +84,7 @@ def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: 
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
                         "True for MODEL.ARCH's file in torch hub's cache")
     data.check_datasets(cfg, world_size, train=(command == "train"))
-    run_folder.preflight(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
+    run_folder.check_folder(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +214,7 @@ def load_model(checkpoint_path: str | os.PathLike[str], device: str | torch.devi
     model's input tensor, as evaluation prepares images), ``.classes`` (the name of each output),
     ``.config`` (the run's config) and ``.card`` (the checkpoint's model card, model_card.py).
     The architecture and the preprocessing come from the checkpoint's card (an older checkpoint:
-    from its stored config); the file is read with ``checkpoint.load`` (tensors only, integrity
+    from its stored config); the file is read with ``weights.load_checkpoint`` (tensors only, integrity
     digest verified). ema=True loads the EMA weights (TRAIN.EMA runs). A sharded FSDP checkpoint
     (DIST.FSDP_STATE_DICT sharded) is refused: its weights are spread over a .dcp folder.
 

@@ -1,8 +1,9 @@
-"""Writing files so that a crash never leaves half of one: a temporary file in the same folder,
-flushed and fsync'ed, then renamed over the target (rename is atomic within a filesystem).
+"""Writing files so that a crash or a reader never sees half of one.
 
-The temporary is ``<path>.tmp.<pid>``: the run folder's debris pattern (run_folder/ownership.py), removed by
-the next run that holds the folder's lock if a kill left one behind.
+A whole file: a temporary ``<path>.tmp.<pid>`` in the same folder, flushed and fsync'ed, then renamed
+over the target (rename is atomic within a filesystem). A kill can leave the temporary behind: the
+run folder's debris, removed by the next run that holds the folder's lock (run_folder/lock.py).
+A line added to a log-like file: one write() of the whole line (O_APPEND), never a partial one.
 """
 
 from __future__ import annotations
@@ -10,50 +11,47 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import BinaryIO
-
-
-def temporary_name(path: str) -> str:
-    """The temporary that an atomic write of path goes through."""
-    return f"{path}.tmp.{os.getpid()}"
-
-
-@contextlib.contextmanager
-def _removed_unless_renamed(tmp: str) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Call write(f) on a temporary file, fsync it, then rename it over path: path holds either its
     old content or all of the new one. Whatever write raises propagates, and the temporary is gone."""
-    tmp = temporary_name(path)
-    with _removed_unless_renamed(tmp):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace path's content by data atomically (see atomic_write)."""
-    atomic_write(path, lambda f: f.write(data))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def atomic_link(src: str, dst: str) -> None:
     """Make dst the same content as src atomically: a hard link when the filesystem allows, else a copy."""
-    tmp = temporary_name(dst)
-    with _removed_unless_renamed(tmp):
+    tmp = f"{dst}.tmp.{os.getpid()}"
+    try:
         try:
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def append(path: str, text: str) -> None:
+    """Add text (whole lines) at the end of path, made if needed, in one write(): a reader or a kill
+    sees all of it or none of it, never part of a line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _nearest_existing(path: str) -> str:

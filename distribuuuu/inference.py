@@ -2,7 +2,7 @@
 (class names and preprocessing, model_card.py) and the model itself, ready for inference.
 
 The one path from a checkpoint to a model, for eval, predict, export and ``api.load_model``:
-  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint (checkpoint.best_or_last);
+  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint (run_folder.best_or_last);
                   eval resolves its weights here too (preflight, api.run_eval)
   prepared        predict's and export's (config, card): load_config, chosen_weights, card_for
   build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform, classes
@@ -27,15 +27,15 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import config, inferred, models
+from distribuuuu import config, inferred, models, run_folder, weights
 from distribuuuu.config.reading import parse_literal
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import ModelCard, describe, from_checkpoint
-from distribuuuu.run_folder import checkpoint, layout
+from distribuuuu.run_folder import BEST, CHECKPOINTS, LAST, best_path
 
 log = logging.getLogger("distribuuuu")
 
-EXPECTED = (f"a checkpoint written by `distribuuuu train` ({layout.best_path('OUT_DIR')}, {layout.LAST} or "
+EXPECTED = (f"a checkpoint written by `distribuuuu train` ({best_path('OUT_DIR')}, {LAST} or "
             "epoch_NNNN.pth)")
 # Overrides of these keys change what the card says: it is then described from the config again.
 DATA_KEYS = frozenset({"TRAIN.DATASET", "TRAIN.SPLIT"})  # the class names too
@@ -46,7 +46,7 @@ _last_read: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # one file: re
 
 
 def read(path: str, label: str = "checkpoint", remember: bool = False) -> dict[str, Any]:
-    """The checkpoint's dict (checkpoint.load: tensors only, digest verified); a file that is not a
+    """The checkpoint's dict (weights.load_checkpoint: tensors only, digest verified); a file that is not a
     checkpoint is a UserError naming it and what was expected. remember: keep it for the next call
     on the same unchanged file (a command reads its config, then its card: one read)."""
     global _last_read
@@ -57,11 +57,11 @@ def read(path: str, label: str = "checkpoint", remember: bool = False) -> dict[s
     if key is not None and _last_read is not None and _last_read[0] == key:
         return _last_read[1]
     try:
-        obj = checkpoint.load(path, label)
-    except checkpoint.DamagedCheckpoint:
+        obj = weights.load_checkpoint(path, label)
+    except weights.DamagedCheckpoint:
         raise
-    except checkpoint.UnreadableCheckpoint as e:
-        raise checkpoint.UnreadableCheckpoint(f"{e}; expected {EXPECTED}") from None
+    except weights.UnreadableCheckpoint as e:
+        raise weights.UnreadableCheckpoint(f"{e}; expected {EXPECTED}") from None
     if not isinstance(obj, dict):
         raise UserError(f"{label} {path} holds a {type(obj).__name__}, not a checkpoint; expected {EXPECTED}")
     if remember:
@@ -72,7 +72,7 @@ def read(path: str, label: str = "checkpoint", remember: bool = False) -> dict[s
 def run_folder_of(path: str) -> str:
     """OUT_DIR of a file OUT_DIR/checkpoints/NAME.pth; else the file's own folder."""
     folder = os.path.normpath(os.path.dirname(path) or ".")
-    if os.path.basename(folder) == checkpoint.checkpoint_dir(""):
+    if os.path.basename(folder) == CHECKPOINTS:
         return os.path.dirname(folder) or "."
     return folder
 
@@ -126,7 +126,7 @@ def weights_in(opts: list[str]) -> str | None:
     if pairs.get("MODEL.WEIGHTS"):
         return str(parse_literal(pairs["MODEL.WEIGHTS"]))
     if pairs.get("OUT_DIR"):
-        return checkpoint.best_or_last(str(parse_literal(pairs["OUT_DIR"])))
+        return run_folder.best_or_last(str(parse_literal(pairs["OUT_DIR"])))
     return None
 
 
@@ -135,27 +135,27 @@ def require_weights_file(weights: str) -> None:
     a missing path is a UserError saying which."""
     if os.path.isdir(weights):  # a run folder, most likely: name its file
         raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
-                        f"(e.g. {layout.best_path(weights)})")
+                        f"(e.g. {best_path(weights)})")
     if not os.path.isfile(weights):
         raise UserError(f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
-                        f"(e.g. {layout.best_path('OUT_DIR')}) or of a weights file")
+                        f"(e.g. {best_path('OUT_DIR')}) or of a weights file")
 
 
 def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
     """cfg with MODEL.WEIGHTS naming an existing file: as given, else OUT_DIR's chosen checkpoint
-    (checkpoint.best_or_last). Missing weights are a UserError saying how to name them; command
+    (run_folder.best_or_last). Missing weights are a UserError saying how to name them; command
     ("eval", "predict", "export") names who needs them."""
     if cfg.MODEL.WEIGHTS:
         require_weights_file(cfg.MODEL.WEIGHTS)
         return cfg
-    chosen = checkpoint.best_or_last(cfg.OUT_DIR)
+    chosen = run_folder.best_or_last(cfg.OUT_DIR)
     if chosen is None:
         needs = "a checkpoint" if command == "eval" else "trained weights"  # predict and export take safetensors
-        example = f"distribuuuu {command} --checkpoint {layout.best_path('runs/demo')}"
+        example = f"distribuuuu {command} --checkpoint {best_path('runs/demo')}"
         example += " photo.png" if command == "predict" else ""
         raise UserError(f"{command} needs {needs}: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
-                        f"`{example}`, or the OUT_DIR of a run ({checkpoint.checkpoint_dir(cfg.OUT_DIR)} "
-                        f"holds no {layout.BEST} or {layout.LAST})")
+                        f"`{example}`, or the OUT_DIR of a run ({os.path.join(cfg.OUT_DIR, CHECKPOINTS)} "
+                        f"holds no {BEST} or {LAST})")
     cfg = cfg.clone()
     cfg.defrost()
     cfg.MODEL.WEIGHTS = chosen

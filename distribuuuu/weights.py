@@ -1,9 +1,22 @@
-"""Weights files: reading them safely and loading them into a model, checked name by name.
+"""Weights and checkpoint files: reading them safely, loading them into a model checked name by
+name, and the checkpoint file format itself. Every read uses ``torch.load(weights_only=True)``:
+tensors and plain containers only, so loading runs no code.
 
-What a file may hold (``read_state_dict``): a distribuuuu checkpoint (its ``model`` entry: the raw
-weights, not the EMA), ``{"state_dict": ...}`` or ``{"model": ...}`` as other trainers write, a bare
-state dict (.pt / .pth), or .safetensors. DDP's ``module.`` and torch.compile's ``_orig_mod.``
-prefixes are dropped. Files are read with ``weights_only=True``: loading runs no code.
+Checkpoint files (``save_checkpoint``, ``load_checkpoint``): written atomically (files.atomic_write)
+with ``integrity``, a SHA-256 of each other top-level entry (tensors' dtype, shape and bytes, and
+every other value), which ``load_checkpoint`` verifies before anything uses the file, because
+torch.load does not check the zip archive's CRC-32s (a flipped bit in a tensor loads silently:
+docs/reliability.md, "Corrupt or unsafe files"). The digest lives inside the file, so it travels
+with copies and hard links. Files without it (older checkpoints, bare state dicts) load unchecked.
+A file whose digest does not match raises DamagedCheckpoint: auto-resume skips it with a warning
+and uses the next older intact checkpoint; eval, predict and export refuse it (exit 2). Sharded .dcp
+folders (FSDP_STATE_DICT sharded) are not covered: torch.distributed.checkpoint has its own metadata.
+Where checkpoints live in a run folder, and which one a run resumes: run_folder/.
+
+What a weights file may hold (``read_state_dict``): a distribuuuu checkpoint (its ``model`` entry: the
+raw weights, not the EMA), ``{"state_dict": ...}`` or ``{"model": ...}`` as other trainers write, a
+bare state dict (.pt / .pth), or .safetensors. DDP's ``module.`` and torch.compile's ``_orig_mod.``
+prefixes are dropped.
 
 ``load_file`` checks every tensor name and shape against the model before anything is loaded; each
 problem is a ``UserError`` (exit 2) naming the tensor. Two differences may be allowed:
@@ -22,8 +35,10 @@ a new task, whose classes are not the file's even when they are as many).
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
+import pickle
 from typing import Any
 
 import safetensors.torch
@@ -31,13 +46,111 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from distribuuuu import heads
+from distribuuuu import files, heads
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint, layout
 
 log = logging.getLogger("distribuuuu")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint files (see the module docstring)
+# ---------------------------------------------------------------------------------------------
+INTEGRITY_KEY = "integrity"  # {"algorithm": "sha256", "parts": {top-level key: hex digest}}
+
+
+class UnreadableCheckpoint(UserError):
+    """The file is not a torch.save file: truncated, corrupt, or something else entirely."""
+
+
+class DamagedCheckpoint(UnreadableCheckpoint):
+    """The file reads, but its integrity digest says its bytes changed after it was written."""
+
+
+def _feed(h: Any, value: Any) -> Any:
+    """Hash one value of a checkpoint into h (returned): type tags keep [1] from (1,) and 1 from 1.0 or True."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+        if t.numel():  # the raw bytes, without a copy for contiguous CPU tensors
+            h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(b"D%d;" % len(value))
+        for k, v in value.items():  # pickling keeps the insertion order
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(b"%s%d;" % (b"L" if isinstance(value, list) else b"U", len(value)))
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, (bytes, bytearray)):
+        h.update(b"B%d;%s" % (len(value), value))
+    else:  # str, int, float, bool, None, torch.Size/dtype: repr round-trips them exactly
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    return h
+
+
+def integrity_digest(state: dict[str, Any]) -> dict[str, Any]:
+    """The SHA-256 of every top-level entry but the digest itself (see the module docstring)."""
+    parts = {key: _feed(hashlib.sha256(), value).hexdigest() for key, value in state.items() if key != INTEGRITY_KEY}
+    return {"algorithm": "sha256", "parts": parts}
+
+
+def save_checkpoint(state: dict[str, Any], path: str) -> None:
+    """torch.save of state with its integrity digest through files.atomic_write: a crash at any point
+    leaves the old file or the new one, never half of one. Errors propagate (the caller says what
+    the run keeps)."""
+    state = {**state, INTEGRITY_KEY: integrity_digest(state)}
+    files.atomic_write(path, lambda f: torch.save(state, f))
+
+
+def peek_checkpoint(path: str) -> dict[str, Any]:
+    """The checkpoint's entries without reading its tensors (mmap) and without the integrity check:
+    for a look at its counters or config, never for using its weights (load_checkpoint is for that)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def load_checkpoint(path: str, label: str = "checkpoint") -> Any:
+    """The file's contents, its integrity digest verified. A file whose pickle names other Python
+    objects is refused (UserError); one that cannot be read at all raises UnreadableCheckpoint, one
+    whose digest does not match DamagedCheckpoint (both UserErrors, which auto-resume skips)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{label} {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip archives raise RuntimeError and others
+        raise _unreadable(path, label, e) from None
+    stored = obj.get(INTEGRITY_KEY) if isinstance(obj, dict) else None
+    if isinstance(stored, dict):  # older checkpoints and bare state dicts have nothing to check against
+        now, then = integrity_digest(obj)["parts"], stored.get("parts", {})
+        bad = sorted(k for k in {*then, *now} if then.get(k) != now.get(k))
+        if bad:
+            raise DamagedCheckpoint(
+                f"{label} {path} is damaged: its contents changed after it was written (SHA-256 mismatch in "
+                f"{', '.join(map(str, bad))}; bit rot or a bad copy), so it is not used. Use an older "
+                "checkpoint of the run (epoch_NNNN.pth) or an intact copy of this file")
+    return obj
+
+
+def _unreadable(path: str, label: str, error: Exception) -> UserError:
+    """Why torch.load(weights_only=True) failed: a refusal (the pickle names a GLOBAL: other Python
+    objects, which could run code) or a file that is not a PyTorch file at all."""
+    if not isinstance(error, pickle.UnpicklingError):
+        return UnreadableCheckpoint(f"{label} {path} cannot be read as a PyTorch file ({type(error).__name__}: {error})")
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]  # torch wraps the reason in boilerplate
+    why = next((ln for ln in lines if "GLOBAL" in ln), None)
+    if why is None:
+        return UnreadableCheckpoint(f"{label} {path} cannot be read as a PyTorch file ({lines[-1] if lines else error})")
+    return UserError(
+        f"refused to load {label} {path}: it holds Python objects besides tensors, and unpickling them "
+        f"could run code, so torch.load(weights_only=True) refused it ({why}). If you trust the file, "
+        "re-save its state dict: torch.save(model.state_dict(), 'clean.pth')")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights files into a model
+# ---------------------------------------------------------------------------------------------
 
 
 def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
@@ -51,17 +164,17 @@ def first_conv(model: nn.Module) -> tuple[str, nn.Conv2d]:
 def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
     """The state dict in a file (see the module docstring for the forms accepted)."""
     if os.path.isdir(path):
-        raise UserError(f"{label} {path} is a folder; give a weights file in it (e.g. {layout.best_path(path)})")
+        raise UserError(f"{label} {path} is a folder; give a weights file in it (e.g. {path}/checkpoints/best.pth)")
     if not os.path.isfile(path):
         raise UserError(f"{label} {path} does not exist; give the path of a weights file "
-                        f"(a checkpoint such as {layout.best_path('OUT_DIR')}, a state dict .pth, "
+                        "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, "
                         "or .safetensors)")
     if path.endswith(".safetensors"):
         try:
             return safetensors.torch.load_file(path, device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{label} {path} is not a readable safetensors file ({e})") from None
-    obj = checkpoint.load(path, label)  # weights_only=True: loading runs no code
+    obj = load_checkpoint(path, label)
     if isinstance(obj, dict) and obj.get("sharded") and "model" not in obj:
         folder = os.path.join(os.path.dirname(path), obj["sharded"])
         raise UserError(f"{label} {path} keeps its weights sharded in {folder} (DIST.FSDP_STATE_DICT sharded); "

@@ -21,7 +21,7 @@ from distribuuuu import api, config, data
 from distribuuuu.data import transforms
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import CARD_KEY, ModelCard
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.weights import INTEGRITY_KEY
 from tests.conftest import ROOT, check, cli_main, env, process_state_restored
 
 FAST = ["NUM_THREADS", "1", "DEVICE", "cpu", "TRAIN.PRINT_FREQ", "1000"]
@@ -151,7 +151,7 @@ def test_load_model_transform_matches_the_fast_folder_pipeline(folder_run):
 def test_load_model_of_an_older_checkpoint_and_of_a_bare_state_dict(digits_run, tmp_path):
     run, _, digits = digits_run
     ckpt = _ckpt(run)
-    old = {k: v for k, v in ckpt.items() if k not in (CARD_KEY, checkpoint.INTEGRITY_KEY)}
+    old = {k: v for k, v in ckpt.items() if k not in (CARD_KEY, INTEGRITY_KEY)}
     torch.save(old, tmp_path / "old.pth")  # as a version before the card wrote it
     loaded = api.load_model(tmp_path / "old.pth")  # the card described from the stored config
     assert loaded.classes == [str(d) for d in range(10)]

@@ -1,5 +1,5 @@
 """One path from a checkpoint to a model (#28 item 5): eval, predict, export and load_model take the
-same file of a run (checkpoint.best_or_last, through inference.chosen_weights), with the same card
+same file of a run (run_folder.best_or_last, through inference.chosen_weights), with the same card
 and the same weights. The run's best.pth and last.pth differ here (other weights, other class
 names), so a command that chose its file by a rule of its own would show it."""
 
@@ -13,10 +13,10 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from distribuuuu import api, config, data, inference
+from distribuuuu import api, config, data, inference, run_folder
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint
 from distribuuuu.tools import export, predict
+from distribuuuu.weights import INTEGRITY_KEY, load_checkpoint
 from tests.conftest import ROOT, cli_main, process_state_restored
 
 TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
@@ -29,17 +29,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A run whose best.pth is epoch 1 and whose last.pth is epoch 2, with shifted weights and the
-    classes renamed, written by checkpoint.save as training writes it."""
+    classes renamed, written by RunFolder.save as training writes it."""
     out = str(tmp_path_factory.mktemp("one_path") / "run")
     with process_state_restored():
         torch.set_num_threads(1)
         api.train(config.load_config(TINY, ["OUT_DIR", out, *OPTS]))
-    state = checkpoint.load(os.path.join(out, "checkpoints", "epoch_0001.pth"))
-    del state[checkpoint.INTEGRITY_KEY]
+    state = load_checkpoint(os.path.join(out, "checkpoints", "epoch_0001.pth"))
+    del state[INTEGRITY_KEY]
     state["model"] = {k: v + 0.25 if v.is_floating_point() else v for k, v in state["model"].items()}
     state["card"] = {**state["card"], "classes": ["w", "x", "y", "z"]}
     state["epoch"] += 1
-    checkpoint.save(state, out, is_best=False, keep=5)
+    run_folder.RunFolder(config.load_config(TINY, ["OUT_DIR", out, "TRAIN.CKPT_KEEP", "5"])).save(state, is_best=False)
     return out
 
 
@@ -50,7 +50,7 @@ def _same_weights(state: dict[str, torch.Tensor], ckpt: dict) -> bool:
 def _assert_all_use(out: str, tmp: str, expected: str) -> None:
     """eval (API and CLI config), predict, export and load_model of the run out all use the file
     expected: its path, its card and its weights."""
-    ckpt = checkpoint.load(expected)
+    ckpt = load_checkpoint(expected)
     loaded = api.load_model(expected)
     assert loaded.card.to_dict() == ckpt["card"] and _same_weights(loaded.model.state_dict(), ckpt)
 
@@ -81,20 +81,20 @@ def _assert_all_use(out: str, tmp: str, expected: str) -> None:
 
 
 def test_eval_predict_export_and_load_model_use_the_runs_chosen_checkpoint(run, tmp_path, monkeypatch):
-    folder = checkpoint.checkpoint_dir(run)
+    folder = os.path.join(run, "checkpoints")
     best, last = os.path.join(folder, "best.pth"), os.path.join(folder, "last.pth")
-    assert checkpoint.best_or_last(run) == best and not os.path.samefile(best, last)
+    assert run_folder.best_or_last(run) == best and not os.path.samefile(best, last)
     _assert_all_use(run, str(tmp_path / "a"), best)  # best.pth, not the newer last.pth
 
     first = os.path.join(folder, "epoch_0001.pth")
-    monkeypatch.setattr(checkpoint, "best_or_last", lambda out_dir: first if out_dir == run else None)
+    monkeypatch.setattr(run_folder, "best_or_last", lambda out_dir: first if out_dir == run else None)
     os.remove(best)  # by the rule, last.pth (epoch 2) now; through the one function, what it answers
     _assert_all_use(run, str(tmp_path / "b"), first)
     monkeypatch.undo()
     _assert_all_use(run, str(tmp_path / "c"), last)
 
     os.remove(last)
-    assert checkpoint.best_or_last(run) is None
+    assert run_folder.best_or_last(run) is None
     image = str(tmp_path / "a" / "photo.png")
     for command, call in (("eval", lambda: api.evaluate(config.load_config(TINY, ["OUT_DIR", run, *OPTS]))),
                           ("predict", lambda: predict.main(TINY, ["OUT_DIR", run, image], 2)),

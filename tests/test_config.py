@@ -121,11 +121,14 @@ def test_load_config_leaves_the_keys_the_data_decides_to_inferred_resolve(tmp_pa
 
 
 def test_run_folder_gets_full_config_and_diff(tmp_path):
+    """The texts RunFolder.write_record writes as config.yaml and config_diff.yaml."""
+    from distribuuuu.run_folder import records
+
     cfg = inferred.resolve(config.load_config(None, ["MODEL.ARCH", "resnet50", "OUT_DIR", str(tmp_path)]))
-    config.dump_to_run_folder(cfg, str(tmp_path))
+    (tmp_path / "config.yaml").write_text(config.to_yaml(cfg))
     full = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32
-    diff = yaml.safe_load((tmp_path / "config_diff.yaml").read_text())
+    diff = yaml.safe_load(records.config_diff(cfg))
     # What was given, and the values decided from the data (#27): the stored config holds the values used.
     decided = {f.key for f in inferred.decisions(cfg) if f.origin != "config"} & set(config.flatten(cfg))
     assert set(_flat_yaml(diff)) == {"MODEL.ARCH", "OUT_DIR", "TEST.IM_SIZE"} | decided  # TEST.IM_SIZE: "eval size"

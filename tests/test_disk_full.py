@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.run_folder import RunFolder
+from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.e2e  # mount and umount are processes
 
@@ -37,11 +38,15 @@ def _state(numbers: int, samples: int = 0) -> dict:
     return {"model": {"w": torch.ones(numbers)}, "epoch": 1, "samples_in_epoch": samples, "global_step": 4}
 
 
+def _folder(out_dir: str) -> RunFolder:
+    return RunFolder(make_cfg({"OUT_DIR": out_dir, "TRAIN.CKPT_KEEP": 3}))
+
+
 def test_disk_full_with_no_checkpoint_says_none_is_kept(small_disk):
     """Before: OSError 'writing checkpoint ... failed (RuntimeError: unexpected pos ...); the previous
     checkpoint is intact' when there was none."""
     with pytest.raises(UserError) as caught:
-        checkpoint.save(_state(200_000), str(small_disk), is_best=False, keep=3)  # 800 KB > 256 KiB
+        _folder(str(small_disk)).save(_state(200_000), is_best=False)  # 800 KB > 256 KiB
     message = str(caught.value)
     assert "No space left on device" in message and str(small_disk / "checkpoints") in message, message
     assert "no checkpoint of this run is kept" in message and "\n" not in message, message
@@ -49,9 +54,12 @@ def test_disk_full_with_no_checkpoint_says_none_is_kept(small_disk):
 
 
 def test_disk_full_after_a_checkpoint_keeps_it(small_disk):
-    first = checkpoint.save(_state(1000), str(small_disk), is_best=False, keep=3)
+    folder = _folder(str(small_disk))
+    first = folder.save(_state(1000), is_best=False)
     with pytest.raises(UserError) as caught:
-        checkpoint.save(_state(200_000, samples=16), str(small_disk), is_best=False, keep=3)
+        folder.save(_state(200_000, samples=16), is_best=False)
     assert "No space left on device" in str(caught.value) and "last.pth, the previous checkpoint, is intact" in str(caught.value)
     assert sorted(os.listdir(small_disk / "checkpoints")) == sorted([os.path.basename(first), "last.pth"])
     assert torch.load(small_disk / "checkpoints" / "last.pth", weights_only=True)["model"]["w"].numel() == 1000
+    ckpt, path = folder.latest()  # what a re-run resumes from
+    assert os.path.samefile(path, first) and ckpt["model"]["w"].numel() == 1000

@@ -177,31 +177,6 @@ def test_consecutive_nonfinite_steps_stop_after_the_limit(tmp_path):
     assert "3 in a row" in proc.stderr
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 192 KiB tmpfs: room for a few tiny checkpoints, then ENOSPC."""
-    mnt = tmp_path / "tinyfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root): the ENOSPC test did not run")
-    yield str(mnt)
-    subprocess.run(["umount", str(mnt)])
-
-
-def test_a_full_disk_keeps_the_previous_checkpoint(tiny_fs):
-    from distribuuuu.run_folder import checkpoint
-
-    small = {"model": {"w": torch.zeros(1000)}, "epoch": 1, "global_step": 1}  # ~4 KB
-    checkpoint.save(small, tiny_fs, is_best=False, keep=3)
-    big = {"model": {"w": torch.zeros(100_000)}, "epoch": 2, "global_step": 2}  # ~400 KB: does not fit
-    with pytest.raises(OSError):
-        checkpoint.save(big, tiny_fs, is_best=False, keep=3)
-    names = sorted(os.listdir(os.path.join(tiny_fs, "checkpoints")))
-    assert names == ["epoch_0001.pth", "last.pth"]  # no half file left behind
-    ckpt, _ = checkpoint.load_latest(tiny_fs)
-    assert ckpt["epoch"] == 1
-
-
 def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tmp_path):
     """Under the local Slurm cluster: rank 1 of `srun -n 2` gets SIGUSR1 after step 3; both ranks
     agree, checkpoint, and exit; a second srun resumes from that step and finishes."""

@@ -22,8 +22,7 @@ from distribuuuu.config import get_defaults, load_config, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.model_card import from_checkpoint
-from distribuuuu.run_folder import checkpoint
-from distribuuuu.weights import adapt_input_channels
+from distribuuuu.weights import adapt_input_channels, load_checkpoint
 from tests.conftest import ROOT, TINY, check, cli_main, env, process_state_restored, write_image_tree
 
 torch.set_num_threads(1)
@@ -60,7 +59,7 @@ def source_ckpt(tmp_path_factory):
 
 
 def _source_state(path):
-    return models.strip_wrapper_prefixes(checkpoint.load(path)["model"])
+    return models.strip_wrapper_prefixes(load_checkpoint(path)["model"])
 
 
 def _backbone(state):
@@ -207,7 +206,7 @@ def gray_ckpt(tmp_path_factory):
 
 
 def _trained(run) -> tuple[dict, object, CfgNode]:
-    ckpt = checkpoint.load(str(run / "checkpoints" / "last.pth"))
+    ckpt = load_checkpoint(str(run / "checkpoints" / "last.pth"))
     cfg = get_defaults()
     merge_text(cfg, ckpt["cfg"], "the checkpoint")
     return models.strip_wrapper_prefixes(ckpt["model"]), from_checkpoint(ckpt), cfg
@@ -362,7 +361,7 @@ def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source
     opts = ["MODEL.NUM_CLASSES", "3", "MODEL.PRETRAINED", source_ckpt, "TRAIN.FREEZE_BACKBONE_EPOCHS", "2",
             "OPTIM.BACKBONE_LR_SCALE", "0.1"]
     _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "1"))  # stops inside the frozen phase
-    first = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "last.pth"))
+    first = load_checkpoint(str(tmp_path / "run" / "checkpoints" / "last.pth"))
     assert _same(_backbone(models.strip_wrapper_prefixes(first["model"])), loaded)
     assert [g["lr_scale"] for g in first["optimizer"]["param_groups"]] == [0.1, 1.0]
     snaps = Snapshots()
@@ -382,7 +381,7 @@ def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source
         assert low == pytest.approx(0.1 * high)
     # The stored config names a MODEL.PRETRAINED path: it reads back as a --cfg file does (yacs's
     # own merge refuses a str over the default False), and the model it describes loads the weights.
-    text = checkpoint.load(str(tmp_path / "run" / "checkpoints" / "last.pth"))["cfg"]
+    text = load_checkpoint(str(tmp_path / "run" / "checkpoints" / "last.pth"))["cfg"]
     with pytest.raises(ValueError, match="Type mismatch"):
         get_defaults().merge_from_other_cfg(CfgNode.load_cfg(text))
     cfg = get_defaults()
@@ -407,7 +406,7 @@ def test_finetune_with_ddp_freezes_then_unfreezes_from_outside_the_repo(tmp_path
     out = proc.stdout + proc.stderr
     assert out.count("classifier fc is re-initialised (4 classes in the file, 3 in the model)") == 2  # per rank
     assert "find_unused_parameters on" in out and "epoch 2: backbone unfrozen" in out
-    states = [models.strip_wrapper_prefixes(checkpoint.load(str(tmp_path / "ft" / "checkpoints" / f"epoch_000{e}.pth"))
+    states = [models.strip_wrapper_prefixes(load_checkpoint(str(tmp_path / "ft" / "checkpoints" / f"epoch_000{e}.pth"))
                                             ["model"]) for e in (1, 2)]
     assert _same(_backbone(states[0]), loaded)  # frozen on both ranks through DDP's all-reduce
     assert not _same(_backbone(states[1]), loaded)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -16,10 +17,13 @@ import time
 
 import pytest
 import torch
+import yaml
 
+from distribuuuu import config
 from distribuuuu.errors import UserError
+from distribuuuu.run_folder import RunFolder
 from distribuuuu.run_folder import lock as run_lock
-from tests.conftest import ROOT, TINY, check, env, read_metrics
+from tests.conftest import ROOT, TINY, check, env, make_cfg, read_metrics
 
 KILL_IN_SAVE = os.path.join(ROOT, "tests", "scripts", "kill_in_save.py")
 AS_NOBODY = os.path.join(ROOT, "tests", "scripts", "as_nobody.py")
@@ -166,6 +170,32 @@ def test_lock_of_a_live_process_holds_and_a_reused_pid_does_not(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_record_write_that_fails_half_way_leaves_every_record_file_as_it_was(tmp_path):
+    """config.yaml, config_diff.yaml, env.json, env_history.jsonl and model.txt are each replaced
+    through a temporary file (or get a whole line): a write that fails half-way (here at the
+    file-size limit, EFBIG after 64 bytes, as a full disk or a kill would) leaves the old files whole,
+    never an empty or half one. Before, config.yaml was written in place: a reader saw it empty
+    (b''), and this write left 64 bytes of it."""
+    cfg = make_cfg({"OUT_DIR": str(tmp_path), "MODEL.ARCH": "resnet50"})
+    folder = RunFolder(cfg)
+    prepared = {"env": {"start_time": "then"}, "model": "a model table\n" * 50}
+    folder.write_record(prepared, seed=1)
+    assert config.load_config(str(tmp_path / "config.yaml")) == cfg  # loads back to the same config
+    diff = yaml.safe_load((tmp_path / "config_diff.yaml").read_text())
+    assert (diff["MODEL"]["ARCH"], diff["OUT_DIR"]) == ("resnet50", str(tmp_path))  # nested as config.yaml
+    names = ["config.yaml", "config_diff.yaml", "env.json", "env_history.jsonl", "model.txt"]
+    before = {name: (tmp_path / name).read_bytes() for name in names}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # Python ignores SIGXFSZ: a write beyond fails
+    try:
+        with pytest.raises(OSError, match="File too large"):
+            folder.write_record({**prepared, "model": "another table\n" * 50}, seed=2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert {name: (tmp_path / name).read_bytes() for name in names} == before
+    assert [n for n in os.listdir(tmp_path) if ".tmp." in n] == []  # no temporary left either
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ import zipfile
 import pytest
 import torch
 
+from distribuuuu import config
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.run_folder import RunFolder
 from distribuuuu.tools import export, predict
+from distribuuuu.weights import load_checkpoint
 from tests.conftest import TINY, check, distribuuuu, read_metrics, write_image, write_image_tree
 
 
@@ -32,7 +34,7 @@ def base_run(tmp_path_factory):
 def _copy_run(src: str, dst: str) -> str:
     """copytree, then last.pth / best.pth made hard links again, as the run left them."""
     shutil.copytree(src, dst)
-    folder, src_folder = checkpoint.checkpoint_dir(dst), checkpoint.checkpoint_dir(src)
+    folder, src_folder = os.path.join(dst, "checkpoints"), os.path.join(src, "checkpoints")
     for link in ("last.pth", "best.pth"):
         target = next(n for n in os.listdir(src_folder) if n.startswith("epoch_")
                       and os.path.samefile(os.path.join(src_folder, n), os.path.join(src_folder, link)))
@@ -45,7 +47,7 @@ def _snapshot(out: str, with_config: bool = True) -> dict[str, tuple[str, int]]:
     """name -> (sha256, inode) of every checkpoint file, and config.yaml's text. (A refusal found
     inside the run, after the config check passed, leaves config.yaml holding the latest attempt's
     config, as every resume does; the checkpoints are what must not change.)"""
-    folder = checkpoint.checkpoint_dir(out)
+    folder = os.path.join(out, "checkpoints")
     snap = {n: (hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest(),
                 os.stat(os.path.join(folder, n)).st_ino) for n in os.listdir(folder)}
     if with_config:
@@ -94,7 +96,7 @@ def test_a_recipe_change_needs_resume_allow_and_safe_changes_are_logged(base_run
         assert line in proc.stdout
     assert [(m["epoch"], m["split"]) for m in read_metrics(out)] == [
         (1, "train"), (1, "val"), (2, "train"), (2, "val"), (3, "train"), (3, "val")]
-    assert checkpoint.load(os.path.join(out, "checkpoints", "last.pth"))["epoch"] == 3
+    assert load_checkpoint(os.path.join(out, "checkpoints", "last.pth"))["epoch"] == 3
 
 
 @pytest.mark.e2e
@@ -152,25 +154,25 @@ def test_flipped_bytes_are_detected_skipped_on_resume_and_refused_by_tools(base_
     assert f"skipping damaged checkpoint {last}" in proc.stderr + proc.stdout
     assert "skipping damaged checkpoint " + os.path.join(out, "checkpoints", "epoch_0002.pth") not in proc.stdout
     assert f"resumed from {out}/checkpoints/epoch_0001.pth: 1 epochs done" in proc.stdout
-    assert checkpoint.load(last)["epoch"] == 3
+    assert load_checkpoint(last)["epoch"] == 3
 
 
 def test_every_checkpoint_damaged_is_refused_not_overwritten(tmp_path, caplog):
     out = str(tmp_path)
+    folder = RunFolder(config.load_config(TINY, ["OUT_DIR", out]))
     for epoch in (1, 2):
-        checkpoint.save({"model": {"w": torch.arange(4096, dtype=torch.float32) * epoch}, "epoch": epoch},
-                        out, is_best=False, keep=3)
+        folder.save({"model": {"w": torch.arange(4096, dtype=torch.float32) * epoch}, "epoch": epoch}, is_best=False)
     for name in ("epoch_0001.pth", "last.pth"):
         _flip_tensor_byte(os.path.join(out, "checkpoints", name))
     with pytest.raises(UserError, match="no intact checkpoint to resume .*epoch_0001.pth.*move them away"):
-        checkpoint.load_latest(out)
+        folder.latest()
     assert caplog.text.count("skipping damaged checkpoint") == 2  # last.pth and epoch_0002.pth: read once
 
 
 @pytest.mark.e2e
 def test_a_torn_record_and_records_after_the_checkpoint_are_moved(base_run, tmp_path):
     out = _copy_run(base_run, str(tmp_path / "run"))
-    folder = checkpoint.checkpoint_dir(out)
+    folder = os.path.join(out, "checkpoints")
     # As if a kill hit while epoch 2's val record was written, before its checkpoint landed.
     os.remove(os.path.join(folder, "epoch_0002.pth"))
     os.remove(os.path.join(folder, "last.pth"))
@@ -206,7 +208,6 @@ def test_plot_skips_a_bad_line_with_a_warning(base_run, tmp_path):
 
 
 def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow():
-    from distribuuuu import config
     from distribuuuu.run_folder import resume_check
 
     known = set(config.flatten(config.get_defaults()))
@@ -225,12 +226,11 @@ def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow(
         config.load_config(TINY, ["TRAIN.RESUME_ALLOW", "['OPTIM.BASE_RL']"])
 
 
-def test_a_checkpoint_without_facts_past_the_end_of_a_smaller_dataset_is_refused():
-    from distribuuuu import config
+def test_a_checkpoint_without_data_sizes_past_the_end_of_a_smaller_dataset_is_refused():
     from distribuuuu.run_folder import resume_check
 
     cfg = config.load_config(TINY, [])
-    now = resume_check.run_facts(300, 50)
-    resume_check.check_facts({"samples_in_epoch": 288}, now, cfg, "last.pth")  # fits: goes on
+    now = RunFolder.data_identity(300, 50)
+    resume_check.check_data({"samples_in_epoch": 288}, now, cfg, "last.pth")  # fits: goes on
     with pytest.raises(UserError, match="has 300 samples now, but the checkpoint is 3328 samples into its epoch"):
-        resume_check.check_facts({"samples_in_epoch": 3328}, now, cfg, "last.pth")
+        resume_check.check_data({"samples_in_epoch": 3328}, now, cfg, "last.pth")

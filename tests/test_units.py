@@ -11,8 +11,9 @@ from distribuuuu.config import load_config
 from distribuuuu.engine import rng
 from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint
-from tests.conftest import TINY
+from distribuuuu.run_folder import RunFolder
+from distribuuuu.weights import load_checkpoint
+from tests.conftest import TINY, make_cfg
 
 
 def test_topk_hits_counts_and_clips_k_to_the_number_of_classes():
@@ -65,44 +66,49 @@ def _state(epoch):
     return {"model": {"w": torch.full((2,), float(epoch))}, "epoch": epoch}
 
 
+def _folder(out, keep=3):
+    """The run folder out, as a run with TRAIN.CKPT_KEEP keep sees it."""
+    return RunFolder(make_cfg({"OUT_DIR": out, "TRAIN.CKPT_KEEP": keep}))
+
+
 def test_checkpoints_keep_k_and_last_best(tmp_path):
     out = str(tmp_path)
     for epoch in range(1, 6):
-        checkpoint.save(_state(epoch), out, is_best=(epoch == 2), keep=2)
-    names = sorted(os.listdir(checkpoint.checkpoint_dir(out)))
+        _folder(out, keep=2).save(_state(epoch), is_best=(epoch == 2))
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert names == ["best.pth", "epoch_0004.pth", "epoch_0005.pth", "last.pth"]
-    assert checkpoint.load(os.path.join(out, "checkpoints", "best.pth"))["epoch"] == 2
-    ckpt, path = checkpoint.load_latest(out)
+    assert load_checkpoint(os.path.join(out, "checkpoints", "best.pth"))["epoch"] == 2
+    ckpt, path = _folder(out).latest()
     assert ckpt["epoch"] == 5 and path.endswith("last.pth")
 
 
 def test_a_corrupt_last_checkpoint_falls_back_to_an_older_one(tmp_path, caplog):
     out = str(tmp_path)
     for epoch in (1, 2):
-        checkpoint.save(_state(epoch), out, is_best=False, keep=3)
+        _folder(out).save(_state(epoch), is_best=False)
     last = os.path.join(out, "checkpoints", "last.pth")
     os.remove(last)
     with open(last, "wb") as f:
         f.write(b"not a checkpoint")
     with open(os.path.join(out, "checkpoints", "epoch_0002.pth"), "r+b") as f:
         f.truncate(20)
-    ckpt, path = checkpoint.load_latest(out)
+    ckpt, path = _folder(out).latest()
     assert ckpt["epoch"] == 1 and path.endswith("epoch_0001.pth")
     assert "skipping unreadable checkpoint" in caplog.text
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):
     out = str(tmp_path)
-    checkpoint.save(_state(1), out, is_best=False, keep=3)
+    _folder(out).save(_state(1), is_best=False)
 
     class Exploding:
         def __reduce__(self):
             raise OSError("disk full")
 
     with pytest.raises(OSError):
-        checkpoint.save({"model": {}, "epoch": 2, "boom": Exploding()}, out, is_best=False, keep=3)
-    assert sorted(os.listdir(checkpoint.checkpoint_dir(out))) == ["epoch_0001.pth", "last.pth"]
-    assert checkpoint.load_latest(out)[0]["epoch"] == 1
+        _folder(out).save({"model": {}, "epoch": 2, "boom": Exploding()}, is_best=False)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["epoch_0001.pth", "last.pth"]
+    assert _folder(out).latest()[0]["epoch"] == 1
 
 
 class _RunsCode:
@@ -114,7 +120,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     path = tmp_path / "evil.pth"
     torch.save({"model": _RunsCode()}, path)
     with pytest.raises(UserError, match="refused to load checkpoint"):
-        checkpoint.load(str(path))
+        load_checkpoint(str(path))
 
 
 def test_rng_state_round_trip():
@@ -134,7 +140,7 @@ def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypat
 
     stop = Terminated if stop == "Terminated" else stop
     out = str(tmp_path)
-    checkpoint.save(_state(1), out, is_best=False, keep=3)
+    _folder(out).save(_state(1), is_best=False)
     real_save = torch.save
 
     class Interrupting:  # a file whose writes are cut by the signal after 3 KB
@@ -153,10 +159,10 @@ def test_a_stop_signal_mid_write_is_a_stop_not_a_write_error(tmp_path, monkeypat
     monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, Interrupting(f)))
     big = {**_state(2), "model": {"w": torch.zeros(10_000)}}
     with pytest.raises(stop):
-        checkpoint.save(big, out, is_best=False, keep=3)
+        _folder(out).save(big, is_best=False)
     monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(os.listdir(checkpoint.checkpoint_dir(out))) == ["epoch_0001.pth", "last.pth"]
-    assert checkpoint.load_latest(out)[0]["epoch"] == 1
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["epoch_0001.pth", "last.pth"]
+    assert _folder(out).latest()[0]["epoch"] == 1
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP without a process group

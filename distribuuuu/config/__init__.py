@@ -11,7 +11,6 @@ which the callers that run something call (api.py, the CLI's spawner and `config
 from distribuuuu.config.reading import (
     CONFIG_DIFF,
     diff_from_defaults,
-    dump_to_run_folder,
     flatten,
     get_defaults,
     load_config,
@@ -26,6 +25,6 @@ from distribuuuu.config.reading import (
 from distribuuuu.config.user_modules import import_user_modules
 from distribuuuu.config.validate import validate
 
-__all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "merge_text", "dump_to_run_folder",
+__all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "merge_text",
            "diff_from_defaults", "to_yaml", "flatten", "import_user_modules", "with_imports", "parse_literal",
            "unknown_key", "CONFIG_DIFF"]

@@ -227,20 +227,6 @@ def diff_from_defaults(cfg: CN) -> dict[str, Any]:
     return {k: v for k, v in flatten(cfg).items() if defaults.get(k) != v}
 
 
-def dump_to_run_folder(cfg: CN, out_dir: str) -> None:
-    """Write the full config (CFG_DEST) and the diff from the defaults (config_diff.yaml)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, cfg.CFG_DEST), "w") as f:
-        f.write(to_yaml(cfg))
-    nested: dict[str, Any] = {}
-    for key, value in diff_from_defaults(cfg).items():
-        node = nested
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    with open(os.path.join(out_dir, CONFIG_DIFF), "w") as f:
-        yaml.safe_dump(nested, f, sort_keys=True)
 
 
 def with_imports(cfg_file: str | None, opts: list[str], modules: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ What happens around the loop (checkpoints, evaluation, early stopping, metrics f
 (hooks.py: the events, their order and their arguments). Only this module writes the Trainer and
 its TrainState: hooks read them, and act through ``stop``, ``update_best``, ``settle`` and ``save``.
 
-A checkpoint is a plain dict (the files themselves: run_folder/checkpoint.py):
+A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoints: run_folder):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step (optimizer steps of the schedule, a skipped
@@ -165,8 +165,7 @@ class Trainer:
         self.build_model(bare)
         self.build_data()
         self.log_setup()
-        state.data_identity = folder.facts(  # MERGE: data_identity
-            len(self.train_loader.dataset), len(self.val_loader.dataset))
+        state.data_identity = folder.data_identity(len(self.train_loader.dataset), len(self.val_loader.dataset))
         ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
         if ckpt is not None:
             self.resume(ckpt, path)

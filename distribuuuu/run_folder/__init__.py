@@ -1,147 +1,275 @@
 """The run folder (OUT_DIR) behind one object: the training core reads and writes it only through
-``RunFolder``; the commands around it use the few functions below.
+``RunFolder``; the commands around it use the few functions below. Only this package writes here.
 
-What is in the folder and which module writes each file: layout.py. The modules of this package:
-  checkpoint.py    checkpoint files: atomic save, keep-k, integrity digests, the newest intact one
-  lock.py          OUT_DIR/run.lock: one training run per folder
-  ownership.py     the folder checks before any process group, debris, records of an earlier run
-  resume_check.py  whether a checkpoint fits the run that would continue it
-  metrics_files.py metrics.jsonl / metrics.csv / TensorBoard / eval.jsonl, and their repair on resume
-  records.py       env.json, env_history.jsonl, model.txt (and config.yaml through config/)
+OUT_DIR/
+  checkpoints/      epoch_NNNN.pth, step_NNNNNNNN.pth, last.pth (the newest), best.pth (the chosen one),
+                    <name>.dcp/ (an FSDP run's shards, DIST.FSDP_STATE_DICT sharded): RunFolder below,
+                    the file format: weights.py
+  run.lock          the training run that owns the folder (lock.py)
+  metrics.jsonl, metrics.csv, tb/   the run's records, one per epoch and split (metrics_files.py);
+                    metrics_dropped.jsonl: those a resume moved out
+  eval.jsonl        the records of ``distribuuuu eval`` into this folder (RunFolder.write_eval_record)
+  config.yaml (CFG_DEST), config_diff.yaml, env.json, env_history.jsonl, model.txt   the run's
+                    config, what ran where, and the model (records.py); log.txt (logger.py)
 
-The order of the calls in one training run (engine/trainer.py):
-  owned (api.run_command: rank 0 takes the lock) -> RunFolder(cfg) -> previous_seed -> has_checkpoint
-  -> prepare_record -> latest + check_resume (resuming) -> write_record -> metrics -> save (each
-  checkpoint) -> best (the test of the chosen checkpoint).
+Whether a checkpoint fits the run that would continue it: resume_check.py, entered only by a run
+that resumes. The order of the calls in one training run (api.run_command, engine/trainer.py):
+  check_folder (every process, before any process group) -> owned (rank 0 takes the lock) ->
+  RunFolder(cfg) -> previous_seed -> has_checkpoint -> prepare_record -> latest + check_resume
+  (resuming) -> write_record -> metrics -> save (each checkpoint) -> best (the test of the chosen one).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import errno
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import socket
 from typing import Any
 
 import torch
 from yacs.config import CfgNode
 
+from distribuuuu import config, files, weights
 from distribuuuu.errors import UserError
-from distribuuuu.launch import comm
-from distribuuuu.run_folder import checkpoint, ownership, records, resume_check
-from distribuuuu.run_folder.layout import checkpoint_dir
-from distribuuuu.run_folder.lock import Holder, acquire, lock_path, release, this_process
-from distribuuuu.run_folder.metrics_files import MetricsWriter, recorded_test, write_eval_record
-from distribuuuu.run_folder.ownership import (
-    log_notes,
-    refuse_existing_run,
-    remove_debris,
-    remove_if_empty,
-    set_aside_records,
+from distribuuuu.launch import comm, signals
+from distribuuuu.logger import LOG_FILE, release_log
+from distribuuuu.run_folder import lock, records, resume_check
+from distribuuuu.run_folder.lock import BEST, CHECKPOINTS, LAST, LOCK, owned
+from distribuuuu.run_folder.metrics_files import (
+    EVAL_RECORDS,
+    METRICS,
+    METRICS_DROPPED,
+    METRICS_FILES,
+    MetricsWriter,
+    clean,
 )
 
-__all__ = ["RunFolder", "owned", "log_notes", "remove_if_empty", "preflight"]
+__all__ = ["RunFolder", "owned", "check_folder", "log_notes", "remove_if_empty", "best_or_last", "best_path",
+           "NAMES", "CHECKPOINTS", "LAST", "BEST"]
+
+log = logging.getLogger("distribuuuu")
+
+# Everything a run, and the tools, put into OUT_DIR besides the config (CFG_DEST must be none of them)
+NAMES = (CHECKPOINTS, *METRICS_FILES, records.ENV, records.ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
+         records.MODEL_TABLE, config.CONFIG_DIFF, LOG_FILE, LOCK, "plots", "bench", "export")
+_NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
-def preflight(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
-    """The folder's checks that need no process group: usable, not another live run's, and (train)
-    a resume whose config may continue the run in it."""
-    ownership.preflight(cfg, command, all_ranks_here)
-    if command == "train":  # an edited config must not resume a run it does not fit (before config.yaml is written)
-        resume_check.preflight(cfg)
-
-
-def take(cfg: Any, me: Holder) -> list[str]:
-    """Rank 0: acquire the lock, re-check under it what preflight saw, clear debris. Returns log lines."""
-    notes = acquire(cfg.OUT_DIR, me)
+# ---------------------------------------------------------------------------------------------
+# The folder before any process group, and the commands around training
+# ---------------------------------------------------------------------------------------------
+def _probe_writable(folder: str, what: str) -> None:
+    """Really create and remove a small file in folder (os.access lies for root and on network
+    filesystems); UserError if that fails."""
+    probe = os.path.join(folder, f".distribuuuu-probe.{socket.gethostname()}.{os.getpid()}")
     try:
-        if not cfg.TRAIN.AUTO_RESUME:
-            refuse_existing_run(cfg.OUT_DIR)
-        debris = remove_debris(cfg.OUT_DIR)
-    except BaseException:
-        release(cfg.OUT_DIR, me)
-        raise
-    return notes + ([debris] if debris else [])
+        with open(probe, "x") as f:
+            f.write("0")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"{what} {folder} is not writable ({e.strerror}): a file cannot be created in it. "
+                        f"Make it writable (chmod u+w {folder}) or give another OUT_DIR") from None
 
 
-@contextlib.contextmanager
-def owned(cfg: Any, ctx: Any, lock: bool = True) -> Iterator[list[str]]:
-    """``with owned(cfg, ctx) as notes:`` rank 0 holds OUT_DIR/run.lock for the body.
-
-    Collective: rank 0 decides and broadcasts the outcome, so every rank raises the same
-    UserError when the folder is taken (none is left waiting). ``notes``: rank 0's lines to log
-    once logging is set up. lock=False (eval): yields [] and does nothing.
-    """
-    if not lock:
-        yield []
+def check_folder(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
+    """The folder's checks that need no process group, in every process before any starts, so that
+    every rank decides alike and none is left waiting: OUT_DIR is a folder (made if needed) that
+    takes new files; for train, so is OUT_DIR/checkpoints if it exists, CFG_DEST names a file of its
+    own, no live run holds the lock (lock.check_not_busy), TRAIN.AUTO_RESUME False finds no earlier
+    run, and a run about to resume may continue with this config (before config.yaml or any
+    checkpoint is written)."""
+    out_dir = cfg.OUT_DIR
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file where it, or a folder above it, would be; or no permission
+        why = "is a file, not a folder" if os.path.isfile(out_dir) else f"cannot be created ({e.strerror})"
+        raise UserError(f"OUT_DIR {out_dir} {why}; give a folder path you can write to (OUT_DIR runs/NAME)") from None
+    _probe_writable(out_dir, "OUT_DIR")
+    if command != "train":
         return
-    me, outcome, failure = this_process(), ("ok", []), None
-    if ctx.is_main:
-        try:
-            outcome = ("ok", take(cfg, me))
-        except UserError as e:
-            outcome = ("user", str(e))
-        except Exception as e:  # noqa: BLE001 - shared first, so no rank waits; re-raised below
-            outcome, failure = ("crash", f"{type(e).__name__}: {e}"), e
-    held = ctx.is_main and outcome[0] == "ok"
+    ckpt_dir = os.path.join(out_dir, CHECKPOINTS)
+    if os.path.lexists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        raise UserError(f"{ckpt_dir} is a file, not a folder; move it away or give another OUT_DIR")
+    if os.path.isdir(ckpt_dir):
+        _probe_writable(ckpt_dir, "the checkpoints folder")
+    if cfg.CFG_DEST in NAMES or os.path.isdir(os.path.join(out_dir, cfg.CFG_DEST)):
+        _refuse_cfg_dest(cfg.CFG_DEST, out_dir)
+    lock.check_not_busy(out_dir, all_ranks_here)
+    if not cfg.TRAIN.AUTO_RESUME:
+        lock.refuse_existing_run(out_dir)
+    elif candidates := resume_candidates(out_dir):
+        resume_check.check_resumable_config(cfg, candidates)
+
+
+def _refuse_cfg_dest(name: str, out_dir: str) -> None:
+    """CFG_DEST names a file in OUT_DIR: not a name the run folder uses for something else, nor a folder there."""
+    if name in NAMES:
+        raise UserError(f"CFG_DEST {name!r} is a name the run folder uses for something else; "
+                        "use a name such as config.yaml")
+    raise UserError(f"CFG_DEST {name!r} is an existing folder in OUT_DIR ({os.path.join(out_dir, name)}); the full "
+                    "config is written to that name: use a file name such as config.yaml")
+
+
+def log_notes(notes: list[str]) -> None:
+    """owned's notes (a stale lock taken over, debris removed), once logging is set up."""
+    for line in notes:
+        log.warning(line)
+
+
+def remove_if_empty(folder: str) -> None:
+    """The folder a refused command made (check_folder), if nothing was written into it: a refused
+    command makes no folder. A folder with anything in it stays."""
     try:
-        kind, detail = comm.broadcast_object(outcome)
-        if kind == "user":
-            raise UserError(detail)
-        if kind == "crash":
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"rank 0 could not take the run lock {lock_path(cfg.OUT_DIR)}: {detail}")
-        yield detail if ctx.is_main else []
-    finally:
-        if held:  # also when the broadcast itself failed (another rank died)
-            release(cfg.OUT_DIR, me)
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
+def best_path(out_dir: str) -> str:
+    """Where a run in out_dir keeps the checkpoint it chose (messages name it)."""
+    return os.path.join(out_dir, CHECKPOINTS, BEST)
+
+
+def best_or_last(out_dir: str) -> str | None:
+    """The run's chosen checkpoint, the one eval, predict, export and the final test use: best.pth
+    (best on the validation split), else last.pth (no finite evaluation yet), else None."""
+    paths = (os.path.join(out_dir, CHECKPOINTS, name) for name in (BEST, LAST))
+    return next((p for p in paths if os.path.isfile(p)), None)
+
+
+def _numbered(folder: str, kind: str = "*") -> list[str]:
+    """The epoch_*.pth / step_*.pth files in folder (kind "epoch", "step" or both), oldest first."""
+    found = [p for p in glob.glob(os.path.join(folder, f"{kind}_*.pth")) if _NUMBERED.match(os.path.basename(p))]
+    return sorted(found, key=lambda p: int(_NUMBERED.match(os.path.basename(p)).group(2)))
+
+
+def resume_candidates(out_dir: str) -> list[str]:
+    """The checkpoint files auto-resume tries, in order: last.pth, then epoch/step files, newest first."""
+    folder = os.path.join(out_dir, CHECKPOINTS)
+    candidates = [os.path.join(folder, LAST), *sorted(_numbered(folder), key=os.path.getmtime, reverse=True)]
+    return [p for p in candidates if os.path.isfile(p)]
+
+
+def _newest_intact(out_dir: str, candidates: list[str]) -> tuple[dict[str, Any], str]:
+    """The first candidate that loads and passes its integrity check, a damaged one skipped with a
+    warning; a UserError when every one is unreadable or damaged (starting over would overwrite them)."""
+    tried: set[tuple[int, int]] = set()  # last.pth and best.pth are hard links: read each file once
+    failed: list[str] = []
+    for path in candidates:
+        inode = (os.stat(path).st_dev, os.stat(path).st_ino)
+        if inode in tried:
+            continue
+        tried.add(inode)
+        try:
+            return weights.load_checkpoint(path), path
+        except weights.UnreadableCheckpoint as e:  # a truncated, corrupt or damaged file: try an older one
+            kind = "damaged" if isinstance(e, weights.DamagedCheckpoint) else "unreadable"
+            log.warning("skipping %s checkpoint %s (%s)", kind, path, e)
+            failed.append(os.path.basename(path))
+    raise UserError(f"no intact checkpoint to resume in {os.path.join(out_dir, CHECKPOINTS)}: {', '.join(failed)} "
+                    "cannot be used (see the warnings above). Starting over there would overwrite them: "
+                    f"move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give another OUT_DIR")
+
+
+class DiskFull(UserError, OSError):
+    """A checkpoint could not be written for lack of space: one line, exit 2 (docs/reliability.md).
+    An OSError too, for callers that catch failed writes."""
+
+
+def _failed_save(path: str, error: Exception) -> BaseException:
+    """What a failed checkpoint write raises: the stop signal that interrupted it (torch's zip writer
+    then failed closing), DiskFull (ENOSPC anywhere in the chain: torch reports it as a RuntimeError),
+    or an OSError; the last two say what the run can go on from."""
+    interrupt = signals.interruption(error)
+    if interrupt is not None:
+        return interrupt
+    folder = os.path.dirname(path)
+    kept = resume_candidates(os.path.dirname(folder))
+    kept_line = (f"{os.path.basename(kept[0])}, the previous checkpoint, is intact" if kept else
+                 "no checkpoint of this run is kept yet (a re-run starts from the beginning)")
+    if any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+           for e in signals.chain(error)):
+        return DiskFull(f"No space left on device writing checkpoint {os.path.basename(path)} in {folder}; "
+                        f"{kept_line}; free space there (or give another OUT_DIR) and run the same command again")
+    return OSError(f"writing checkpoint {path} failed ({type(error).__name__}: {error}); {kept_line}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The folder as the training core sees it
+# ---------------------------------------------------------------------------------------------
 class RunFolder:
     """OUT_DIR as the training core sees it. Every rank makes one; only rank 0 writes files
     (``save``'s caller and MetricsWriter know which rank they are on)."""
 
+    load = staticmethod(weights.load_checkpoint)  # a checkpoint file's entries, its integrity digest verified
+
     def __init__(self, cfg: CfgNode) -> None:
         self.cfg, self.out_dir = cfg, cfg.OUT_DIR
-        self.checkpoints = checkpoint_dir(cfg.OUT_DIR)  # a sharded (FSDP) state's .dcp folders live here too
+        self.checkpoints = os.path.join(cfg.OUT_DIR, CHECKPOINTS)  # a sharded (FSDP) state's .dcp folders too
 
     # -- before the model is built ---------------------------------------------------------------
     def previous_seed(self) -> int | None:
-        """RNG_SEED None and a run to continue: the seed it started with (env.json), else None."""
-        return records.previous_seed(self.cfg)
+        """RNG_SEED None and a run to continue: the seed it started with (env.json), so that the
+        resumed run shuffles as it began; else None."""
+        if self.cfg.RNG_SEED is not None or not self.has_checkpoint():
+            return None
+        return records.recorded_seed(self.out_dir)
 
     def has_checkpoint(self) -> bool:
         """Whether TRAIN.AUTO_RESUME will continue from a checkpoint here (its weights replace MODEL.WEIGHTS)."""
-        return self.cfg.TRAIN.AUTO_RESUME and bool(checkpoint.resume_candidates(self.out_dir))
+        return self.cfg.TRAIN.AUTO_RESUME and bool(resume_candidates(self.out_dir))
 
-    def prepare_record(self, ctx: Any, model: torch.nn.Module) -> dict[str, Any] | None:
-        """Collective: env.json's and model.txt's contents, gathered now, written by write_record."""
-        return records.prepare_run_record(self.cfg, ctx, model)
+    def prepare_record(self, ctx: comm.DistContext, model: torch.nn.Module) -> dict[str, Any] | None:
+        """Collective (every rank's host is gathered): what write_record writes, taken now and written
+        nothing yet; model is the bare module, before sharding. Rank 0 gets it, the others None."""
+        placements = comm.all_gather_object(records.placement(ctx))
+        if not ctx.is_main:
+            return None
+        return {"env": records.env_record(self.cfg, ctx, placements), "model": records.model_table(model, self.cfg)}
 
     def write_record(self, prepared: dict[str, Any] | None, seed: int) -> None:
-        """Once every check passed (a refused run leaves OUT_DIR as it was): config, env, model.txt, log.txt."""
-        records.write_run_record(self.cfg, prepared, seed)
+        """Once every check passed (a refused run leaves OUT_DIR as it was), rank 0 (``prepared``):
+        config.yaml, config_diff.yaml, env.json and model.txt, each replaced atomically, and a line
+        added to env_history.jsonl; every rank: log.txt gets the lines held so far (logger.release_log)."""
+        if prepared is not None:
+            os.makedirs(self.out_dir, exist_ok=True)  # engine.fit called without api's checks
+            env = {**prepared["env"], "seed": seed}
+            texts = {self.cfg.CFG_DEST: config.to_yaml(self.cfg), config.CONFIG_DIFF: records.config_diff(self.cfg),
+                     records.ENV: json.dumps(env, indent=2) + "\n", records.MODEL_TABLE: prepared["model"]}
+            for name, text in texts.items():
+                files.atomic_write(os.path.join(self.out_dir, name), lambda f, text=text: f.write(text.encode()))
+            files.append(os.path.join(self.out_dir, records.ENV_HISTORY), json.dumps(env) + "\n")  # one per start
+            log.info("run record: env.json, model.txt (%s)", prepared["model"].rstrip().splitlines()[-1].strip())
+        release_log()
 
     # -- resume ----------------------------------------------------------------------------------
     def latest(self) -> tuple[dict[str, Any] | None, str | None]:
         """The newest intact checkpoint and its path, or (None, None) (a damaged one is skipped with a warning)."""
-        return checkpoint.load_latest(self.out_dir)
+        candidates = resume_candidates(self.out_dir)
+        return _newest_intact(self.out_dir, candidates) if candidates else (None, None)
 
-    def check_resume(self, ckpt: dict[str, Any], path: str, facts: dict[str, Any],
+    def check_resume(self, ckpt: dict[str, Any], path: str, data_identity: dict[str, Any],
                      model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Refuse (UserError) a checkpoint that does not fit this run: config, data, model, optimizer."""
-        resume_check.check(ckpt, path, self.cfg, facts, model, optimizer)
+        resume_check.check(ckpt, path, self.cfg, data_identity, model, optimizer)
 
     @staticmethod
-    def facts(train_samples: int, val_samples: int) -> dict[str, Any]:
-        """What a checkpoint records about the data, checked when the run resumes."""
-        return resume_check.run_facts(train_samples, val_samples)
+    def data_identity(train_samples: int, val_samples: int) -> dict[str, Any]:
+        """What a checkpoint records about the data beyond the config (its "facts" entry), checked
+        when the run resumes."""
+        return {"train_samples": int(train_samples), "val_samples": int(val_samples)}
 
     # -- records ---------------------------------------------------------------------------------
     def metrics(self, is_main: bool, resumed_epoch: int | None, global_step: int) -> MetricsWriter:
         """The writer of metrics.jsonl/csv and TensorBoard. A fresh start moves an earlier run's records
         aside; a resume drops the records of epochs the checkpoint does not hold."""
-        if resumed_epoch is None and is_main and (moved := set_aside_records(self.out_dir)):
-            log_notes([moved])
+        if resumed_epoch is None and is_main and (found := lock.count_records(self.out_dir)):
+            log.warning(lock.set_aside_records(self.out_dir, found))
         writer = MetricsWriter(self.out_dir, is_main, topk=self.cfg.TRAIN.TOPK)
         if resumed_epoch is not None:
             writer.repair(resumed_epoch)
@@ -150,25 +278,69 @@ class RunFolder:
 
     def recorded_test(self) -> dict[str, Any] | None:
         """The test record that ends metrics.jsonl (a finished run), or None. Rank 0 reads it."""
-        return recorded_test(self.out_dir)
+        try:
+            with open(os.path.join(self.out_dir, METRICS), "rb") as f:
+                lines = [line for line in f.read().splitlines() if line.strip()]
+            last = json.loads(lines[-1]) if lines else None
+        except (OSError, ValueError):
+            return None
+        return last if isinstance(last, dict) and last.get("split") == "test" else None
 
     def write_eval_record(self, record: dict[str, Any], enabled: bool) -> str:
-        return write_eval_record(self.out_dir, record, enabled)
+        """Rank 0 (enabled) adds an ``eval`` record to OUT_DIR/eval.jsonl; returns that path. Kept out of
+        metrics.jsonl, whose lines are the run's epochs and splits (plot, bench --compare and resume's
+        repair read it): an eval into a run folder must not change what they see."""
+        path = os.path.join(self.out_dir, EVAL_RECORDS)
+        if enabled:
+            os.makedirs(self.out_dir, exist_ok=True)
+            files.append(path, json.dumps(clean(record)) + "\n")
+        return path
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, record: dict[str, Any], is_best: bool) -> str:
-        """Rank 0: the checkpoint file (atomic, with its digest), last.pth and best.pth, keep-k pruning."""
-        return checkpoint.save(record, self.out_dir, is_best=is_best, keep=self.cfg.TRAIN.CKPT_KEEP)
+    def _path(self, counters: dict[str, Any]) -> str:
+        """epoch_NNNN.pth at an epoch's end, step_NNNNNNNN.pth mid-epoch."""
+        if counters.get("samples_in_epoch"):
+            return os.path.join(self.checkpoints, f"step_{counters['global_step']:08d}.pth")
+        return os.path.join(self.checkpoints, f"epoch_{counters['epoch']:04d}.pth")
 
     def shards_path(self, counters: dict[str, Any]) -> str:
         """The .dcp folder of a sharded (FSDP) state saved with these counters."""
-        return checkpoint.checkpoint_path(self.out_dir, counters)[:-len(".pth")] + ".dcp"
+        return self._path(counters)[:-len(".pth")] + ".dcp"
 
-    @staticmethod
-    def load(path: str) -> dict[str, Any]:
-        """A checkpoint file's entries: tensors and plain values only, its integrity digest verified."""
-        return checkpoint.load(path)
+    def save(self, record: dict[str, Any], is_best: bool) -> str:
+        """Rank 0: the checkpoint file (weights.save_checkpoint: atomic, with its digest), last.pth and
+        best.pth pointed at it, then the oldest files of its kind beyond TRAIN.CKPT_KEEP pruned (with
+        their .dcp shard folders). A failed write leaves the previous checkpoint and says so."""
+        os.makedirs(self.checkpoints, exist_ok=True)
+        path = self._path(record)
+        try:
+            weights.save_checkpoint(record, path)
+        except Exception as e:  # a stop signal, a full disk or another failure
+            raise _failed_save(path, e) from e
+        files.atomic_link(path, os.path.join(self.checkpoints, LAST))
+        if is_best:
+            files.atomic_link(path, os.path.join(self.checkpoints, BEST))
+        keep = self.cfg.TRAIN.CKPT_KEEP  # pruned only now that the new checkpoint is complete
+        existing = _numbered(self.checkpoints, "step" if record.get("samples_in_epoch") else "epoch")
+        for old in existing[:-keep] if keep > 0 else existing:
+            if old != path:
+                os.remove(old)
+                shards = old[:-len(".pth")] + ".dcp"
+                if os.path.isdir(shards) and shards not in self._pinned_shards():  # best.pth may need its shards
+                    shutil.rmtree(shards)
+        return path
+
+    def _pinned_shards(self) -> set[str | None]:
+        """The .dcp folders that last.pth and best.pth (sharded checkpoints) refer to."""
+        pinned = set()
+        for name in (LAST, BEST):
+            try:  # peek: only the small "sharded" entry is needed, not the tensors of the whole file
+                ref = weights.peek_checkpoint(os.path.join(self.checkpoints, name)).get("sharded")
+            except Exception:  # noqa: BLE001 - a missing or unreadable file pins nothing
+                ref = None
+            pinned.add(os.path.join(self.checkpoints, ref) if ref else None)
+        return pinned
 
     def best(self) -> str | None:
         """The checkpoint the run chose: best.pth, else last.pth, else None."""
-        return checkpoint.best_or_last(self.out_dir)
+        return best_or_last(self.out_dir)

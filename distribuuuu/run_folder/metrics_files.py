@@ -1,8 +1,10 @@
-"""The run's records for programs: OUT_DIR/metrics.jsonl, metrics.csv, TensorBoard events in OUT_DIR/tb,
-and eval.jsonl; and their repair when a run resumes from a checkpoint older than its last records.
+"""The run's records for programs: OUT_DIR/metrics.jsonl, metrics.csv and TensorBoard events in
+OUT_DIR/tb; and their repair when a run resumes from a checkpoint older than its last records.
 
 Only rank 0 writes. metrics.jsonl holds one record per epoch and split (train, val, test), so plot,
-bench --compare and resume's repair read it alone; ``distribuuuu eval`` appends to eval.jsonl instead.
+bench --compare and resume's repair read it alone; ``distribuuuu eval`` appends to eval.jsonl instead
+(RunFolder.write_eval_record). A record is one line added in one write (files.append); a rewrite of
+metrics.csv or metrics.jsonl goes through a temporary file (files.atomic_write).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import math
 import os
 from typing import Any
 
-from distribuuuu.files import atomic_write_bytes
-from distribuuuu.run_folder.layout import EVAL_RECORDS, METRICS, METRICS_CSV, METRICS_DROPPED, TENSORBOARD
+from distribuuuu import files
 
 log = logging.getLogger("distribuuuu")
 
+METRICS, METRICS_CSV, TENSORBOARD = "metrics.jsonl", "metrics.csv", "tb"
+METRICS_FILES = (METRICS, METRICS_CSV, TENSORBOARD)  # what a run appends to: set aside together
+METRICS_DROPPED = "metrics_dropped.jsonl"  # records a resume moved out of metrics.jsonl
+EVAL_RECORDS = "eval.jsonl"  # `eval` records: apart from metrics.jsonl, whose lines are the run's epochs
 # metrics.csv columns, in this order; keys a record brings beyond these are appended.
 CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "topk_acc", "topk", "n", "lr", "img_per_s",
                "time_s", "data_frac", "peak_mem_mb"]
@@ -30,11 +35,16 @@ TB_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s", "data_frac", "peak_mem
 STEP_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s")
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def clean(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/inf: null instead."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def _csv_rows(path: str) -> list[dict[str, str]]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 class MetricsWriter:
@@ -42,11 +52,9 @@ class MetricsWriter:
     as TensorBoard scalars to OUT_DIR/tb (records with an epoch only). Other ranks: no-op."""
 
     def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, topk: int = 5) -> None:
-        self.topk = topk  # TRAIN.TOPK: names the tag of the "topk_acc" field
-        self.path = os.path.join(out_dir, METRICS)
-        self.csv_path = os.path.join(out_dir, METRICS_CSV)
-        self.tb_dir = os.path.join(out_dir, TENSORBOARD)
-        self.enabled, self.tensorboard = enabled, tensorboard
+        self.out_dir, self.enabled, self.tensorboard, self.topk = out_dir, enabled, tensorboard, topk  # topk: TRAIN.TOPK
+        self.path, self.csv_path = os.path.join(out_dir, METRICS), os.path.join(out_dir, METRICS_CSV)
+        self.csv_header: list[str] | None = None  # metrics.csv's columns, once read or written
         self._tb: Any = None  # the SummaryWriter, made at the first epoch record (eval runs make none)
         # On resume: the first global step the run writes again. TensorBoard drops every event of
         # the earlier files from this step on (a SessionLog START): the steps written after the
@@ -57,70 +65,40 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {k: _clean(v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        record = clean(record)
+        files.append(self.path, json.dumps(record) + "\n")
         self._write_csv(record)
         if self.tensorboard and isinstance(record.get("epoch"), int):
-            self._write_tb(record)
-
-    def _write_csv(self, record: dict[str, Any]) -> None:
-        header = CSV_COLUMNS
-        if os.path.isfile(self.csv_path):
-            with open(self.csv_path, newline="") as f:
-                header = next(csv.reader(f), CSV_COLUMNS)
-        new = [k for k in record if k not in header]
-        if new or not os.path.isfile(self.csv_path):
-            # A key never seen before widens the table: rewrite it, older rows get empty cells.
-            rows = []
-            if os.path.isfile(self.csv_path):
-                with open(self.csv_path, newline="") as f:
-                    rows = list(csv.DictReader(f))
-            header = header + new
-            with open(self.csv_path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=header)
-                w.writeheader()
-                w.writerows(rows)
-        with open(self.csv_path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=header).writerow(record)
-
-    def _events(self) -> Any:
-        """The SummaryWriter, made on first use; None without TensorBoard."""
-        if self._tb is None and self.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is a dependency; a broken install only costs the events
-                log.warning("no TensorBoard events: %s", e)
-                self.tensorboard = False
-                return None
-            self._tb = SummaryWriter(self.tb_dir, purge_step=self.purge_step)
-        return self._tb
-
-    def tag(self, split: str, key: str) -> str:
-        """The TensorBoard tag of a record's number: the top-k field is named by its real k."""
-        return f"{split}/top{self.topk}" if key == "topk_acc" else f"{split}/{key}"
+            self._scalars(record.get("split", "train"), record, TB_KEYS, record["epoch"])
+            self._tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
 
     def write_step(self, step: int, scalars: dict[str, float]) -> None:
         """Per-step TensorBoard scalars (train_step/loss, lr, img_per_s, top1, top<k>) against the
         global step; not flushed here (the epoch's record flushes), so a print step costs little."""
-        tb = self._events() if self.enabled else None
-        if tb is None:
-            return
-        for key in STEP_KEYS:
-            value = scalars.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                tb.add_scalar(self.tag("train_step", key), value, step)
+        if self.enabled and self.tensorboard:
+            self._scalars("train_step", scalars, STEP_KEYS, step)
 
-    def _write_tb(self, record: dict[str, Any]) -> None:
-        tb = self._events()
-        if tb is None:
-            return
-        split = record.get("split", "train")
-        for key in TB_KEYS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                tb.add_scalar(self.tag(split, key), value, record["epoch"])
-        tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
+    def _scalars(self, prefix: str, values: dict[str, Any], keys: tuple[str, ...], step: int) -> None:
+        """The finite numbers of values under keys as TensorBoard scalars <prefix>/<key> (the top-k
+        field named by its real k: <prefix>/top<k>); the SummaryWriter is made on first use."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(self.out_dir, TENSORBOARD), purge_step=self.purge_step)
+        for key in keys:
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self._tb.add_scalar(f"{prefix}/top{self.topk}" if key == "topk_acc" else f"{prefix}/{key}", value, step)
+
+    def _write_csv(self, record: dict[str, Any]) -> None:
+        if self.csv_header is None and os.path.isfile(self.csv_path):  # the columns of an earlier start
+            with open(self.csv_path, newline="") as f:
+                self.csv_header = next(csv.reader(f), None)
+        if self.csv_header is not None and record.keys() <= set(self.csv_header):
+            with open(self.csv_path, "a", newline="") as f:  # one row, one write
+                csv.DictWriter(f, fieldnames=self.csv_header).writerow(record)
+        else:  # a first record, or a key never seen before: a new column, older rows get empty cells
+            self._rebuild_csv([*_csv_rows(self.csv_path), record])
 
     def close(self) -> None:
         if self._tb is not None:
@@ -152,7 +130,7 @@ class MetricsWriter:
                 kept.append(line)
         if not dropped and raw.endswith(b"\n"):
             return []
-        atomic_write_bytes(self.path, b"".join(ln + b"\n" for ln in kept))
+        files.atomic_write(self.path, lambda f: f.writelines(ln + b"\n" for ln in kept))
         notes = self._move_dropped(dropped)
         self._rebuild_csv([json.loads(ln) for ln in kept])
         return notes
@@ -161,8 +139,7 @@ class MetricsWriter:
         if not dropped:
             return []
         where = os.path.join(os.path.dirname(self.path), METRICS_DROPPED)
-        with open(where, "a") as f:
-            f.writelines(json.dumps(d) + "\n" for d in dropped)
+        files.append(where, "".join(json.dumps(d) + "\n" for d in dropped))
         notes = []
         for reason in dict.fromkeys(d["reason"] for d in dropped):
             numbers = [str(d["line"]) for d in dropped if d["reason"] == reason]
@@ -173,26 +150,12 @@ class MetricsWriter:
 
     def _rebuild_csv(self, records: list[dict[str, Any]]) -> None:
         header = list(CSV_COLUMNS) + [k for r in records for k in r if k not in CSV_COLUMNS]
-        header = list(dict.fromkeys(header))
+        self.csv_header = list(dict.fromkeys(header))
         text = io.StringIO(newline="")
-        w = csv.DictWriter(text, fieldnames=header)
+        w = csv.DictWriter(text, fieldnames=self.csv_header)
         w.writeheader()
         w.writerows(records)
-        atomic_write_bytes(self.csv_path, text.getvalue().encode())
-
-
-def write_eval_record(out_dir: str, record: dict[str, Any], enabled: bool) -> str:
-    """Rank 0 appends an ``eval`` record to OUT_DIR/eval.jsonl; returns that path.
-
-    Kept out of metrics.jsonl so that a training run's records stay one per epoch and split: plot,
-    bench --compare and resume's repair read metrics.jsonl only, and an eval into a run folder
-    must not change what they see."""
-    path = os.path.join(out_dir, EVAL_RECORDS)
-    if enabled:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-    return path
+        files.atomic_write(self.csv_path, lambda f: f.write(text.getvalue().encode()))
 
 
 def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
@@ -240,14 +203,3 @@ def upgraded(record: dict[str, Any]) -> dict[str, Any]:
         if old in record and new not in record:
             record[new] = record.pop(old)
     return record
-
-
-def recorded_test(out_dir: str) -> dict[str, Any] | None:
-    """The test record that ends metrics.jsonl, if it does (the run was finished), else None."""
-    try:
-        with open(os.path.join(out_dir, METRICS), "rb") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
-        last = json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
-    return last if isinstance(last, dict) and last.get("split") == "test" else None

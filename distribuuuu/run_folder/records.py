@@ -1,20 +1,21 @@
-"""The run folder's record of what ran where: OUT_DIR/env.json, env_history.jsonl and model.txt.
+"""What the run folder records about a run: the config it ran with, what ran where, and the model.
 
-env.json: library versions, the git commit of the code, every rank's host and device, world size,
-backend, launcher, start time, command line and the run's seed, of the latest start (one JSON
-object, as before: tools read it). env_history.jsonl gets the same object as one line at every
-start, so a resumed run keeps the record of each of its starts. model.txt: a per-parameter table (name, shape,
-count), the totals, the size in MB and the FLOPs of one image at TRAIN.IM_SIZE.
+OUT_DIR/env.json: library versions, the git commit of the code, every rank's host and device, world
+size, backend, launcher, start time, command line and the run's seed, of the latest start (one JSON
+object: tools read it); env_history.jsonl gets the same object as one line at every start, so a
+resumed run keeps the record of each of its starts. model.txt: a per-parameter table (name, shape,
+count), the totals, the size in MB and the FLOPs of one image at TRAIN.IM_SIZE. config.yaml
+(CFG_DEST) and config_diff.yaml: the whole config, and the keys that differ from the defaults.
 
-``prepare_run_record`` gathers every rank's host name, so ALL ranks must call it; ``write_run_record``
-writes it (rank 0) once the run has passed every check, so that a refused run changes nothing.
+RunFolder.prepare_record gathers these (a collective: every rank's host) and RunFolder.write_record
+writes them, each file atomically, once the run has passed every check: a refused run changes nothing.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
-import logging
 import os
 import platform
 import shlex
@@ -24,13 +25,13 @@ import sys
 from typing import Any
 
 import torch
+import yaml
 from yacs.config import CfgNode
 
-from distribuuuu.launch import comm
+from distribuuuu import config
 from distribuuuu.launch.comm import DistContext
-from distribuuuu.run_folder.layout import ENV, ENV_HISTORY, MODEL_TABLE, checkpoint_dir
 
-log = logging.getLogger("distribuuuu")
+ENV, ENV_HISTORY, MODEL_TABLE = "env.json", "env_history.jsonl", "model.txt"
 
 
 def _version(module: str) -> str | None:
@@ -43,40 +44,30 @@ def _version(module: str) -> str | None:
 def git_commit(path: str | None = None) -> dict[str, Any] | None:
     """{"commit", "dirty"} of the git checkout holding path (the package by default), or None."""
     path = path or os.path.dirname(os.path.abspath(__file__))
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", path, *args], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    try:  # one call: "# branch.oid <commit>", then a line per changed tracked file
+        lines = subprocess.run(["git", "-C", path, "status", "--porcelain=v2", "--branch", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (an installed package)
         return None
-    return {"commit": commit, "dirty": dirty}
+    commit = next((ln.split()[2] for ln in lines if ln.startswith("# branch.oid ")), "(initial)")
+    if commit == "(initial)":  # a repository without a commit yet
+        return None
+    return {"commit": commit, "dirty": any(not ln.startswith("#") for ln in lines)}
 
 
 def _cpu_name() -> str:
     try:  # Linux: platform.processor() is often empty there
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
 
 
-def _placement(ctx: DistContext) -> dict[str, Any]:
-    device = ctx.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+def placement(ctx: DistContext) -> dict[str, Any]:
+    """This rank's host and device (prepare_record gathers every rank's)."""
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else _cpu_name()
     return {"rank": ctx.rank, "local_rank": ctx.local_rank, "node_rank": ctx.node_rank,
-            "host": socket.gethostname(), "pid": os.getpid(), "device": str(device), "device_name": name}
-
-
-def gather_placements(ctx: DistContext) -> list[dict[str, Any]]:
-    """Every rank's host and device, in rank order. A collective when there is a process group."""
-    return comm.all_gather_object(_placement(ctx))
+            "host": socket.gethostname(), "pid": os.getpid(), "device": str(ctx.device), "device_name": name}
 
 
 def _command_line() -> str:
@@ -87,22 +78,18 @@ def _command_line() -> str:
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
 
 
-def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]],
-               seed: int | None = None) -> dict[str, Any]:
-    """The facts of this start of the run (a resumed run records its new start)."""
+def env_record(cfg: CfgNode, ctx: DistContext, placements: list[dict[str, Any]]) -> dict[str, Any]:
+    """The facts of this start of the run (a resumed run records its new start); the seed is added
+    when it is written."""
     cuda = torch.version.cuda if torch.cuda.is_available() else None
     return {
         "start_time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "seed": seed, "rng_seed_given": cfg.RNG_SEED is not None,
-        "command": _command_line(),
-        "argv": list(sys.argv), "cwd": os.getcwd(), "executable": sys.executable,
-        "out_dir": os.path.abspath(cfg.OUT_DIR),
+        "seed": None, "rng_seed_given": cfg.RNG_SEED is not None, "command": _command_line(),
+        "argv": list(sys.argv), "cwd": os.getcwd(), "executable": sys.executable, "out_dir": os.path.abspath(cfg.OUT_DIR),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "torchvision": _version("torchvision"), "timm": _version("timm"),
-                     "numpy": _version("numpy"), "cuda": cuda,
-                     "cudnn": torch.backends.cudnn.version() if cuda else None},
-        "git": git_commit(),
-        "launcher": ctx.launcher, "world_size": ctx.world_size, "backend": ctx.backend,
+                     **{name: _version(name) for name in ("torchvision", "timm", "numpy")},
+                     "cuda": cuda, "cudnn": torch.backends.cudnn.version() if cuda else None},
+        "git": git_commit(), "launcher": ctx.launcher, "world_size": ctx.world_size, "backend": ctx.backend,
         "master": f"{ctx.master_addr}:{ctx.master_port}" if ctx.distributed else None,
         "hosts": sorted({p["host"] for p in placements}), "ranks": placements,
         "devices": [p["device"] for p in placements], "num_threads": torch.get_num_threads(),
@@ -148,8 +135,7 @@ def model_table(model: torch.nn.Module, cfg: CfgNode) -> str:
              f"{'name':<{wn}}  {'shape':<{ws}}  {'params':>12}  trainable"]
     lines.append("-" * len(lines[-1]))
     lines += [f"{n:<{wn}}  {s:<{ws}}  {c:>12,}  {'yes' if g else 'no'}" for n, s, c, g in rows]
-    total = sum(r[2] for r in rows)
-    trainable = sum(r[2] for r in rows if r[3])
+    total, trainable = sum(r[2] for r in rows), sum(r[2] for r in rows if r[3])
     buffers = sum(b.numel() for b in model.buffers())
     size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     shape = (1, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
@@ -165,50 +151,21 @@ def model_table(model: torch.nn.Module, cfg: CfgNode) -> str:
     return "\n".join(lines) + "\n"
 
 
-def previous_seed(cfg: CfgNode) -> int | None:
-    """With RNG_SEED None, the seed of the run that TRAIN.AUTO_RESUME will continue (from its
-    env.json), so the resumed run shuffles as it began; None for a fresh run or a given RNG_SEED."""
-    ckpt_dir = checkpoint_dir(cfg.OUT_DIR)
-    if cfg.RNG_SEED is not None or not cfg.TRAIN.AUTO_RESUME or not os.path.isdir(ckpt_dir):
-        return None
-    if not any(name.endswith(".pth") for name in os.listdir(ckpt_dir)):
-        return None
+def config_diff(cfg: CfgNode) -> str:
+    """config_diff.yaml: the keys whose value differs from the default, nested as in config.yaml."""
+    nested: dict[str, Any] = {}
+    for key, value in config.diff_from_defaults(cfg).items():  # "OPTIM.BASE_LR" -> nested["OPTIM"]["BASE_LR"]
+        *parents, leaf = key.split(".")
+        functools.reduce(lambda node, part: node.setdefault(part, {}), parents, nested)[leaf] = value
+    return yaml.safe_dump(nested, sort_keys=True)
+
+
+def recorded_seed(out_dir: str) -> int | None:
+    """The seed in OUT_DIR/env.json, or None when it cannot be read (the checkpoint's own seed is
+    then applied on resume: engine.trainer)."""
     try:
-        with open(os.path.join(cfg.OUT_DIR, ENV)) as f:
+        with open(os.path.join(out_dir, ENV)) as f:
             seed = json.load(f).get("seed")
     except (OSError, ValueError, AttributeError):
-        return None  # the checkpoint's own seed is applied on resume (engine.trainer)
-    return seed if isinstance(seed, int) else None
-
-
-def prepare_run_record(cfg: CfgNode, ctx: DistContext, model: torch.nn.Module) -> dict[str, Any] | None:
-    """What write_run_record writes, taken now and written nothing yet: a run refused later (resume
-    checks) leaves OUT_DIR as it was. Call on ALL ranks (host names are gathered); model is the bare
-    module, before sharding (models.unwrap). Rank 0 gets the record, the others None."""
-    placements = gather_placements(ctx)
-    if not ctx.is_main:
         return None
-    return {"env": env_record(cfg, ctx, placements, None), "model": model_table(model, cfg)}
-
-
-def write_run_record(cfg: CfgNode, prepared: dict[str, Any] | None, seed: int | None = None) -> None:
-    """Once every check has passed: config.yaml and config_diff.yaml, env.json, a line appended to
-    env_history.jsonl, model.txt, and log.txt with the lines held so far (logger.release_log).
-    prepared: prepare_run_record's (None on ranks other than 0, which write log.txt only)."""
-    from distribuuuu import config  # config imports the model registry, which imports this module's users
-    from distribuuuu.logger import release_log
-
-    if prepared is not None:
-        os.makedirs(cfg.OUT_DIR, exist_ok=True)
-        config.dump_to_run_folder(cfg, cfg.OUT_DIR)
-        record = {**prepared["env"], "seed": seed}
-        with open(os.path.join(cfg.OUT_DIR, ENV), "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        with open(os.path.join(cfg.OUT_DIR, ENV_HISTORY), "a") as f:  # one line per start, never rewritten
-            f.write(json.dumps(record) + "\n")
-        table = prepared["model"]
-        with open(os.path.join(cfg.OUT_DIR, MODEL_TABLE), "w") as f:
-            f.write(table)
-        log.info("run record: env.json, model.txt (%s)", table.rstrip().splitlines()[-1].strip())
-    release_log()
+    return seed if isinstance(seed, int) else None

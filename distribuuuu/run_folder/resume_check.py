@@ -1,7 +1,8 @@
 """Resume checks what it resumes, before it touches anything of the run.
 
-A checkpoint holds ``cfg`` (the YAML it was written under) and ``facts`` (what the config alone does
-not prove: the sizes of the training and validation sets). Auto-resume compares them with the new
+A checkpoint holds ``cfg`` (the YAML it was written under) and, under the key ``facts``, its data
+identity (RunFolder.data_identity: what the config alone does not prove, the sizes of the training
+and validation sets). Auto-resume compares them with the new
 run's, flattened to keys such as ``OPTIM.BASE_LR``:
 
   IDENTITY_KEYS  change WHAT is trained (model, data, optimizer type, strategy, seed): refused,
@@ -12,13 +13,14 @@ run's, flattened to keys such as ``OPTIM.BASE_LR``:
   any other key  (learning rate, weight decay, augmentation, ...) changes the recipe in the middle of
                  the run: refused too, unless named in TRAIN.RESUME_ALLOW, the explicit request to
                  mix. RESUME_ALLOW may also name an identity key (a dataset that moved to another
-                 path); the facts and the shapes of the saved state are checked all the same.
+                 path); the data identity and the shapes of the saved state are checked all the same.
 
 A differing dataset size, a model whose state dict does not fit, and an optimizer state of another
 optimizer are refused with one message each (never a traceback from deep inside torch). Every rank
-reads the same file and takes the same decision. ``preflight`` runs the config comparison in the
-launching process, before config.yaml or any checkpoint is written; ``check`` runs it again inside
-``engine.trainer.Trainer.resume`` (for callers of engine.fit) together with the facts and the state.
+reads the same file and takes the same decision. ``check_resumable_config`` runs the config
+comparison in the launching process (run_folder.check_folder, when there is a checkpoint to resume),
+before config.yaml or any checkpoint is written; ``check`` runs it again inside
+``engine.trainer.Trainer.resume`` (for callers of engine.fit) together with the data and the state.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import yaml
 
 from distribuuuu import config
 from distribuuuu.errors import UserError
-from distribuuuu.run_folder import checkpoint
+from distribuuuu.weights import peek_checkpoint
 
 log = logging.getLogger("distribuuuu")
 
@@ -68,7 +70,7 @@ SAFE_KEYS = frozenset({
     # how faults are handled
     "TRAIN.NONFINITE", "TRAIN.NONFINITE_MAX_SKIPS", "TRAIN.PREEMPT_SIGNALS", "TRAIN.REQUEUE",
     "TRAIN.BAD_IMAGES", "TRAIN.LOAD_OPT", "DIST.VOTE_PERIOD_STEPS",
-    # a data check: a change that alters the samples shows as another dataset size (the facts)
+    # a data check: a change that alters the samples shows as another dataset size (data identity)
     "TRAIN.DUPLICATE_IMAGES", "TRAIN.OVERLAP",
     # where the user's code is found (what it builds is compared: MODEL.ARCH, the state's shapes)
     "IMPORTS",
@@ -131,39 +133,29 @@ def compare_configs(old_yaml: str, cfg: Any, path: str) -> list[tuple[str, Any, 
     return [c for c in changes if c not in identity and c not in recipe]
 
 
-def peek_cfg(path: str) -> str | None:
-    """The ``cfg`` text of a checkpoint without reading its tensors (mmap), or None if unreadable."""
-    try:
-        obj = checkpoint.peek(path)
-    except Exception:  # noqa: BLE001 - load_latest decides about unreadable files, with a warning
-        return None
-    return obj.get("cfg") if isinstance(obj, dict) else None
-
-
-def preflight(cfg: Any) -> None:
+def check_resumable_config(cfg: Any, candidates: list[str]) -> None:
     """In the launching process, before config.yaml or any checkpoint is written: refuse a resume
-    whose config differs where it may not (the full check runs again in Trainer.resume)."""
-    if not cfg.TRAIN.AUTO_RESUME:
-        return
-    for path in checkpoint.resume_candidates(cfg.OUT_DIR):
-        text = peek_cfg(path)
+    whose config differs where it may not, against the first of the resume candidates whose config
+    can be read (the full check runs again in Trainer.resume)."""
+    for path in candidates:
+        try:  # mmap: the config only, not the tensors
+            text = peek_checkpoint(path).get("cfg")
+        except Exception:  # noqa: BLE001 - Trainer.resume decides about unreadable files, with a warning
+            continue
         if text is not None:
             compare_configs(text, cfg, path)
             return
 
 
-def run_facts(train_samples: int, val_samples: int) -> dict[str, Any]:
-    """What a checkpoint records about its data, beyond the config."""
-    return {"train_samples": int(train_samples), "val_samples": int(val_samples)}
-
-
-def check_facts(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path: str) -> None:
+def check_data(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path: str) -> None:
+    """Refuse a checkpoint whose data identity (RunFolder.data_identity) is not this run's, or whose
+    position in its epoch lies beyond the training set."""
     names = {"train_samples": f"the training set ({cfg.TRAIN.DATASET}, split {cfg.TRAIN.SPLIT!r})",
              "val_samples": f"the validation set ({cfg.TEST.DATASET}, split {cfg.TEST.SPLIT!r})"}
     lines = [f"{names.get(k, k)} has {now[k]} samples now, {saved[k]} when the checkpoint was written"
              for k in now if saved and k in saved and saved[k] != now[k]]
     position = (saved or {}).get("samples_in_epoch", 0)
-    if not lines and position > now.get("train_samples", position):  # a checkpoint older than the facts
+    if not lines and position > now.get("train_samples", position):  # a checkpoint without the data's sizes
         lines = [f"{names['train_samples']} has {now['train_samples']} samples now, but the checkpoint is "
                  f"{position} samples into its epoch"]
     if lines:
@@ -211,14 +203,15 @@ def optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> str | No
     return None
 
 
-def check(ckpt: dict[str, Any], path: str, cfg: Any, facts: dict[str, Any], model: torch.nn.Module | None,
+def check(ckpt: dict[str, Any], path: str, cfg: Any, data_identity: dict[str, Any], model: torch.nn.Module | None,
           optimizer: torch.optim.Optimizer | None) -> None:
-    """Everything Trainer.resume verifies before it loads: config, facts, model and optimizer state.
+    """Everything Trainer.resume verifies before it loads: config, data identity, model and optimizer state.
     Raises UserError; logs ``resume: KEY changed old -> new`` for each accepted change."""
     if ckpt.get("cfg"):
         for key, old, new in compare_configs(ckpt["cfg"], cfg, path):
             log.info("resume: %s changed %s -> %s", key, _fmt(old), _fmt(new))
-    check_facts({**ckpt.get("facts", {}), "samples_in_epoch": ckpt.get("samples_in_epoch", 0)}, facts, cfg, path)
+    saved = {**ckpt.get("facts", {}), "samples_in_epoch": ckpt.get("samples_in_epoch", 0)}  # "facts": its key
+    check_data(saved, data_identity, cfg, path)
     if model is not None and isinstance(ckpt.get("model"), dict):
         why = state_dict_mismatch(model.state_dict(), ckpt["model"])
         if why:
