@@ -1,9 +1,10 @@
-"""The package's shape (issue #15): no import cycle, the core apart from the tools, size budgets.
+"""The package's shape: layers without import cycles, the core apart from the tools, size budgets.
 
 Read from the source with `ast`, nothing is imported: fast, and a module that does not import
-(a missing dependency, a half-finished edit) is still measured. Imports inside functions count
-as much as those at the top of a module: a cycle through a function-level import is still two
-modules that need each other. Imports under `if TYPE_CHECKING:` do not count (never run).
+(a missing dependency, a half-finished edit) is still measured. Every import counts, inside functions
+and under `if TYPE_CHECKING:` too: a cycle through a function-level or a typing-only import is still
+two modules (or rooms) that need each other to be read. A room is a top-level module or a subpackage;
+each room imports only rooms below it (README, Layout).
 The one exception, marked e2e: the reading guide and the bounds on what a default run executes come
 from tracing such a run (scripts/trace_run.py).
 """
@@ -56,20 +57,12 @@ def _tree(module: str) -> ast.Module:
     return _TREES[module]
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under node, at any depth, except the TYPE_CHECKING-only ones."""
+    """Every import statement under node, at any depth (in functions and under TYPE_CHECKING too)."""
     for child in ast.iter_child_nodes(node):
-        typing_only = isinstance(child, ast.If) and _is_type_checking(child)
-        for part in child.orelse if typing_only else [child]:  # its else branch does run
-            if isinstance(part, (ast.Import, ast.ImportFrom)):
-                yield part
-            yield from _import_nodes(part)
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from _import_nodes(child)
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -222,11 +215,11 @@ def test_the_graph_sees_the_package():
         f"{PACKAGE}.cli")
 
 
-def test_the_reader_sees_function_level_imports_but_not_typing_only_ones():
+def test_the_reader_sees_function_level_and_typing_only_imports():
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
               "def f():\n    from c import d\n")
     found = [ast.unparse(n) for n in _import_nodes(ast.parse(source))]
-    assert found == ["from typing import TYPE_CHECKING", "import b", "from c import d"]
+    assert found == ["from typing import TYPE_CHECKING", "import a", "import b", "from c import d"]
 
 
 def test_the_cycle_finder_names_a_cycle():
@@ -237,6 +230,27 @@ def test_the_cycle_finder_names_a_cycle():
 def test_no_import_cycle():
     cycles = _describe(GRAPH)
     assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(cycles)
+
+
+def _room(module: str) -> str:
+    """The room of a module: the subpackage under the package it is in, else the module itself."""
+    parts = module.split(".")
+    sub = ".".join(parts[:2])
+    return sub if len(parts) > 2 or MODULES[module].endswith("__init__.py") else module
+
+
+def test_no_cycle_between_rooms():
+    """Layers you can see: the rooms (top-level modules, subpackages) form no cycle either, so each
+    imports only rooms below it (the package's own __init__ aside: it only re-exports api lazily)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        if module == PACKAGE:
+            continue
+        here = rooms.setdefault(_room(module), set())
+        here.update(_room(t) for t in targets if t != PACKAGE and _room(t) != _room(module))
+    assert len(rooms) > 10, sorted(rooms)  # the rooms are found
+    cycles = _describe({r: {t for t in ts if t in rooms} for r, ts in rooms.items()})
+    assert not cycles, "rooms that import each other:\n" + "\n".join(cycles)
 
 
 def test_the_tools_are_a_subpackage():
