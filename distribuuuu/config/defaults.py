@@ -148,6 +148,10 @@ _C.TRAIN.TARGET_TOP1 = 0.0
 _C.TRAIN.FREEZE_BACKBONE_EPOCHS = 0
 # Extra training hooks, "package.module:ClassName" (a distribuuuu.engine.HookBase made with no arguments)
 _C.TRAIN.HOOKS = []
+# Experiment trackers that get the run (rank 0; distribuuuu/trackers.py): [] or any of "mlflow", "wandb",
+# each installed as an extra (pip install "distribuuuu[mlflow]"); offline into OUT_DIR unless
+# MLFLOW_TRACKING_URI / WANDB_MODE say otherwise; a resumed run continues the same tracker run
+_C.TRAIN.TRACKERS = []
 
 # Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR up to 2 GiB per process, else DataLoader),
 # 'memory' (the whole set as one tensor on the device, batched augmentation; not for folders) or 'loader'

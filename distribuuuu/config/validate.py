@@ -35,6 +35,7 @@ DUPLICATE_IMAGE_MODES = ("fail", "keep")
 OVERLAP_MODES = ("warn", "error", "off")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
+TRACKERS = ("mlflow", "wandb")  # trackers.CLIENTS's names
 
 Condition = Callable[[Any, CN], bool]  # (the key's value, the config) -> the rule holds
 Rule = tuple[str, Condition, str | Callable[[Any, CN], str]]  # a message, or one computed from (value, config)
@@ -52,9 +53,10 @@ def _not_blank(v: Any, c: CN) -> bool:
     return v.strip() != ""
 
 
-def _one_of(choices: tuple[str, ...]) -> tuple[Condition, str]:
-    """The condition and message of a key that takes one of a few names."""
-    return (lambda v, c: v in choices), f"must be one of {', '.join(choices)}, got {{v!r}}"
+def _one_of(choices: tuple[str, ...], each: bool = False) -> tuple[Condition, str]:
+    """The condition and message of a key that takes one of a few names (each=True: a list of such names)."""
+    holds = (lambda v, c: all(x in choices for x in v)) if each else (lambda v, c: v in choices)
+    return holds, f"{'may hold' if each else 'must be one of'} {', '.join(choices)}, got {{v!r}}"
 
 
 def _is_range(v: Any) -> bool:
@@ -177,8 +179,8 @@ RULES: list[Rule] = [
     ("TRAIN.DUPLICATE_IMAGES", *_one_of(DUPLICATE_IMAGE_MODES)),
     ("TRAIN.OVERLAP", *_one_of(OVERLAP_MODES)),
     ("TRAIN.NONFINITE", *_one_of(NONFINITE_MODES)),
-    ("TRAIN.PREEMPT_SIGNALS", lambda v, c: all(s in PREEMPT_SIGNALS for s in v),
-     f"may hold {', '.join(PREEMPT_SIGNALS)}, got {{v}}"),
+    ("TRAIN.PREEMPT_SIGNALS", *_one_of(PREEMPT_SIGNALS, each=True)),
+    ("TRAIN.TRACKERS", *_one_of(TRACKERS, each=True)),
     # Device, backend, names and paths
     ("DEVICE", *_one_of(DEVICES)),
     ("DIST.BACKEND", *_one_of(BACKENDS)),

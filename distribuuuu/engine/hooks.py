@@ -21,10 +21,13 @@ A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets 
 
 Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
 ("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
-FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with TRAIN.TARGET_TOP1
+TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with TRAIN.TARGET_TOP1
 or PATIENCE), MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck (only with
 TRAIN.NONFINITE off), EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch
 / best checkpoints and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
+
+A hook's own state goes into every checkpoint with ``trainer.remember(name, state)`` (plain Python
+values); after a resume its before_fit finds it in ``trainer.state.hooks[name]``.
 
 Every rank runs every hook: a hook that does a collective (a vote, a checkpoint) does it in the same
 order everywhere. A hook ends the run with ``trainer.stop(reason)``, from values that are the same on
@@ -42,7 +45,7 @@ from typing import Any
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import heads, models
+from distribuuuu import heads, models, trackers
 from distribuuuu.engine import evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
@@ -105,10 +108,48 @@ def _made(spec: str) -> HookBase:
 
 def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
     """The built-in hooks this config needs, in their order (the module docstring)."""
-    t = cfg.TRAIN
-    return [*([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
+    t = cfg.TRAIN  # TRAIN.TRACKERS is a list: [] adds nothing
+    return [*(t.TRACKERS and [TrackerHook(cfg)]), *([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
             *([EarlyStopHook()] if t.TARGET_TOP1 or t.PATIENCE else []), MetricsHook(),
             *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []), EvalHook(), CheckpointHook(cfg, world_size)]
+
+
+class TrackerHook(HookBase):
+    """TRAIN.TRACKERS (trackers.py): global rank 0 writes one run per tracker, continued across resumes
+    (their ids are remembered in every checkpoint), with the print steps' numbers and every record against
+    the global optimizer step. The other ranks only hear whether the trackers started."""
+
+    def __init__(self, cfg: CfgNode) -> None:
+        trackers.require_installed(cfg.TRAIN.TRACKERS)  # every rank, before anything is built
+        self.runs: trackers.Runs | None = None  # rank 0's
+
+    def before_fit(self, trainer: Trainer) -> None:
+        failure = None
+        if trainer.ctx.is_main:
+            try:
+                self.runs = trackers.Runs(trainer.cfg, trainer.state.hooks.get("trackers", {}))
+                trainer.remember("trackers", self.runs.ids)
+            except UserError as e:
+                failure = str(e)
+        failure = comm.broadcast_object(failure)  # rank 0's start decides for every rank
+        if failure:
+            raise UserError(failure if trainer.ctx.is_main else f"rank 0: {failure}")
+
+    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+        if printed is not None and self.runs is not None:
+            self.runs.log("train_step", printed, trainer.state.global_step)
+
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if self.runs is not None:
+            self.runs.log("train", metrics, trainer.state.global_step)
+
+    def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
+        for record in records if self.runs is not None else ():
+            self.runs.log(record["split"], record, trainer.state.global_step)
+
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        if self.runs is not None:
+            self.runs.finish("finished")
 
 
 class FreezeBackboneHook(HookBase):

@@ -11,7 +11,8 @@ carries, saved to and resumed from a checkpoint.
   6. the test of the chosen checkpoint (TRAIN.VAL_SPLIT), a one-line summary
 What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks
 (hooks.py: the events, their order and their arguments). Only this module writes the Trainer and
-its TrainState: hooks read them, and act through ``stop``, ``update_best``, ``settle`` and ``save``.
+its TrainState: hooks read them, and act through ``stop``, ``update_best``, ``settle``, ``save`` and
+``remember`` (a hook's own state, kept in every checkpoint).
 
 A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoints: run_folder):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
@@ -20,7 +21,8 @@ A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoi
   one too), best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
   engine/rng.py), world_size, train_sums (metrics of the part-done epoch), facts (what the run
   trained on, checked on resume), seed, card (model_card: the config, class names and
-  preprocessing, for using the model from the file alone), shard_plan.
+  preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's own state by
+  name, from ``Trainer.remember``: e.g. the tracker run ids).
 Saving is collective (every rank calls ``Trainer.save``); only rank 0 writes the .pth file.
 """
 
@@ -63,8 +65,9 @@ class TrainState:
     evals_since_best: int = 0  # for TRAIN.PATIENCE
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     data_identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, checked on resume
+    hooks: dict[str, Any] = field(default_factory=dict)  # hooks' own state by name (Trainer.remember)
 
-    COUNTERS = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best")
+    SAVED = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best", "hooks")
 
 
 class Trainer:
@@ -105,6 +108,11 @@ class Trainer:
             return True
         state.evals_since_best += 1
         return False
+
+    def remember(self, hook: str, state: Any) -> None:
+        """A hook's own state (plain Python values), written into every checkpoint from now on and back in
+        ``state.hooks[hook]`` after a resume (before before_fit): e.g. a tracker's run id (TrackerHook)."""
+        self.state.hooks[hook] = state
 
     def settle(self) -> None:
         """The guard's exact count of skipped steps, and NonFiniteLoss past TRAIN.NONFINITE's limits (on
@@ -278,11 +286,11 @@ class Trainer:
         rngs = comm.all_gather_object(rng.rng_state())  # each rank's own streams
         if train_sums is not None:
             train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
-        counters = {k: getattr(state, k) for k in TrainState.COUNTERS}
-        record = {**self.stepper.state_dict(), **counters, "cfg": cfg.dump(), "rng": rngs, "world_size": ctx.world_size,
+        saved = {k: getattr(state, k) for k in TrainState.SAVED}
+        record = {**self.stepper.state_dict(), **saved, "cfg": cfg.dump(), "rng": rngs, "world_size": ctx.world_size,
                   "train_sums": train_sums, "facts": state.data_identity, "seed": self.seed,
                   model_card.CARD_KEY: self.card.to_dict(), "shard_plan": data.shard_plan(self.train_loader)}
-        entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.folder.shards_path(counters))
+        entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.folder.shards_path(saved))
         record.update(entries)
         if ctx.is_main:
             if finite:
@@ -301,7 +309,7 @@ class Trainer:
         plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
         self.folder.check_resume(ckpt, path, state.data_identity, net if plain else None, opt if plain else None)
         strategy.load_checkpoint(self.model, opt, ckpt, path, self.folder.checkpoints)
-        for key in TrainState.COUNTERS:
+        for key in TrainState.SAVED:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
         data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
         state.resumed_sums = ckpt.get("train_sums")
