@@ -69,12 +69,12 @@ class MLflowRun:
         given = os.environ.get("MLFLOW_TRACKING_URI")
         self.uri = given or f"sqlite:///{os.path.abspath(out_dir)}/mlflow.db"
         self.client = MlflowClient(self.uri)
-        try:
-            if run_id is not None:
+        if run_id is not None:  # the checkpoint's run, running again
+            try:
                 self.client.update_run(run_id, status="RUNNING")
-        except MlflowException as e:  # e.g. a run folder moved without its store
-            log.warning("MLflow: run %s of the checkpoint is not in %s (%s): a new run", run_id, self.uri, e)
-            run_id = None
+            except MlflowException as e:  # e.g. a run folder moved without its store
+                log.warning("MLflow: run %s of the checkpoint is not in %s (%s): a new run", run_id, self.uri, e)
+                run_id = None
         if run_id is None:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "distribuuuu")
             found = self.client.get_experiment_by_name(experiment)
@@ -82,7 +82,8 @@ class MLflowRun:
             exp_id = found.experiment_id if found else self.client.create_experiment(experiment, local)
             run_id = self.client.create_run(exp_id, run_name=name).info.run_id
         self.run_id = run_id
-        log.info("MLflow run %s in %s%s", run_id, self.uri, "" if given else f" (browse: mlflow ui --backend-store-uri {self.uri})")
+        log.info("MLflow run %s in %s%s", run_id, self.uri,
+                 "" if given else f" (browse: mlflow ui --backend-store-uri {self.uri})")
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -104,9 +105,9 @@ class MLflowRun:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)  # MLflow's names: letters, digits and _-. :/ only
-        self.client.log_batch(self.run_id, metrics=[Metric(re.sub(r"[^\w\-. :/]", "_", k), v, now, step)
-                                                    for k, v in metrics.items()])
+        now = int(time.time() * 1000)
+        names = {k: re.sub(r"[^\w\-. :/]", "_", k) for k in metrics}  # MLflow's: letters, digits, _-. :/ only
+        self.client.log_batch(self.run_id, metrics=[Metric(names[k], v, now, step) for k, v in metrics.items()])
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status.upper())
@@ -184,8 +185,8 @@ class Runs:
                 raise UserError(f"TRAIN.TRACKERS: {name} could not start ({type(e).__name__}: {first}); "
                                 f"{CLIENTS[name].WHERE}") from None
         atexit.register(self._at_exit)
-        marks = _read_json(self.marks_path)
-        self.logged = {name: marks.get(client.run_id, {}) for name, client in self.clients.items()}
+        self.marks = _read_json(self.marks_path)  # kept for a dropped tracker too: a resume reattaches it
+        self.logged = {name: self.marks.setdefault(client.run_id, {}) for name, client in self.clients.items()}
         with open(os.path.join(out_dir, records.ENV)) as f:  # this start's record (RunFolder.write_record)
             env = json.load(f)
         new = [name for name in self.clients if name not in ids]
@@ -219,15 +220,17 @@ class Runs:
             fresh = {k: v for k, v in metrics.items() if step > self.logged[name].get(k, -1)}
             if fresh:
                 self._each("log_metrics", fresh, step, only=[name])
-                self.logged[name].update(dict.fromkeys(fresh, step))
-        marks = {client.run_id: self.logged[name] for name, client in self.clients.items()}
-        files.atomic_write(self.marks_path, lambda f: f.write(json.dumps(marks).encode()))
+                if name in self.clients:  # logged (a failure dropped it)
+                    self.logged[name].update(dict.fromkeys(fresh, step))
+        files.atomic_write(self.marks_path, lambda f: f.write(json.dumps(self.marks).encode()))
 
     def finish(self, status: str) -> None:
         """Tag the checkpoint paths and end every run with status (finished, failed or killed)."""
-        paths = {f"{kind}_checkpoint": os.path.join(self.checkpoints, file) for kind, file in (("best", BEST),
-                                                                                             ("last", LAST))}
-        self._each("set_tags", {k: p for k, p in paths.items() if os.path.exists(p)})
+        paths = {"best_checkpoint": os.path.join(self.checkpoints, BEST),
+                 "last_checkpoint": os.path.join(self.checkpoints, LAST)}
+        tags = {k: path for k, path in paths.items() if os.path.exists(path)}
+        if tags:
+            self._each("set_tags", tags)
         self._each("finish", status)
         self.clients = {}
         atexit.unregister(self._at_exit)

@@ -251,9 +251,28 @@ def test_an_unreachable_mlflow_server_is_exit_2_before_training(tmp_path):
                                                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
     check(proc, 2)
     said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]  # rank 0's line
-    assert len(said) == 1 and said[0].startswith("error: TRAIN.TRACKERS: mlflow could not start (MlflowException: "), said
+    assert len(said) == 1, proc.stderr
+    assert said[0].startswith("error: TRAIN.TRACKERS: mlflow could not start (MlflowException: "), said
     assert said[0].endswith("; MLFLOW_TRACKING_URI says where it writes (unset: OUT_DIR/mlflow.db)"), said
     assert "[train]" not in proc.stdout and not (out / "checkpoints").exists()
+
+
+@pytest.mark.e2e
+def test_an_error_mid_run_ends_the_runs_failed(tmp_path):
+    """A crash (a user's hook raising after epoch 1): exit 1, and on the way out both runs are marked
+    failed (W&B: exit code 1), after epoch 1's train record reached them."""
+    (tmp_path / "boom.py").write_text(
+        "from distribuuuu.engine import HookBase\n\n\nclass Boom(HookBase):\n"
+        "    def after_epoch(self, trainer, metrics):\n        raise RuntimeError('boom')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, *BOTH, "TRAIN.HOOKS",
+                           "['boom:Boom']", "OUT_DIR", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env={**env(), "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    check(proc, 1)
+    assert "RuntimeError: boom" in proc.stderr
+    client, runs = _mlflow(out)
+    assert [r.info.status for r in runs] == ["FAILED"] and "train/loss" in runs[0].data.metrics
+    assert [(j["exit"], "train/loss" in j["steps"]) for j in _wandb_jobs(out)] == [(1, True)]
 
 
 @pytest.mark.slow

@@ -21,10 +21,11 @@ A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets 
 
 Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
 ("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
-TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with TRAIN.TARGET_TOP1
-or PATIENCE), MetricsHook (metrics.jsonl / csv / TensorBoard), NonFiniteEpochCheck (only with
-TRAIN.NONFINITE off), EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time / epoch
-/ best checkpoints and stop signals). So a user's after_epoch runs after the epoch's checkpoint.
+TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS),
+EarlyStopHook (only with TRAIN.TARGET_TOP1 or PATIENCE), MetricsHook (metrics.jsonl / csv / TensorBoard),
+NonFiniteEpochCheck (only with TRAIN.NONFINITE off), EvalHook (evaluation on EVAL_PERIOD epochs),
+CheckpointHook (step / time / epoch / best checkpoints and stop signals). So a user's after_epoch runs
+after the epoch's checkpoint.
 
 A hook's own state goes into every checkpoint with ``trainer.remember(name, state)`` (plain Python
 values); after a resume its before_fit finds it in ``trainer.state.hooks[name]``.
