@@ -3,7 +3,8 @@ by global rank 0 alone and continued across resumes. engine/hooks.py's TrackerHo
 
 A run gets the config once, as flattened parameters (MLflow: each value cut to its length cap);
 config.yaml and env.json as files; tags from env.json (git commit, torch version, world size,
-launcher) and, at the end, the best and last checkpoint paths; metrics against the global optimizer
+launcher) and, at the end, the best and last checkpoint paths (TRAIN.TRACKER_CHECKPOINTS: the files
+too); metrics against the global optimizer
 step: the print steps' numbers (train_step/loss, ...) and every train/val/test record (<split>/<key>;
 numbers nested in a record, such as per-class results, as <split>/<key>/<name>). Its status on the
 way out: finished, failed (an error), or killed (a stop signal); a resume sets it running again.
@@ -173,7 +174,7 @@ class Runs:
     signal, failed otherwise."""
 
     def __init__(self, cfg: CfgNode, ids: dict[str, str]) -> None:
-        out_dir, self.topk = cfg.OUT_DIR, cfg.TRAIN.TOPK
+        out_dir, self.topk, self.upload = cfg.OUT_DIR, cfg.TRAIN.TOPK, cfg.TRAIN.TRACKER_CHECKPOINTS
         self.marks_path, self.checkpoints = os.path.join(out_dir, MARKS), os.path.join(out_dir, CHECKPOINTS)
         self.clients: dict[str, Any] = {}
         for name in cfg.TRAIN.TRACKERS:
@@ -225,12 +226,16 @@ class Runs:
         files.atomic_write(self.marks_path, lambda f: f.write(json.dumps(self.marks).encode()))
 
     def finish(self, status: str) -> None:
-        """Tag the checkpoint paths and end every run with status (finished, failed or killed)."""
+        """Tag the checkpoint paths (TRAIN.TRACKER_CHECKPOINTS: send the files too, at a finished run's
+        end only: a stopped job has no time to spare) and end every run with status (finished, failed
+        or killed)."""
         paths = {"best_checkpoint": os.path.join(self.checkpoints, BEST),
                  "last_checkpoint": os.path.join(self.checkpoints, LAST)}
         tags = {k: path for k, path in paths.items() if os.path.exists(path)}
         if tags:
             self._each("set_tags", tags)
+        if tags and self.upload and status == "finished":
+            self._each("log_files", list(tags.values()))
         self._each("finish", status)
         self.clients = {}
         atexit.unregister(self._at_exit)

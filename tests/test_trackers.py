@@ -146,9 +146,11 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     """The Done-when: 2 processes, both trackers; SIGTERM in epoch 2 (a step checkpoint, exit 143, the runs
     marked killed), the same command again: one MLflow run in OUT_DIR's sqlite file with the config
     parameters, val top-1 for each epoch and per-step loss, the same id, finished, no step twice; W&B: one
-    offline folder per job, both of the checkpoint's run id, the config in the first only."""
+    offline folder per job, both of the checkpoint's run id, the config in the first only. With
+    TRAIN.TRACKER_CHECKPOINTS the finished run gets best.pth and last.pth as files too."""
     out = tmp_path / "run"
-    proc, job, console = _start(_train(out), out, lambda o: "epoch 2/2 iter" in read_text_or_empty(o / "log.txt"))
+    argv = _train(out, "TRAIN.TRACKER_CHECKPOINTS", "True")
+    proc, job, console = _start(argv, out, lambda o: "epoch 2/2 iter" in read_text_or_empty(o / "log.txt"))
     try:
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=90) == 128 + signal.SIGTERM, open(console).read()[-4000:]
@@ -161,8 +163,9 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     client, runs = _mlflow(out)
     assert [(r.info.run_id, r.info.status) for r in runs] == [(ids["mlflow"], "KILLED")]
     assert [j["exit"] for j in _wandb_jobs(out)] == [255]  # W&B: preempting, exit code 255
+    assert {a.path for a in client.list_artifacts(ids["mlflow"])} == {"config.yaml", "env.json"}  # no upload
 
-    check(subprocess.run(_train(out), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    check(subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
     log = (out / "log.txt").read_text()
     assert f"{stopped['samples_in_epoch']} samples into epoch 2, step {stopped['global_step']}" in log
     assert f"upload: wandb sync --id {ids['wandb']} {out}/wandb/offline-run-*-{ids['wandb']})" in log
@@ -175,7 +178,8 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     assert run.data.tags["launcher"] == "spawn" and run.data.tags["world_size"] == "2"
     assert run.data.tags["torch"] == torch.__version__
     assert run.data.tags["best_checkpoint"] == str(out / "checkpoints" / "best.pth")
-    assert {a.path for a in client.list_artifacts(ids["mlflow"])} == {"config.yaml", "env.json"}
+    assert {a.path for a in client.list_artifacts(ids["mlflow"])} == {"config.yaml", "env.json", "best.pth",
+                                                                      "last.pth"}
     steps = _mlflow_steps(client, run)
     _assert_no_step_twice(steps)
     val = [m for m in read_metrics(str(out)) if m["split"] == "val"]
@@ -185,6 +189,8 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
 
     jobs = _wandb_jobs(out)
     assert [j["id"] for j in jobs] == [ids["wandb"]] * 2 and [j["exit"] for j in jobs] == [255, 0]
+    assert sorted(os.listdir(out / "wandb" / jobs[1]["folder"] / "files" / "distribuuuu")) == [
+        "best.pth", "config.yaml", "env.json", "last.pth"]
     assert "TRAIN.BATCH_SIZE" in jobs[0]["config"] and not jobs[1]["config"]  # parameters once
     merged = _merged(jobs)
     _assert_no_step_twice(merged)

@@ -152,6 +152,8 @@ _C.TRAIN.HOOKS = []
 # each installed as an extra (pip install "distribuuuu[mlflow]"); offline into OUT_DIR unless
 # MLFLOW_TRACKING_URI / WANDB_MODE say otherwise; a resumed run continues the same tracker run
 _C.TRAIN.TRACKERS = []
+# Also send best.pth and last.pth to the trackers as files when the run finishes (off: their paths only, as tags)
+_C.TRAIN.TRACKER_CHECKPOINTS = False
 
 # Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR up to 2 GiB per process, else DataLoader),
 # 'memory' (the whole set as one tensor on the device, batched augmentation; not for folders) or 'loader'
