@@ -118,7 +118,9 @@ def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
 class TrackerHook(HookBase):
     """TRAIN.TRACKERS (trackers.py): global rank 0 writes one run per tracker, continued across resumes
     (their ids are remembered in every checkpoint), with the print steps' numbers and every record against
-    the global optimizer step. The other ranks only hear whether the trackers started."""
+    the global optimizer step. The other ranks only hear whether the trackers started. First of the
+    built-in hooks: a start that fails refuses the run before MetricsHook sets any records aside, and an
+    epoch's record reaches the trackers before CheckpointHook ends the job for a stop signal."""
 
     def __init__(self, cfg: CfgNode) -> None:
         trackers.require_installed(cfg.TRAIN.TRACKERS)  # every rank, before anything is built
@@ -145,8 +147,9 @@ class TrackerHook(HookBase):
             self.runs.log("train", metrics, trainer.state.global_step)
 
     def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
-        for record in records if self.runs is not None else ():
-            self.runs.log(record["split"], record, trainer.state.global_step)
+        if self.runs is not None:
+            for record in records:  # "val" and "val_ema", or "test"
+                self.runs.log(record["split"], record, trainer.state.global_step)
 
     def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         if self.runs is not None:
