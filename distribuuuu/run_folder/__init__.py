@@ -56,7 +56,8 @@ log = logging.getLogger("distribuuuu")
 
 # Everything a run, and the tools, put into OUT_DIR besides the config (CFG_DEST must be none of them)
 NAMES = (CHECKPOINTS, *METRICS_FILES, records.ENV, records.ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
-         records.MODEL_TABLE, config.CONFIG_DIFF, LOG_FILE, LOCK, "plots", "bench", "export")
+         records.MODEL_TABLE, config.CONFIG_DIFF, LOG_FILE, LOCK, "plots", "bench", "export",
+         "mlflow.db", "mlartifacts", "wandb", "trackers.json")  # the last: TRAIN.TRACKERS (trackers.py)
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
