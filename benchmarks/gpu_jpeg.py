@@ -111,7 +111,8 @@ def jpeg_jobs(a: argparse.Namespace, job: Callable[..., Any]) -> list[Any]:
 # jpeg_decode: the decode rates, one table
 # ---------------------------------------------------------------------------------------------
 def decode_rates(root: str, device_name: str, n: int, batch: int, size: int) -> dict[str, Any]:
-    """{row: figure} of the table (module docstring); every CPU figure on one thread, as a loader worker."""
+    """{row: figure} of the table (module docstring); every CPU figure on one thread, as a loader worker, in
+    images per CPU-second of that thread (unmoved by other processes on the cores); the GPU's by the clock."""
     import torch
 
     from distribuuuu.data.batches import NormalizedBatches
@@ -124,25 +125,26 @@ def decode_rates(root: str, device_name: str, n: int, batch: int, size: int) -> 
     fast = FastTrainDecode(size, "RGB")
     halves = DeviceDecode(fast)
 
-    def per_core(decode: Callable[[bytes], Any]) -> tuple[float, list]:
+    def per_core(decode: Callable[[bytes], Any]) -> tuple[float, list]:  # images per CPU-second of this thread
         torch.manual_seed(0)
-        start = time.perf_counter()
+        start = time.thread_time()
         made = [decode(data) for data in raw]
-        return len(raw) / (time.perf_counter() - start), made
+        return len(raw) / (time.thread_time() - start), made
 
     fast_rate, _ = per_core(fast)
     worker_rate, items = per_core(halves)
     batches = [(encoded_images(items[i:i + batch]), torch.zeros(batch, dtype=torch.int64))
                for i in range(0, len(items) - batch + 1, batch)]
 
-    def device_half(device: torch.device) -> tuple[float, torch.Tensor]:
+    def device_half(device: torch.device) -> tuple[float, torch.Tensor]:  # on the CPU: per CPU-second, as above
+        clock = time.perf_counter if device.type == "cuda" else time.thread_time
         made = []
-        start = time.perf_counter()
+        start = clock()
         for images, _ in DecodedBatches(NormalizedBatches(batches, IMAGENET_STATS, device), halves):
             made.append(images)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return len(batches) * batch / (time.perf_counter() - start), torch.cat(made).cpu()
+        return len(batches) * batch / (clock() - start), torch.cat(made).cpu()
 
     device = torch.device(device_name)
     device_half(device)  # warm-up: nvJPEG's handle, the kernels' first launches
@@ -160,6 +162,16 @@ def decode_rates(root: str, device_name: str, n: int, batch: int, size: int) -> 
     return res
 
 
+LABELS = {
+    "fast_img_per_s_per_core": "TRAIN.IMAGE_DECODE fast, a loader worker: read, decode, crop, resize (img/CPU-s)",
+    "gpu_worker_half_img_per_s_per_core": "TRAIN.IMAGE_DECODE gpu, a loader worker: read, header, crop drawn (img/CPU-s)",
+    "gpu_device_half_img_per_s": "TRAIN.IMAGE_DECODE gpu, the main process: decode_jpeg(list), crop, resize (img/s; CPU: /CPU-s)",
+    "decoded_on_the_device": "of which the device decoded (the others: the worker, on the fast path)",
+    "nvjpeg_vs_cpu_max": "nvJPEG's pixels vs libjpeg-turbo's after crop and resize: largest |difference|",
+    "nvjpeg_vs_cpu_mean": "nvJPEG's pixels vs libjpeg-turbo's after crop and resize: mean |difference|",
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", help="a folder with train/<class>/*.jpg (benchmarks/io_jpegs.py)")
@@ -170,9 +182,8 @@ def main() -> None:
     p.add_argument("--out", default="", help="also write the figures here (JSON)")
     a = p.parse_args()
     res = decode_rates(a.root, a.device, a.n, a.batch, a.size)
-    print(f"{'what':62s} {'figure':>10s}")
     for key, value in res.items():
-        print(f"{key:62s} {value!s:>10s}")
+        print(f"{LABELS.get(key.removesuffix('_on_' + a.device), key):84s} {value!s:>8s}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f)

@@ -1,24 +1,12 @@
-"""TRAIN.IMAGE_DECODE gpu: JPEGs decoded on the training device, a batch at a time (docs/performance.md, 6b).
+"""TRAIN.IMAGE_DECODE gpu: JPEGs decoded on the training device, a batch at a time; auto: gpu on CUDA when
+the CPU cannot keep up with the model (docs/performance.md, section 6b, says how and what never ran on a GPU).
 
-The loader workers do all but the decode. DeviceDecode, an image folder's (or a shard set's) decoder, reads
-the file, takes the size from the JPEG header, draws the crop and the flip exactly as the fast path
-(images.FastTrainDecode: the same RNG calls in the same order, so the per-item seeds give the same crops
-and a resumed epoch stays step-exact) and returns the encoded bytes with the crop box. A file the device
-decoder would refuse (not a JPEG; progressive, arithmetic-coded, 12-bit or CMYK; no end marker, as a
-truncated file) takes the fast path in the worker instead, so TRAIN.BAD_IMAGES treats it as today.
-collate_encoded keeps the bytes, of different lengths, as a list.
-
-The main process (DecodedBatches) decodes each batch with one torchvision.io.decode_jpeg(list, device=...)
-call (nvJPEG on CUDA; libjpeg-turbo with DEVICE cpu, how the tests run this path), then crops, resizes (the
-fast path's interpolation, antialiased, on float pixels), flips, normalizes and erases on the device. It
-decodes when the loop asks for the batch: the previous step's kernels are queued by then, so the decode
-overlaps them on the GPU. The decoder never runs in a loader worker (CUDA cannot be used in a forked
-process). A batch the device refuses is decoded again one image at a time, an image it refuses on the CPU;
-one that neither reads is a bad image (named and counted; replaced by another of its batch in training,
-left out in evaluation; TRAIN.BAD_IMAGES fail stops the run).
-
-TRAIN.IMAGE_DECODE auto decodes on the device only on CUDA, when the fast path's measured CPU rate per
-worker times the workers is below the rate the model trains at (decodes_on_device; one log line says why).
+The loader workers do all but the decode (DeviceDecode: the fast path's crop and flip draws, the encoded
+bytes passed on; a file the device would refuse takes the fast path there, so TRAIN.BAD_IMAGES treats it as
+today); collate_encoded keeps the bytes as a list; the main process (DecodedBatches) decodes each batch with
+one torchvision.io.decode_jpeg(list, device=...) call when the loop asks for it, overlapping the previous
+step's queued kernels, then crops, resizes, flips and normalizes on the device. DEVICE cpu runs the same
+path with libjpeg-turbo: how the tests run it. The decoder never runs in a loader worker.
 """
 
 from __future__ import annotations
@@ -109,12 +97,6 @@ def collate_encoded(items: list[Any]) -> Any:
     return (encoded_images([image for image, _ in kept]), torch.tensor([label for _, label in kept])) if kept else None
 
 
-def _decode_jpeg(data: torch.Tensor | list[torch.Tensor], mode: tio.ImageReadMode, device: torch.device) -> Any:
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs but keeps them (images.decode)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return tio.decode_jpeg(data, mode=mode, device=device)
-
-
 class DecodedBatches(NormalizedBatches):
     """NormalizedBatches (the same loader, device, normalization and erasing) whose loader yields encoded
     batches (collate_encoded): each decoded on the device and made to images there (module docstring)."""
@@ -133,17 +115,17 @@ class DecodedBatches(NormalizedBatches):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for (datas, boxes, names), target in self.loader:
             with torch.cuda.stream(self.stream):  # no stream (None) on the CPU
-                images, kept = self.pixels(datas, boxes.tolist(), names)
-                if images is None:  # evaluation: not one readable image in the batch
+                batch, kept = self.pixels(datas, boxes.tolist(), names)
+                if batch is None:  # evaluation: not one readable image in the batch
                     continue
-                images = self.normalize(images)
+                batch = self.normalize(batch)
                 if self.erase is not None:
-                    images = self.erase(images)
+                    batch = self.erase(batch)
             if self.stream is not None:  # CUDA: the step's kernels start once the batch is made; its memory is
                 consumer = torch.cuda.current_stream(self.device)  # not reused before they have read it
                 consumer.wait_stream(self.stream)
-                images.record_stream(consumer)
-            yield images, target[kept].to(self.device, non_blocking=True)
+                batch.record_stream(consumer)
+            yield batch, target[kept].to(self.device, non_blocking=True)
 
     def pixels(self, datas: list[torch.Tensor], boxes: list[list[int]],
                names: list[str]) -> tuple[torch.Tensor | None, list[int]]:
@@ -170,26 +152,24 @@ class DecodedBatches(NormalizedBatches):
         return (torch.stack([made[i] for i in kept]).clamp_(0, 255) if kept else None), kept
 
     def decoded(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        """Each JPEG as uint8 [C, H, W] on the device: the batch in one call (which returns all or nothing),
-        else one at a time, one the device refuses on the CPU; the error where neither reads it."""
+        """Each JPEG as uint8 [C, H, W] on the device, in one call; when it fails (it returns all or nothing)
+        the batch is decoded on the CPU image by image (libjpeg-turbo, then PIL): the error where neither reads it."""
         if not jpegs:
             return []
         if self.stream is not None:
             self.stream.synchronize()  # CUDA: nothing left queued on the stream the decoder allocates from
-        mode = self.decode.read_mode
         try:
-            return _decode_jpeg(jpegs, mode, self.device)
+            with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs but keeps them (images.decode)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return tio.decode_jpeg(jpegs, mode=self.decode.read_mode, device=self.device)
         except RuntimeError:
-            return [self._decoded_one(jpeg, mode) for jpeg in jpegs]
+            return [self._decoded_on_cpu(bytes(jpeg.numpy())) for jpeg in jpegs]
 
-    def _decoded_one(self, jpeg: torch.Tensor, mode: tio.ImageReadMode) -> torch.Tensor | Exception:
+    def _decoded_on_cpu(self, data: bytes) -> torch.Tensor | Exception:
         try:
-            return _decode_jpeg(jpeg, mode, self.device)
-        except RuntimeError:
-            try:  # libjpeg-turbo, then PIL, which reads a few files libjpeg's strict path refuses
-                return images.decode(jpeg.numpy().tobytes(), self.decode.fast.mode).to(self.device)
-            except images.DECODE_ERRORS as e:
-                return e
+            return images.decode(data, self.decode.fast.mode).to(self.device)
+        except images.DECODE_ERRORS as e:
+            return e
 
 
 class DeviceDecodePipeline(LoaderPipeline):
@@ -248,7 +228,8 @@ def decodes_on_device(cfg: CfgNode, device: torch.device, rank: int, world_size:
     t = cfg.TRAIN
     key = (t.DATASET, cfg.MODEL.ARCH, t.IM_SIZE, t.BATCH_SIZE, t.AMP, t.CHANNELS_LAST, t.WORKERS, str(device))
     if key not in _decided:
-        decision = auto_choice(cfg, device, sample()) if rank == 0 else None
+        with torch.random.fork_rng(devices=[device]):  # building and timing the model draws random numbers
+            decision = auto_choice(cfg, device, sample()) if rank == 0 else None
         on_device, why = comm.broadcast_object(decision) if world_size > 1 else decision
         if rank == 0:
             log.info("TRAIN.IMAGE_DECODE auto: %s", why)
@@ -276,16 +257,15 @@ def auto_choice(cfg: CfgNode, device: torch.device, samples: list[bytes]) -> tup
 
 
 def cpu_rate(decode: Callable[[bytes], Any], samples: list[bytes]) -> float:
-    """Images per second that one loader worker (one thread) turns into crops; the RNG is left as it was."""
+    """Images per second that one loader worker (one thread) turns into crops."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with torch.random.fork_rng(devices=[]):
-            start = time.perf_counter()
-            for data in samples:
-                with contextlib.suppress(*images.DECODE_ERRORS):
-                    decode(data)
-            return len(samples) / max(time.perf_counter() - start, 1e-9)
+        start = time.perf_counter()
+        for data in samples:
+            with contextlib.suppress(*images.DECODE_ERRORS):
+                decode(data)
+        return len(samples) / max(time.perf_counter() - start, 1e-9)
     finally:
         torch.set_num_threads(threads)
 

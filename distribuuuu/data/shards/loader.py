@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources
@@ -79,20 +80,10 @@ def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor]
     if cfg.TRAIN.IMAGE_DECODE != "pil":
         crop = (FastTrainDecode(size, mode, recipe) if train else
                 FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
-        return (_Then(crop, policy) if policy is not None else crop), True
+        return (v2.Compose([crop, policy]) if policy is not None else crop), True
     tf = folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
                           erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
-    return _Then(functools.partial(open_image, mode=mode), tf), False
-
-
-class _Then:
-    """second(first(x)), picklable (for worker processes started by spawn)."""
-
-    def __init__(self, first: Callable, second: Callable) -> None:
-        self.first, self.second = first, second
-
-    def __call__(self, x: Any) -> Any:
-        return self.second(self.first(x))
+    return v2.Compose([functools.partial(open_image, mode=mode), *tf.transforms]), False
 
 
 def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
