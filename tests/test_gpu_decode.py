@@ -162,19 +162,19 @@ def test_the_device_half_is_the_fast_paths_geometry_within_its_rounding(interpol
         assert worst <= BOUND[interpolation] + 1e-4 and np.mean(means) <= MEAN_BOUND, (type(fast).__name__, worst)
 
 
-@pytest.mark.parametrize("source", ["folder", "shards"])
-def test_training_batches_have_the_fast_paths_crops_and_flips(folder, shard_set, source):
+@pytest.mark.parametrize("source,chans", [("folder", 3), ("shards", 3), ("folder", 1)])
+def test_training_batches_have_the_fast_paths_crops_and_flips(folder, shard_set, source, chans):
     """The same seed gives the same batches as TRAIN.IMAGE_DECODE fast: the same images and labels in the
     same order, the device-decoded ones within BOUND, the ones decoded in the worker (progressive, CMYK, PNG)
-    bit for bit."""
-    root = folder if source == "folder" else shard_set
-    fast_cfg, gpu_cfg = make_cfg(opts(root, "fast")), make_cfg(opts(root, "gpu"))
+    bit for bit; gray JPEGs come out RGB, and every image gray for a 1-channel model, as on the fast path."""
+    root, chans_opt = folder if source == "folder" else shard_set, {"MODEL.IN_CHANS": chans}
+    fast_cfg, gpu_cfg = make_cfg(opts(root, "fast", **chans_opt)), make_cfg(opts(root, "gpu", **chans_opt))
     fast, gpu = epoch(fast_cfg), epoch(gpu_cfg)
     assert len(gpu) == len(fast) == 5
     assert isinstance(data.build_train_loader(gpu_cfg, 0, 1, CPU), DecodedBatches)
     exact = 0
     for (a, ya), (b, yb) in zip(fast, gpu):
-        assert torch.equal(ya, yb) and a.shape == b.shape == (4, 3, 32, 32)
+        assert torch.equal(ya, yb) and a.shape == b.shape == (4, chans, 32, 32)
         diff = (pixels(a, fast_cfg) - pixels(b, gpu_cfg)).abs().flatten(1)
         assert diff.max() <= BOUND["bilinear"] + 1e-3 and diff.mean() <= MEAN_BOUND
         exact += int((diff.max(1).values == 0).sum())

@@ -13,10 +13,10 @@ pipeline_class picks, once per split key, the Pipeline subclass that reads cfg[k
                                workers); another source: the first class of PIPELINES whose
                                auto_takes(cfg, key) holds: the memory pipeline for mnist5k, CIFAR and
                                TensorSources that fit its budget, else the DataLoader
-The side modules (memory.py, shards/loader.py, device_decode.py) import this one, so PIPELINES names each class's module,
-imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline: such a module, one line
-in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices (config/validate.py
-DATA_PIPELINES, which load_config checks).
+The side modules (memory.py, shards/loader.py, device_decode.py) import this one, so PIPELINES names
+each class's module, imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline:
+such a module, one line in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices
+(config/validate.py DATA_PIPELINES, which load_config checks).
 """
 
 from __future__ import annotations

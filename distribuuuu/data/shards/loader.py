@@ -4,9 +4,9 @@ The images go through the folder pipeline's recipe (transforms.py): with TRAIN.I
 records are decoded and cropped to uint8 in the workers (images.FastTrainDecode / FastEvalDecode)
 and normalized per batch on the device (batches.NormalizedBatches); with 'gpu' (or auto's choice on
 CUDA) the workers crop the encoded JPEGs, which the main process decodes on the device
-(device_decode.py); with 'pil', torchvision's per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
-left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
-whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
+(device_decode.py); with 'pil', torchvision's per-sample PIL recipe. The loader has what the engine
+uses of every train loader: len() (batches left this epoch), .dataset, .sampler.set_epoch(epoch,
+start), and `epoch_steps`, the steps of a whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
 every sample once, in equal step counts on every rank (plan.py), dropping none. ShardPipeline is this
 pipeline's face on the seam (data/pipeline.py): a shard set is read this way whatever TRAIN.DATA_PIPELINE
 says (memory refuses it).
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
@@ -114,7 +114,7 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
         shard_set, decode, rank=rank, world_size=world_size, train=train, seed=seed,
         batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE, accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
         workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
-        label_map=_label_map(cfg, key, shard_set), **({"collate_images": encoded_images} if on_device else {}))
+        label_map=_label_map(cfg, key, shard_set), collate_images=encoded_images if on_device else default_collate)
     # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
     # The workers leave stop signals to the main process (batches.quiet_worker).
     loader = ShardLoader(track_workers(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,

@@ -47,7 +47,7 @@ class ShardDataset(IterableDataset):
                  accum: int, workers: int, train: bool, seed: int, shuffle_block: int, bad_images: str,
                  label_map: list[int] | None = None, collate_images: Callable[[list], Any] = default_collate) -> None:
         self.shard_set, self.decode, self.classes = shard_set, decode, shard_set.classes
-        self.collate_images = collate_images  # a batch's decoded items -> its images (default_collate: one tensor)
+        self.collate_images = collate_images  # a batch's decoded items -> its images (device_decode's: a list)
         self.rank, self.world_size, self.batch_size, self.accum = rank, world_size, batch_size, accum
         self.workers, self.train, self.shuffle_block = workers, train, max(1, shuffle_block)
         self.bad_images, self.label_map = bad_images, label_map
@@ -155,7 +155,7 @@ class ShardDataset(IterableDataset):
             return None
         if self.train:  # every rank keeps its batch size: a readable record of the batch stands in
             good += [good[i % len(good)] for i in range(len(items) - len(good))]
-        # default_collate, not torch.stack: in a worker it builds the batch in shared memory, saving a copy
+        # default_collate (not torch.stack) builds the batch in a worker's shared memory, saving a copy
         return self.collate_images([g[0] for g in good]), torch.tensor([g[1] for g in good])
 
     def _item(self, sample: tar.Sample) -> tuple[torch.Tensor, int] | None:
