@@ -1,26 +1,39 @@
-"""benchmarks/gpu.py's end-to-end JPEG job (issue #26): can the CPU feed ResNet-50 on a GPU?
+"""benchmarks/gpu.py's JPEG jobs (issues #26, #38): can the CPU feed ResNet-50 on a GPU, and does decoding on
+the GPU (TRAIN.IMAGE_DECODE gpu) close the gap?
 
-ImageNet-like JPEGs are generated (500x375 and 375x500, quality 90, about 90 KB each), written once
-more as shards (`distribuuuu data shard`), and `distribuuuu bench` trains ResNet-50 at 224 px (bf16,
-channels_last, batch 256) from each: its "model" part is the same model on a synthetic batch already
-on the GPU (the ceiling), its "full training step" part trains from the loader with as many workers as
-the cores allow (cores - 1: one is the main process's, which launches the GPU work) and measures the
-share of step time spent waiting for data. Target: at least 0.9 of synthetic with 16 cores; when the
-CPU cannot feed the GPU the result says by how much (the next step, GPU decoding: docs/performance.md).
+jpeg_e2e: ImageNet-like JPEGs are generated (500x375 and 375x500, quality 90, about 90 KB each), written
+once more as shards (`distribuuuu data shard`), and `distribuuuu bench` trains ResNet-50 at 224 px (bf16,
+channels_last, batch 256) from each with TRAIN.IMAGE_DECODE fast and gpu: its "model" part is the same
+model on a synthetic batch already on the GPU (the ceiling), its "full training step" part trains from the
+loader with as many workers as the cores allow (cores - 1: one is the main process's, which launches the
+GPU work and, with gpu, decodes) and measures the share of step time spent waiting for data. Target: at
+least 0.9 of synthetic with 16 cores; when it is missed the result says by how much.
+
+jpeg_decode: this file as a script, one table of decode rates (docs/performance.md, 6b):
+
+    python benchmarks/gpu_jpeg.py DIR [--device cuda|cpu] [--n 512] [--batch 128] [--out decode.json]
+
+on DIR/train/*/*.jpg (benchmarks/io_jpegs.py writes them): per core, the fast path in a loader worker and
+the gpu path's worker half; then the gpu path's device half (decode_jpeg of whole batches, crop, resize,
+normalize) on the device; on CUDA also how far nvJPEG's pixels are from libjpeg-turbo's (the CPU device).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 PY = sys.executable
 D = [PY, "-m", "distribuuuu"]
 TARGET = 0.9  # of the synthetic img/s
+SOURCES = ("folder", "shards")
+DECODES = ("fast", "gpu")
 
 
 def workers(a: argparse.Namespace) -> int:
@@ -50,32 +63,132 @@ def verdict(name: str, fig: dict[str, Any]) -> str:
 
 def parse_jpeg_e2e(n_workers: int) -> Callable[[Any], dict]:
     def parse(job: Any) -> dict:
-        figs = {src: _figures(os.path.join(job.out, f"bench_{src}", "bench.json")) for src in ("folder", "shards")}
-        lines = [verdict(src, f) for src, f in figs.items()]
+        figs = {f"{src} {decode}": _figures(os.path.join(job.out, f"bench_{src}_{decode}", "bench.json"))
+                for src in SOURCES for decode in DECODES}
+        lines = [verdict(name, f) for name, f in figs.items()]
         for line in lines:
             print(f"[jpeg_e2e] {line}", flush=True)
-        return {"verdict": lines, "target_met": all(f["ratio"] >= TARGET for f in figs.values()), **figs,
+        return {"verdict": lines, "target_met": {name: f["ratio"] >= TARGET for name, f in figs.items()}, **figs,
                 "workers": n_workers, "cores": len(os.sched_getaffinity(0))}
     return parse
 
 
+def parse_jpeg_decode(job: Any) -> dict:
+    with open(os.path.join(job.out, "decode.json")) as f:
+        return json.load(f)
+
+
 def jpeg_jobs(a: argparse.Namespace, job: Callable[..., Any]) -> list[Any]:
-    """The jpeg_e2e job; ``job`` is gpu.py's Job class. A speed job: alone on the GPU."""
+    """The jpeg_e2e and jpeg_decode jobs; ``job`` is gpu.py's Job class. Speed jobs: alone on the GPU."""
     n, side, size, batch, arch, classes = (("48", "64", "32", "16", "resnet18", "10") if a.small else
                                            ("7000", "500", "224", "256", "resnet50", "100"))
     it = ["--iters", "3", "--warmup", "1"] if a.small else ["--iters", "20", "--warmup", "5"]  # 25 x 256 < 7000
     w = workers(a)
 
-    def bench(src: str, dataset: str) -> list[str]:
-        return D + ["bench", *it, "--out", f"{{out}}/bench_{src}", "MODEL.ARCH", arch, "MODEL.NUM_CLASSES", classes,
-                    "TRAIN.DATASET", dataset, "TEST.DATASET", dataset, "TEST.SPLIT", "train",
-                    "TRAIN.DATA_PIPELINE", "loader", "TRAIN.WORKERS", str(w), "TRAIN.IM_SIZE", size,
-                    "TEST.IM_SIZE", size, "TRAIN.BATCH_SIZE", batch, "TRAIN.AMP", "bf16",
+    def bench(src: str, dataset: str, decode: str) -> list[str]:
+        return D + ["bench", *it, "--out", f"{{out}}/bench_{src}_{decode}", "MODEL.ARCH", arch, "MODEL.NUM_CLASSES",
+                    classes, "TRAIN.DATASET", dataset, "TEST.DATASET", dataset, "TEST.SPLIT", "train",
+                    "TRAIN.DATA_PIPELINE", "loader", "TRAIN.IMAGE_DECODE", decode, "TRAIN.WORKERS", str(w),
+                    "TRAIN.IM_SIZE", size, "TEST.IM_SIZE", size, "TRAIN.BATCH_SIZE", batch, "TRAIN.AMP", "bf16",
                     "TRAIN.CHANNELS_LAST", "True", "DEVICE", a.device, "RNG_SEED", "0", "OUT_DIR", "{out}/run"]
 
-    return [job("jpeg_e2e", "speed", [
-        [PY, "benchmarks/io_jpegs.py", "{out}/jpegs", "--n", n, "--side", side, "--classes", classes,
-         "--procs", "2" if a.small else "0"],
-        D + ["data", "shard", "{out}/jpegs", "{out}/shards", "--shard-size", "64MB"],
-        bench("folder", "{out}/jpegs"),
-        bench("shards", "{out}/shards")], 540, parse_jpeg_e2e(w))]
+    def jpegs(count: str) -> list[str]:
+        return [PY, "benchmarks/io_jpegs.py", "{out}/jpegs", "--n", count, "--side", side, "--classes", classes,
+                "--procs", "2" if a.small else "0"]
+
+    return [
+        job("jpeg_e2e", "speed", [jpegs(n), D + ["data", "shard", "{out}/jpegs", "{out}/shards", "--shard-size", "64MB"],
+                                  *(bench(src, f"{{out}}/{'jpegs' if src == 'folder' else 'shards'}", decode)
+                                    for src in SOURCES for decode in DECODES)], 900, parse_jpeg_e2e(w)),
+        job("jpeg_decode", "speed", [jpegs("48" if a.small else "1024"),
+                                     [PY, "benchmarks/gpu_jpeg.py", "{out}/jpegs", "--device", a.device, "--size", size,
+                                      "--n", "48" if a.small else "1024", "--batch", "8" if a.small else "128",
+                                      "--out", "{out}/decode.json"]], 300, parse_jpeg_decode),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# jpeg_decode: the decode rates, one table
+# ---------------------------------------------------------------------------------------------
+def decode_rates(root: str, device_name: str, n: int, batch: int, size: int) -> dict[str, Any]:
+    """{row: figure} of the table (module docstring); every CPU figure on one thread, as a loader worker, in
+    images per CPU-second of that thread (unmoved by other processes on the cores); the GPU's by the clock."""
+    import torch
+
+    from distribuuuu.data.batches import NormalizedBatches
+    from distribuuuu.data.device_decode import DecodedBatches, DeviceDecode, encoded_images
+    from distribuuuu.data.images import FastTrainDecode
+    from distribuuuu.data.transforms import IMAGENET_STATS
+
+    torch.set_num_threads(1)
+    raw = [open(path, "rb").read() for path in sorted(glob.glob(os.path.join(root, "train", "*", "*.jpg")))[:n]]
+    fast = FastTrainDecode(size, "RGB")
+    halves = DeviceDecode(fast)
+
+    def per_core(decode: Callable[[bytes], Any]) -> tuple[float, list]:  # images per CPU-second of this thread
+        torch.manual_seed(0)
+        start = time.thread_time()
+        made = [decode(data) for data in raw]
+        return len(raw) / (time.thread_time() - start), made
+
+    fast_rate, _ = per_core(fast)
+    worker_rate, items = per_core(halves)
+    batches = [(encoded_images(items[i:i + batch]), torch.zeros(batch, dtype=torch.int64))
+               for i in range(0, len(items) - batch + 1, batch)]
+
+    def device_half(device: torch.device) -> tuple[float, torch.Tensor]:  # on the CPU: per CPU-second, as above
+        clock = time.perf_counter if device.type == "cuda" else time.thread_time
+        made = []
+        start = clock()
+        for images, _ in DecodedBatches(NormalizedBatches(batches, IMAGENET_STATS, device), halves):
+            made.append(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(batches) * batch / (clock() - start), torch.cat(made).cpu()
+
+    device = torch.device(device_name)
+    device_half(device)  # warm-up: nvJPEG's handle, the kernels' first launches
+    device_rate, got = device_half(device)
+    res: dict[str, Any] = {
+        "images": len(raw), "size": size, "batch": batch, "device": device_name,
+        "fast_img_per_s_per_core": round(fast_rate), "gpu_worker_half_img_per_s_per_core": round(worker_rate),
+        f"gpu_device_half_img_per_s_on_{device.type}": round(device_rate),
+        "encoded_kb_per_image": round(sum(len(d) for d in raw) / len(raw) / 1024, 1),
+        "decoded_on_the_device": sum(item[0].dim() == 1 for item in items)}
+    if device.type == "cuda":  # nvJPEG's pixels against libjpeg-turbo's, in 0-255
+        std = torch.tensor(IMAGENET_STATS[1]).view(1, -1, 1, 1) * 255
+        diff = ((got - device_half(torch.device("cpu"))[1]) * std).abs()
+        res.update(nvjpeg_vs_cpu_max=round(diff.max().item(), 2), nvjpeg_vs_cpu_mean=round(diff.mean().item(), 3))
+    return res
+
+
+LABELS = {
+    "fast_img_per_s_per_core": "TRAIN.IMAGE_DECODE fast, a loader worker: read, decode, crop, resize (img/CPU-s)",
+    "gpu_worker_half_img_per_s_per_core": "TRAIN.IMAGE_DECODE gpu, a loader worker: read, header, crop drawn (img/CPU-s)",
+    "gpu_device_half_img_per_s": "TRAIN.IMAGE_DECODE gpu, the main process: decode_jpeg(list), crop, resize (img/s; CPU: /CPU-s)",
+    "decoded_on_the_device": "of which the device decoded (the others: the worker, on the fast path)",
+    "nvjpeg_vs_cpu_max": "nvJPEG's pixels vs libjpeg-turbo's after crop and resize: largest |difference|",
+    "nvjpeg_vs_cpu_mean": "nvJPEG's pixels vs libjpeg-turbo's after crop and resize: mean |difference|",
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", help="a folder with train/<class>/*.jpg (benchmarks/io_jpegs.py)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--n", type=int, default=512, help="images timed")
+    p.add_argument("--batch", type=int, default=128, help="images per decode_jpeg call")
+    p.add_argument("--size", type=int, default=224, help="the training crop's side")
+    p.add_argument("--out", default="", help="also write the figures here (JSON)")
+    a = p.parse_args()
+    res = decode_rates(a.root, a.device, a.n, a.batch, a.size)
+    for key, value in res.items():
+        print(f"{LABELS.get(key.removesuffix('_on_' + a.device), key):84s} {value!s:>8s}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

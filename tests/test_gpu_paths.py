@@ -477,8 +477,10 @@ def test_the_gpu_script_runs_every_path_and_its_commands_parse(tmp_path):
 
 
 # Issue #26's jobs: 2 ranks sharing one GPU under gloo, and training from JPEGs (benchmarks/gpu_multirank.py,
-# benchmarks/gpu_jpeg.py). On the CPU the same commands run with gloo on CPU tensors, tiny.
-JOBS_26 = ("mr_ddp_eval", "mr_ddp_torchrun", "mr_zero1", "mr_fsdp", "mr_syncbn", "mr_resume", "jpeg_e2e")
+# benchmarks/gpu_jpeg.py), with #38's decode on the GPU. On the CPU the same commands run with gloo on CPU
+# tensors, tiny, and the GPU decode's device half on the CPU.
+JOBS_26 = ("mr_ddp_eval", "mr_ddp_torchrun", "mr_zero1", "mr_fsdp", "mr_syncbn", "mr_resume", "jpeg_e2e",
+           "jpeg_decode")
 
 
 # The jobs whose CPU path another test already runs, with the same kind of launch and the same checks
@@ -497,8 +499,8 @@ DRY_RUN = tuple(j for j in JOBS_26 if j not in RUN_ELSEWHERE)
 def test_the_multirank_and_jpeg_jobs_dry_run_on_the_cpu(tmp_path):
     """`benchmarks/gpu.py --device cpu --small --only <#26's jobs but RUN_ELSEWHERE>`: every job runs
     and passes its own checks (exact eval equal for 1 and 2 ranks, zero1 trains and saves, a signalled
-    2-rank run resumed mid-run bitwise, both JPEG sources measured against synthetic), so the first
-    lent GPU runs them without edits."""
+    2-rank run resumed mid-run bitwise, both JPEG sources measured against synthetic with TRAIN.IMAGE_DECODE
+    fast and gpu, the decode rates tabled), so the first lent GPU runs them without edits."""
     import json
     import subprocess
     import sys
@@ -518,9 +520,11 @@ def test_the_multirank_and_jpeg_jobs_dry_run_on_the_cpu(tmp_path):
     assert ev["eval_1rank"] == ev["eval_2ranks"] and ev["eval_1rank"][2] == 50
     res = jobs["mr_resume"]["result"]
     assert res["same_losses_both_ranks"] and res["same_final_weights"] and 0 < res["resumed_at_step"] < 8
-    jpeg = jobs["jpeg_e2e"]["result"]
-    assert {"folder", "shards"} <= set(jpeg) and len(jpeg["verdict"]) == 2
-    assert all(0 <= jpeg[s]["data_wait_share"] <= 1 and jpeg[s]["img_per_s"] > 0 for s in ("folder", "shards"))
+    jpeg, runs = jobs["jpeg_e2e"]["result"], [f"{s} {d}" for s in ("folder", "shards") for d in ("fast", "gpu")]
+    assert set(runs) <= set(jpeg) and len(jpeg["verdict"]) == 4
+    assert all(0 <= jpeg[r]["data_wait_share"] <= 1 and jpeg[r]["img_per_s"] > 0 for r in runs)
+    decode = jobs["jpeg_decode"]["result"]
+    assert decode["decoded_on_the_device"] == 48 and decode["gpu_device_half_img_per_s_on_cpu"] > 0
 
 
 def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, monkeypatch):

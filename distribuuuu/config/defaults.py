@@ -158,8 +158,10 @@ _C.TRAIN.TRACKER_CHECKPOINTS = False
 # Input pipeline (train and val): 'auto' (in memory for mnist5k and CIFAR up to 2 GiB per process, else DataLoader),
 # 'memory' (the whole set as one tensor on the device, batched augmentation; not for folders) or 'loader'
 _C.TRAIN.DATA_PIPELINE = "auto"
-# Image folders: 'fast' (libjpeg-turbo decode, reduced-size JPEG decoding when the crop allows,
-# uint8 batches normalized on the device) or 'pil' (torchvision's per-sample PIL recipe)
+# Image folders and shards: 'fast' (libjpeg-turbo decode, reduced-size JPEG decoding when the crop allows,
+# uint8 batches normalized on the device), 'pil' (torchvision's per-sample PIL recipe), 'gpu' (the workers
+# crop, JPEGs decoded a batch at a time on the device: docs/performance.md) or 'auto' (gpu on CUDA when the
+# CPU cannot keep up with the model, measured; else fast)
 _C.TRAIN.IMAGE_DECODE = "fast"
 # Data recipe (docs/recipes.md): RandomResizedCrop area range of training crops; [] = the source's own
 # (0.08-1 for folders; pad-and-crop for mnist5k, CIFAR and a TensorSource, replaced when set)

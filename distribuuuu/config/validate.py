@@ -26,7 +26,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "zero1", "fsdp", "dp")  # strategies.strategy_class's names (and "single")
 DATA_PIPELINES = ("auto", "memory", "loader")  # 'auto', then the names of data.pipeline.PIPELINES
-IMAGE_DECODERS = ("fast", "pil")
+IMAGE_DECODERS = ("fast", "pil", "gpu", "auto")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
@@ -130,6 +130,9 @@ RULES: list[Rule] = [
     ("DIST.STRATEGY", *_one_of(STRATEGIES)),
     ("TRAIN.DATA_PIPELINE", *_one_of(DATA_PIPELINES)),
     ("TRAIN.IMAGE_DECODE", *_one_of(IMAGE_DECODERS)),
+    ("TRAIN.IMAGE_DECODE", lambda v, c: v != "gpu" or c.TRAIN.AUTO_AUGMENT == "none",
+     "gpu decodes after the loader workers, where TRAIN.AUTO_AUGMENT's per-image policy runs on decoded images; "
+     "use TRAIN.IMAGE_DECODE fast (or auto), or TRAIN.AUTO_AUGMENT none"),
     ("TRAIN.BEST_METRIC", *_one_of(BEST_METRICS)),
     ("TRAIN.AUTO_AUGMENT", *_one_of(AUTO_AUGMENTS)),
     ("DIST.FSDP_STATE_DICT", *_one_of(FSDP_STATE_DICTS)),

@@ -192,10 +192,10 @@ def decode(data: bytes, mode: str, reduce: int = 1) -> torch.Tensor:
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers (DHT, JPG, DAC are not)
 
 
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's frame header, or None: a few bytes read, nothing decoded (about
-    10x cheaper than opening the file with PIL just for its size)."""
-    pos, end = 2, len(data) - 9
+def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
+    """(frame marker, bits per sample, width, height, components) from a JPEG's frame header, or None: a
+    few bytes read, nothing decoded (about 10x cheaper than opening the file with PIL just for its size)."""
+    pos, end = 2, len(data) - 10
     while pos < end:
         if data[pos] != 0xFF:
             return None
@@ -204,11 +204,18 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
             pos += 1
             continue
         if marker in _SOF_MARKERS:
-            return int.from_bytes(data[pos + 7:pos + 9], "big"), int.from_bytes(data[pos + 5:pos + 7], "big")
+            return (marker, data[pos + 4], int.from_bytes(data[pos + 7:pos + 9], "big"),
+                    int.from_bytes(data[pos + 5:pos + 7], "big"), data[pos + 9])
         if marker == 0xDA:  # start of scan: no frame header before the image data
             return None
         pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
     return None
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header (jpeg_frame), or None."""
+    frame = jpeg_frame(data)
+    return None if frame is None else frame[2:4]
 
 
 def image_size(data: bytes) -> tuple[int, int]:

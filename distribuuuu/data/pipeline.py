@@ -4,16 +4,19 @@ interface, the samplers every pipeline shares, the per-sample dataset of a split
 
 pipeline_class picks, once per split key, the Pipeline subclass that reads cfg[key]:
   a shard set                  shards.loader.ShardPipeline (whatever TRAIN.DATA_PIPELINE says)
+  an image folder with TRAIN.IMAGE_DECODE gpu (or auto, where CUDA is)
+                               device_decode.DeviceDecodePipeline: a LoaderPipeline, its JPEGs decoded
+                               on the training device
   TRAIN.DATA_PIPELINE memory   memory.MemoryPipeline (UserError for folders, shards, TRAIN.CROP_SCALE)
   TRAIN.DATA_PIPELINE loader   LoaderPipeline (here); MODEL.DUMMY_INPUT always
   TRAIN.DATA_PIPELINE auto     an image folder: LoaderPipeline (its files are read by the DataLoader's
                                workers); another source: the first class of PIPELINES whose
                                auto_takes(cfg, key) holds: the memory pipeline for mnist5k, CIFAR and
                                TensorSources that fit its budget, else the DataLoader
-The side modules (memory.py, shards/loader.py) import this one, so PIPELINES names each class's module,
-imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline: such a module, one line
-in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices (config/validate.py
-DATA_PIPELINES, which load_config checks).
+The side modules (memory.py, shards/loader.py, device_decode.py) import this one, so PIPELINES names
+each class's module, imported on first use (each ends in ``PIPELINE = TheClass``). Adding a pipeline:
+such a module, one line in PIPELINES, and its name among the config's TRAIN.DATA_PIPELINE choices
+(config/validate.py DATA_PIPELINES, which load_config checks).
 """
 
 from __future__ import annotations
@@ -158,8 +161,8 @@ def build_dataset(cfg: CfgNode, train: bool) -> Dataset:
 def build_split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset:
     """The data of cfg[key], with the training transforms (train) or the eval ones: an image folder's
     items are listed here and decoded one at a time (images.FolderDataset); other sources: _source_dataset.
-    batched=True (TRAIN.IMAGE_DECODE fast): folder items are uint8 crops (images.FastTrainDecode /
-    FastEvalDecode), normalized (and erased) per batch on the device."""
+    batched=True (TRAIN.IMAGE_DECODE fast; gpu and auto start from it: device_decode.py): folder items are
+    uint8 crops (images.FastTrainDecode / FastEvalDecode), normalized (and erased) per batch on the device."""
     if cfg.MODEL.DUMMY_INPUT or sources.source_kind(cfg[key].DATASET) not in ("folder", "shards"):
         return _source_dataset(cfg, key, train)
     chans, size, recipe = cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, transforms.recipe_of(cfg)  # val: TRAIN.IM_SIZE too
@@ -237,7 +240,7 @@ class LoaderPipeline(Pipeline):
         """(the per-sample dataset of the split or its part, its sampler, whether it is an image folder read by
         the fast path: uint8 items, normalized per batch)."""
         cfg = self.cfg
-        fast = (cfg.TRAIN.IMAGE_DECODE == "fast" and not cfg.MODEL.DUMMY_INPUT
+        fast = (cfg.TRAIN.IMAGE_DECODE != "pil" and not cfg.MODEL.DUMMY_INPUT
                 and sources.source_kind(cfg[self.key].DATASET) == "folder")
         dataset = build_split_dataset(cfg, self.key, train, batched=fast)
         if part is not None:
@@ -271,6 +274,7 @@ PIPELINES: dict[str, str] = {
     "loader": "distribuuuu.data.pipeline",
 }
 SHARD_PIPELINE = "distribuuuu.data.shards.loader"
+DEVICE_DECODE = "distribuuuu.data.device_decode"  # an image folder's JPEGs decoded on the device
 
 
 def registered(name: str) -> type[Pipeline]:
@@ -292,6 +296,9 @@ def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
     kind = sources.source_kind(cfg[key].DATASET)
     if kind == "shards":
         return importlib.import_module(SHARD_PIPELINE).PIPELINE  # read as a stream, whatever the choice
+    decode = cfg.TRAIN.IMAGE_DECODE  # auto may decode on the device only where CUDA is
+    if kind == "folder" and (decode == "gpu" or decode == "auto" and torch.cuda.is_available()):
+        return importlib.import_module(DEVICE_DECODE).PIPELINE
     if choice != "auto":
         return registered(choice)
     if kind == "folder":

@@ -2,10 +2,11 @@
 
 The images go through the folder pipeline's recipe (transforms.py): with TRAIN.IMAGE_DECODE fast the
 records are decoded and cropped to uint8 in the workers (images.FastTrainDecode / FastEvalDecode)
-and normalized per batch on the device (batches.NormalizedBatches); with 'pil', torchvision's
-per-sample PIL recipe. The loader has what the engine uses of every train loader: len() (batches
-left this epoch), .dataset, .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
-whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
+and normalized per batch on the device (batches.NormalizedBatches); with 'gpu' (or auto's choice on
+CUDA) the workers crop the encoded JPEGs, which the main process decodes on the device
+(device_decode.py); with 'pil', torchvision's per-sample PIL recipe. The loader has what the engine
+uses of every train loader: len() (batches left this epoch), .dataset, .sampler.set_epoch(epoch,
+start), and `epoch_steps`, the steps of a whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
 every sample once, in equal step counts on every rank (plan.py), dropping none. ShardPipeline is this
 pipeline's face on the seam (data/pipeline.py): a shard set is read this way whatever TRAIN.DATA_PIPELINE
 says (memory refuses it).
@@ -18,16 +19,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
+from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources
 from distribuuuu.data.batches import NormalizedBatches, quiet_worker, stop_loader_workers, track_workers
+from distribuuuu.data.device_decode import AUTO_SAMPLES, DecodedBatches, DeviceDecode, decodes_on_device, encoded_images
 from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, open_image
 from distribuuuu.data.pipeline import Pipeline
+from distribuuuu.data.shards import tar
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
-from distribuuuu.data.shards.tar import ShardError
 from distribuuuu.data.transforms import augment_policy, folder_transform, image_stats, recipe_of
 from distribuuuu.errors import UserError
 
@@ -55,7 +58,7 @@ class ShardLoader:
     def __iter__(self) -> Iterator[Any]:
         try:
             yield from self.loader
-        except (ShardError, BadRecordError) as e:  # from a worker: its message, without the worker's traceback
+        except (tar.ShardError, BadRecordError) as e:  # from a worker: its message, without the worker's traceback
             stop_loader_workers(self.loader)  # now, not when the garbage collector frees the failed loader
             raise type(e)(_original_message(str(e))) from None
 
@@ -74,23 +77,13 @@ def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor]
     size, recipe = cfg.TRAIN.IM_SIZE, recipe_of(cfg)
     mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
     policy = augment_policy(cfg) if train else None
-    if cfg.TRAIN.IMAGE_DECODE == "fast":
+    if cfg.TRAIN.IMAGE_DECODE != "pil":
         crop = (FastTrainDecode(size, mode, recipe) if train else
                 FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
-        return (_Then(crop, policy) if policy is not None else crop), True
+        return (v2.Compose([crop, policy]) if policy is not None else crop), True
     tf = folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
                           erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
-    return _Then(functools.partial(open_image, mode=mode), tf), False
-
-
-class _Then:
-    """second(first(x)), picklable (for worker processes started by spawn)."""
-
-    def __init__(self, first: Callable, second: Callable) -> None:
-        self.first, self.second = first, second
-
-    def __call__(self, x: Any) -> Any:
-        return self.second(self.first(x))
+    return v2.Compose([functools.partial(open_image, mode=mode), *tf.transforms]), False
 
 
 def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
@@ -114,11 +107,14 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
     group = cfg[key]
     shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
     decode, batched = _decoder(cfg, train)
+    on_device = batched and decodes_on_device(cfg, device, rank, world_size, lambda: _first_images(shard_set))
+    if on_device:
+        decode = DeviceDecode(decode)
     dataset = ShardDataset(
         shard_set, decode, rank=rank, world_size=world_size, train=train, seed=seed,
         batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE, accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
         workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
-        label_map=_label_map(cfg, key, shard_set))
+        label_map=_label_map(cfg, key, shard_set), collate_images=encoded_images if on_device else default_collate)
     # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
     # The workers leave stop signals to the main process (batches.quiet_worker).
     loader = ShardLoader(track_workers(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
@@ -126,7 +122,18 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_siz
                                                   pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda")))
     if not batched:
         return loader
-    return NormalizedBatches(loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
+    batches = NormalizedBatches(loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
+    return DecodedBatches(batches, decode) if on_device else batches
+
+
+def _first_images(shard_set: ShardSet) -> list[bytes]:
+    """The image bytes of the first shard's first records: what TRAIN.IMAGE_DECODE auto times the CPU on."""
+    found: list[bytes] = []
+    for _, fields in tar.samples(shard_set.shards[0].path):
+        found += [fields[e] for e in tar.IMAGE_EXTS if e in fields][:1]
+        if len(found) == AUTO_SAMPLES:
+            break
+    return found
 
 
 class ShardPipeline(Pipeline):

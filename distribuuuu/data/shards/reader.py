@@ -45,8 +45,9 @@ class ShardDataset(IterableDataset):
 
     def __init__(self, shard_set: ShardSet, decode: Decode, *, rank: int, world_size: int, batch_size: int,
                  accum: int, workers: int, train: bool, seed: int, shuffle_block: int, bad_images: str,
-                 label_map: list[int] | None = None) -> None:
+                 label_map: list[int] | None = None, collate_images: Callable[[list], Any] = default_collate) -> None:
         self.shard_set, self.decode, self.classes = shard_set, decode, shard_set.classes
+        self.collate_images = collate_images  # a batch's decoded items -> its images (device_decode's: a list)
         self.rank, self.world_size, self.batch_size, self.accum = rank, world_size, batch_size, accum
         self.workers, self.train, self.shuffle_block = workers, train, max(1, shuffle_block)
         self.bad_images, self.label_map = bad_images, label_map
@@ -154,8 +155,8 @@ class ShardDataset(IterableDataset):
             return None
         if self.train:  # every rank keeps its batch size: a readable record of the batch stands in
             good += [good[i % len(good)] for i in range(len(items) - len(good))]
-        # default_collate, not torch.stack: in a worker it builds the batch in shared memory, saving a copy
-        return default_collate([g[0] for g in good]), torch.tensor([g[1] for g in good])
+        # default_collate (not torch.stack) builds the batch in a worker's shared memory, saving a copy
+        return self.collate_images([g[0] for g in good]), torch.tensor([g[1] for g in good])
 
     def _item(self, sample: tar.Sample) -> tuple[torch.Tensor, int] | None:
         key, fields = sample
@@ -166,14 +167,18 @@ class ShardDataset(IterableDataset):
             label = int(fields["cls"])
             return self.decode(image), self.label_map[label] if self.label_map else label
         except DECODE_ERRORS as e:
-            where = f"record {key!r} of {self.shard_set.index_path}"
-            if self.bad_images == "fail":
-                raise BadRecordError(f"cannot decode {where} ({type(e).__name__}: {e}); fix the shard, or set "
-                                     "TRAIN.BAD_IMAGES skip to skip unreadable records") from None
-            log.warning("skipping unreadable %s (%s: %s)", where, type(e).__name__, e)
-            with self.bad_count.get_lock():
-                self.bad_count.value += 1
+            self.note_unreadable(f"record {key!r}", e)
             return None
+
+    def note_unreadable(self, record: str, error: Exception) -> None:
+        """BadRecordError with TRAIN.BAD_IMAGES fail; else a warning naming the record, and one more counted."""
+        where = f"{record} of {self.shard_set.index_path}"
+        if self.bad_images == "fail":
+            raise BadRecordError(f"cannot decode {where} ({type(error).__name__}: {error}); fix the shard, or set "
+                                 "TRAIN.BAD_IMAGES skip to skip unreadable records") from None
+        log.warning("skipping unreadable %s (%s: %s)", where, type(error).__name__, error)
+        with self.bad_count.get_lock():
+            self.bad_count.value += 1
 
 
 def describe_plan(dataset: ShardDataset) -> dict[str, Any]:
