@@ -28,8 +28,8 @@ from typing import Any, Union
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import config, data, engine, inference, inferred, models, run_folder, strategies
-from distribuuuu.engine import HookBase
+from distribuuuu import config, data, engine, inference, inferred, model_card, models, run_folder, strategies
+from distribuuuu.engine import HookBase, evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import comm, launcher, signals, store
@@ -181,11 +181,15 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
         loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
     start = time.perf_counter()
     result = engine.evaluate(model, loader, cfg, ctx)
+    confusion, classes = result.pop("confusion"), model_card.describe(cfg, loader.dataset).classes
     log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
              result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"],
              time.perf_counter() - start)
+    log.info("[eval] worst classes: %s", evaluation.worst_classes(classes, result["per_class_top1"], confusion))
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}
     run.write_eval_record(record, ctx.is_main)  # eval.jsonl: never the run's metrics.jsonl
+    if cfg.TEST.OUT_DIR and ctx.is_main:
+        log.info("[eval] wrote %s", run.write_confusion(evaluation.confusion_csv(classes, confusion), cfg.TEST.OUT_DIR))
     return record
 
 

@@ -153,14 +153,16 @@ def _guarded(fn: Callable[[], int]) -> int:
 
 
 def _flags_as_overrides(args: argparse.Namespace) -> None:
-    """--import M and --checkpoint PATH become KEY VALUE overrides (IMPORTS, MODEL.WEIGHTS), so that
-    spawned ranks get them too."""
+    """--import M, --checkpoint PATH and eval's --out DIR become KEY VALUE overrides (IMPORTS,
+    MODEL.WEIGHTS, TEST.OUT_DIR), so that spawned ranks get them too."""
     if getattr(args, "imports", None):
         from distribuuuu import config
 
         args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
     if getattr(args, "checkpoint", None) is not None or args.command in ("eval", "export"):
         args.opts = _with_checkpoint(args.command, getattr(args, "checkpoint", None), list(args.opts or []))
+    if args.command == "eval" and args.out is not None:
+        args.opts = [*args.opts, "TEST.OUT_DIR", args.out]
 
 
 _CHECKPOINT_SUFFIXES = (".pth", ".pt", ".safetensors", ".ckpt")

@@ -72,7 +72,10 @@ BENCH_OPTIONS: list[Option] = [
 COMMANDS: dict[str, tuple[str, list[Option]]] = {
     "train": ("train a model", [CFG, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
     "eval": ("evaluate a checkpoint (--checkpoint PATH) on the val split (without --cfg: with the config stored "
-             "in the checkpoint)", [CFG_STORED, CHECKPOINT, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
+             "in the checkpoint)", [CFG_STORED, CHECKPOINT, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT,
+                                    (("--out",), dict(default=None, metavar="DIR", help=(
+                                        "also write confusion.csv (rows: true class, columns: predicted) into DIR: "
+                                        "the same as TEST.OUT_DIR DIR (default: none)"))), OPTS]),
     "config": ("print the merged, validated config as YAML", [
         (("--list",), dict(dest="list_shipped", action="store_true",
                            help="list the shipped configs (usable as --cfg NAME) instead")),
@@ -136,7 +139,7 @@ EXAMPLES: dict[str, str] = {
   distribuuuu train --import my_models.py MODEL.ARCH my_net TRAIN.DATASET digits""",
     "eval": """examples:
   distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth
-  distribuuuu eval --checkpoint best.pth TEST.DATASET other_images TEST.SPLIT test
+  distribuuuu eval --checkpoint best.pth TEST.DATASET other_images TEST.SPLIT test --out results/
   distribuuuu eval OUT_DIR runs/demo --nproc-per-node 2         # the run's best.pth""",
     "config": """examples:
   distribuuuu config --list                        # the shipped configs

@@ -197,6 +197,8 @@ _C.TEST.CROP_PCT = 0.0
 _C.TEST.PRINT_FREQ = 10
 # Number of samples of the synthetic validation set (TEST.DATASET synthetic)
 _C.TEST.SYNTHETIC_SAMPLES = 256
+# eval: a folder for confusion.csv (rows: true class, columns: predicted); '' for none (eval --out DIR)
+_C.TEST.OUT_DIR = ""
 
 # ---------------------------------------------------------------------------------------------
 # cuDNN

@@ -1,6 +1,7 @@
-"""Evaluation: exact counting of loss and top-k hits (Counter, also the training epoch's), exact metrics
-over a whole split (``evaluate``: the epoch's validation, the test of the chosen checkpoint and the
-``eval`` command, api.run_eval), and the epoch's validation records (``validate``).
+"""Evaluation: exact counting of loss and top-k hits (Counter, also the training epoch's; ClassCounter
+adds the confusion matrix), exact metrics over a whole split (``evaluate``: the epoch's validation, the
+test of the chosen checkpoint and the ``eval`` command, api.run_eval), and the epoch's validation
+records (``validate``).
 
 A Counter's sums live in one float64 tensor on the training device, so the hot loop never syncs with
 the host; ``reduce()`` is its only collective and runs once, at the end of an epoch or evaluation.
@@ -75,7 +76,7 @@ class Counter:
         self.sums, self.n = both[[0, 1, 2, 4]], int(both[3].item())
         return self
 
-    def result(self) -> dict[str, float]:
+    def result(self) -> dict[str, Any]:
         """loss (mean), top1 and topk_acc (top-k at TRAIN.TOPK) in percent, n (samples counted). One host sync."""
         loss_sum, hit1, hitk, counted = self.sums.tolist()
         n = int(counted)
@@ -84,14 +85,46 @@ class Counter:
         return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "topk_acc": 100.0 * hitk / n, "n": n}
 
 
+class ClassCounter(Counter):
+    """A Counter that also counts, for each true class, the samples predicted as each class (the
+    confusion matrix: rows true, columns predicted), summed on the device and reduced with the same
+    one all-reduce: exact under DDP. The prediction is the top-k kernel's first column, the same that
+    counts top-1 hits, so the per-class accuracies weighted by their samples give top1 exactly."""
+
+    def __init__(self, device: torch.device, topk: int, num_classes: int) -> None:
+        super().__init__(device, topk)
+        self.k = num_classes
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        super().update(logits, target, loss)
+        pred = logits.detach().topk(min(max(self.ks), logits.size(1)), dim=1).indices[:, 0]  # as topk_hits's
+        self.confusion += torch.bincount(target * self.k + pred, minlength=self.k * self.k).to(torch.float64)
+
+    def reduce(self) -> ClassCounter:
+        both = comm.all_reduce_sum(torch.cat([self.sums_with_n(), self.confusion]))
+        self.sums, self.n, self.confusion = both[[0, 1, 2, 4]], int(both[3].item()), both[5:]
+        return self
+
+    def result(self) -> dict[str, Any]:
+        """Counter's, with per_class_top1 (percent, class order; None for a class without samples) and
+        confusion (K x K counts, rows true)."""
+        rows = self.confusion.view(self.k, self.k)
+        counts, hits = rows.sum(1).tolist(), rows.diagonal().tolist()
+        per_class = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
+        return {**super().result(), "per_class_top1": per_class, "confusion": rows.to(torch.int64).tolist()}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext,
-             stepper: Stepper | None = None) -> dict[str, float]:
-    """Exact loss/top-1/top-k over the whole validation set, whatever the world size."""
+             stepper: Stepper | None = None) -> dict[str, Any]:
+    """Exact loss/top-1/top-k and per-class top-1 (with the confusion matrix) over the whole split,
+    whatever the world size."""
     net = models.unwrap(model)
     net.eval()
     criterion = torch.nn.CrossEntropyLoss()  # plain: val loss is comparable across recipes
-    counter = Counter(ctx.device, cfg.TRAIN.TOPK)
+    counter = ClassCounter(ctx.device, cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
     iters = len(loader)
     for it, (images, target) in enumerate(loader):
         images = images.to(ctx.device, non_blocking=True)
@@ -119,13 +152,36 @@ def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
 
 
 def validate(nets: dict[str, torch.nn.Module], loader: Any, cfg: CfgNode, ctx: DistContext, stepper: Stepper,
-             epoch: int) -> list[dict[str, Any]]:
+             epoch: int) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
     """The epoch's evaluation of each model (``nets``: split name -> module; "val", and "val_ema" for the
-    EMA) on the validation split: their records, each logged."""
-    records = []
+    EMA) on the validation split: their records, each logged, and each one's confusion matrix."""
+    records, confusions = [], []
     for split, net in nets.items():
         result = evaluate(net, loader, cfg, ctx, stepper)
+        confusions.append(result.pop("confusion"))
         records.append({"epoch": epoch, "split": split, **result, "topk": cfg.TRAIN.TOPK})
         log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", split, epoch,
                  cfg.OPTIM.MAX_EPOCH, result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
-    return records
+    return records, confusions
+
+
+def confusion_csv(classes: list[str], matrix: list[list[int]]) -> str:
+    """confusion.csv's text: a row per true class, a column per predicted class, class names as headers."""
+    rows = [["true \\ predicted", *classes], *([name, *map(str, counts)] for name, counts in zip(classes, matrix))]
+    return "".join(",".join(_csv_cell(cell) for cell in row) + "\n" for row in rows)
+
+
+def _csv_cell(text: str) -> str:
+    return f'"{text.replace(chr(34), chr(34) * 2)}"' if any(c in text for c in ',"\n') else text
+
+
+def worst_classes(classes: list[str], per_class: list[float | None], matrix: list[list[int]], n: int = 5) -> str:
+    """'cat 61.2% (49/80, most often as dog 21), ...': the n classes with the lowest top-1, for the log."""
+    scored = sorted((acc, i) for i, acc in enumerate(per_class) if acc is not None)[:n]
+    parts = []
+    for acc, i in scored:
+        row = matrix[i]
+        wrong = max((c for c in range(len(row)) if c != i), key=row.__getitem__, default=None)
+        as_what = f", most often as {classes[wrong]} {row[wrong]}" if wrong is not None and row[wrong] else ""
+        parts.append(f"{classes[i]} {acc:.1f}% ({row[i]}/{sum(row)}{as_what})")
+    return ", ".join(parts)

@@ -232,7 +232,8 @@ class NonFiniteEpochCheck(HookBase):
 
 class EvalHook(HookBase):
     """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw and EMA), tell the trainer the
-    TRAIN.BEST_METRIC value (a new best makes best.pth), then after_eval."""
+    TRAIN.BEST_METRIC value (a new best makes best.pth, and its confusion matrix OUT_DIR/confusion.csv),
+    then after_eval."""
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         cfg, state = trainer.cfg, trainer.state
@@ -242,9 +243,11 @@ class EvalHook(HookBase):
             nets = {"val": trainer.strategy.eval_model(trainer.model)}
             if trainer.stepper.ema is not None:
                 nets["val_ema"] = trainer.stepper.ema.module
-            records = evaluation.validate(nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper, state.epoch)
-            best = next(r for r in records if r["split"] == ("val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"))
-            trainer.update_best(best["top1"])
+            records, confusions = evaluation.validate(nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper,
+                                                      state.epoch)
+            i = [r["split"] for r in records].index("val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema")
+            if trainer.update_best(records[i]["top1"]) and trainer.ctx.is_main:  # best.pth's matrix
+                trainer.folder.write_confusion(evaluation.confusion_csv(trainer.card.classes, confusions[i]))
             log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
             trainer.call("after_eval", "val", records)
         finally:

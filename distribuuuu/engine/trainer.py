@@ -269,6 +269,7 @@ class Trainer:
         weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
         net = self.strategy.test_model(self.model, ckpt, weights, folder.checkpoints)
         result = evaluation.evaluate(net, self.test_loader, cfg, ctx, self.stepper)
+        result.pop("confusion")  # the record keeps the per-class top-1; confusion.csv is the best val's
         record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
                   "weights": os.path.basename(path)}
         log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% "

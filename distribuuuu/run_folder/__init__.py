@@ -55,9 +55,10 @@ __all__ = ["RunFolder", "owned", "check_folder", "log_notes", "remove_if_empty",
 log = logging.getLogger("distribuuuu")
 
 # Everything a run, and the tools, put into OUT_DIR besides the config (CFG_DEST must be none of them)
+CONFUSION = "confusion.csv"  # the best checkpoint's confusion matrix (rows: true class, columns: predicted)
 NAMES = (CHECKPOINTS, *METRICS_FILES, records.ENV, records.ENV_HISTORY, EVAL_RECORDS, METRICS_DROPPED,
          records.MODEL_TABLE, config.CONFIG_DIFF, LOG_FILE, LOCK, "plots", "bench", "export",
-         "mlflow.db", "mlartifacts", "wandb", "trackers.json")  # the last: TRAIN.TRACKERS (trackers.py)
+         "mlflow.db", "mlartifacts", "wandb", "trackers.json", CONFUSION)  # the last: TRAIN.TRACKERS (trackers.py)
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
@@ -286,6 +287,14 @@ class RunFolder:
         except (OSError, ValueError):
             return None
         return last if isinstance(last, dict) and last.get("split") == "test" else None
+
+    def write_confusion(self, text: str, folder: str | None = None) -> str:
+        """Rank 0: confusion.csv (engine/evaluation.py's text) in OUT_DIR (the best checkpoint's) or in
+        ``folder`` (eval's TEST.OUT_DIR), replaced atomically; returns its path."""
+        path = os.path.join(folder or self.out_dir, CONFUSION)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        files.atomic_write(path, lambda f: f.write(text.encode()))
+        return path
 
     def write_eval_record(self, record: dict[str, Any], enabled: bool) -> str:
         """Rank 0 (enabled) adds an ``eval`` record to OUT_DIR/eval.jsonl; returns that path. Kept out of

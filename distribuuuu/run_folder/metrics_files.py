@@ -67,7 +67,7 @@ class MetricsWriter:
             return
         record = clean(record)
         files.append(self.path, json.dumps(record) + "\n")
-        self._write_csv(record)
+        self._write_csv({k: v for k, v in record.items() if not isinstance(v, list)})  # per-class lists: jsonl only
         if self.tensorboard and isinstance(record.get("epoch"), int):
             self._scalars(record.get("split", "train"), record, TB_KEYS, record["epoch"])
             self._tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing

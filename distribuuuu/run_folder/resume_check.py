@@ -57,7 +57,7 @@ SAFE_KEYS = frozenset({
     # how long and when to stop (the LR schedule follows OPTIM.MAX_EPOCH)
     "OPTIM.MAX_EPOCH", "TRAIN.PATIENCE", "TRAIN.TARGET_TOP1", "TRAIN.EVAL_PERIOD",
     # what is printed and kept, and where else it is sent (the trackers' runs go on, or start)
-    "TRAIN.TRACKERS", "TRAIN.TRACKER_CHECKPOINTS", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK", "TRAIN.CKPT_KEEP", "TRAIN.CKPT_PERIOD_STEPS",
+    "TRAIN.TRACKERS", "TRAIN.TRACKER_CHECKPOINTS", "TRAIN.PRINT_FREQ", "TEST.OUT_DIR", "TEST.PRINT_FREQ", "TRAIN.TOPK", "TRAIN.CKPT_KEEP", "TRAIN.CKPT_PERIOD_STEPS",
     "TRAIN.CKPT_PERIOD_MIN", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_ALLOW", "CFG_DEST",
     # batch and world size, as resume has always handled them (the LR is recomputed and logged)
     "TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE",

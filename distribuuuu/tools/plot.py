@@ -4,11 +4,13 @@
 
 writes learning_curves.png (top-1, top-k, loss and LR against the epoch; train dashed, val solid,
 one colour per run) and one PNG per panel (top1.png, topk.png, loss.png, lr.png) into --out
-(default: RUN_DIR/plots for one run, ./plots for several).
+(default: RUN_DIR/plots for one run, ./plots for several); and for each run folder holding
+confusion.csv (the best checkpoint's), confusion.png (confusion_<run>.png for several runs).
 """
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -129,7 +131,40 @@ def plot_runs(run_dirs: Sequence[str], out_dir: str) -> dict[str, Any]:
         files.append(os.path.join(out_dir, f"{panel[0]}.png"))
         fig.savefig(files[-1])
         plt.close(fig)
+    for label, run_dir in zip(runs, run_dirs):
+        if os.path.isfile(os.path.join(run_dir, "confusion.csv")):
+            name = "confusion.png" if len(run_dirs) == 1 else f"confusion_{label.replace(os.sep, '_')}.png"
+            files.append(draw_confusion(os.path.join(run_dir, "confusion.csv"), os.path.join(out_dir, name), label))
     return {"files": files, "series": runs, "drawn": drawn}
+
+
+def draw_confusion(csv_path: str, png_path: str, title: str) -> str:
+    """confusion.csv as a picture: each true class's row as shares of its samples (the diagonal is its
+    top-1), with the counts written in the cells when the classes are few."""
+    with open(csv_path, newline="") as f:
+        header, *rows = list(csv.reader(f))
+    classes, counts = header[1:], [[int(c) for c in row[1:]] for row in rows]
+    shares = [[c / max(sum(row), 1) for c in row] for row in counts]
+    plt = pyplot()
+    side = min(4 + 0.35 * len(classes), 20)
+    fig, ax = plt.subplots(figsize=(side, side * 0.85), dpi=90)
+    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, fraction=0.046, label="share of the true class's samples")
+    if len(classes) <= 30:
+        ax.set_xticks(range(len(classes)), classes, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(classes)), classes, fontsize=7)
+        for i, row in enumerate(counts):
+            for j, c in enumerate(row):
+                if c:
+                    ax.text(j, i, str(c), ha="center", va="center", fontsize=6,
+                            color="white" if shares[i][j] > 0.5 else "black")
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"confusion of the best checkpoint: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
 
 
 def main(run_dirs: Sequence[str], out_dir: str | None) -> int:
