@@ -302,16 +302,34 @@ def describe(pids: list[int]) -> str:
 
 
 # ---- Small on-disk data: configs, image trees, fake CIFAR pickles ---------------------------------
-def make_cfg(overrides: dict):
-    """load_config from {KEY: value}, the unset keys decided from the data (inferred.resolve, as api.py
-    does before a run); non-string values are passed as Python literals."""
+def make_cfg(*opts, base: str | None = None, resolve: bool = True):
+    """The tests' one way to a config: load_config(base, opts), then the unset keys decided from the
+    data (inferred.resolve, as the API does before a run) unless resolve=False. opts are KEY VALUE
+    words or {KEY: value} dicts, mixed as reads best: a value that is not a string is passed as a
+    Python literal, a path as its text."""
     from distribuuuu import inferred
     from distribuuuu.config import load_config
 
-    opts: list[str] = []
-    for key, value in overrides.items():
-        opts += [key, value if isinstance(value, str) else repr(value)]
-    return inferred.resolve(load_config(None, opts))
+    def word(value) -> str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        return value if isinstance(value, str) else repr(value)
+
+    words: list[str] = []
+    for opt in opts:
+        words += [word(w) for pair in opt.items() for w in pair] if isinstance(opt, dict) else [word(opt)]
+    cfg = load_config(base, words)
+    return inferred.resolve(cfg) if resolve else cfg
+
+
+def fit(cfg, hooks=()) -> dict:
+    """engine.fit in this process, in the process-group session the API opens around it (without the
+    API's checks and run lock): for tests of the loop and its hooks."""
+    from distribuuuu import engine
+    from distribuuuu.launch import comm
+
+    with comm.session(cfg) as ctx:
+        return engine.fit(cfg, ctx, hooks=hooks)
 
 
 def write_image(path: str, size: tuple[int, int], mode: str, seed: int) -> None:

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics
 
 # AdamW keeps two state tensors per parameter: the per-rank share of it is easy to see.
 ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"]
@@ -19,7 +19,6 @@ def _strategy_worker(out_dir):
     from torch.distributed.fsdp import FSDPModule
 
     from distribuuuu import models, strategies
-    from distribuuuu.config import load_config
     from distribuuuu.launch import comm
     from distribuuuu.nonfinite import local_tensor
     from distribuuuu.optim import Stepper
@@ -31,9 +30,9 @@ def _strategy_worker(out_dir):
                 "ddp_ac": ["TRAIN.ACTIVATION_CHECKPOINTING", "True"]}
     common = [*ADAMW, "TRAIN.ACCUM_STEPS", "2", "TRAIN.CLIP_GRAD_NORM", "0.5"]
     results = {}
-    with comm.session(load_config(TINY, common)) as ctx:
+    with comm.session(make_cfg(*common, base=TINY)) as ctx:
         for name, opts in variants.items():
-            cfg = load_config(TINY, [*common, *opts])
+            cfg = make_cfg(*common, *opts, base=TINY)
             torch.manual_seed(0)
             strategy = strategies.build(cfg, ctx)
             model = strategy.wrap_model(models.build_model(cfg))
@@ -83,12 +82,11 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
 def test_activation_checkpointing_keeps_fewer_activations():
     """The bytes autograd saves for the backward pass, counted with saved_tensors_hooks."""
     from distribuuuu import models
-    from distribuuuu.config import load_config
     from distribuuuu.strategies import blocks, checkpoint_activations
 
     def saved_bytes(checkpointing: bool) -> int:
         torch.manual_seed(0)
-        model = models.build_model(load_config(TINY, ["TRAIN.IM_SIZE", "32"]))
+        model = models.build_model(make_cfg("TRAIN.IM_SIZE", "32", base=TINY))
         if checkpointing:
             assert checkpoint_activations(model, blocks(model)) == 4
         total = 0

@@ -17,7 +17,6 @@ import torch
 from PIL import Image
 
 from distribuuuu import data, models
-from distribuuuu.config import load_config
 from distribuuuu.data import checks, images
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
@@ -182,7 +181,7 @@ def test_unreadable_eval_images_are_left_out_and_counted_with_1_and_2_processes(
     args = ["--cfg", TINY, "TEST.DATASET", eval_tree, "TRAIN.DATASET", eval_tree, "MODEL.NUM_CLASSES", "3",
             "TRAIN.TOPK", "1", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TEST.BATCH_SIZE", "3"]
     weights = str(tmp_path / "w.pth")  # an untrained model: what is counted matters here, not accuracy
-    cfg = load_config(TINY, args[2:])
+    cfg = make_cfg(*args[2:], base=TINY)
     torch.save(models.build_model(cfg).state_dict(), weights)
     records, logs = [], ""
     for spawn in ([], ["--nproc-per-node", "2"]):  # one plain process, then two

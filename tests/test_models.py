@@ -7,21 +7,17 @@ import safetensors.torch
 import torch
 import torch.nn as nn
 
-from distribuuuu import inferred, models
-from distribuuuu.config import load_config
+from distribuuuu import models
 from distribuuuu.errors import UserError
+from tests.conftest import make_cfg
 
 torch.set_num_threads(1)
 
 BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]
 
 
-def make_cfg(arch="resnet18", *opts):
-    return inferred.resolve(load_config(None, ["MODEL.ARCH", arch, *opts]))
-
-
 def build(arch="resnet18", *opts):
-    return models.build_model(make_cfg(arch, *opts))
+    return models.build_model(make_cfg("MODEL.ARCH", arch, *opts))
 
 
 def last_linear(model):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from distribuuuu import api, config, data, model_card
+from distribuuuu import api, data, model_card
 from distribuuuu.data import shards, transforms
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
@@ -295,7 +295,7 @@ def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shard
 # -- the command ------------------------------------------------------------------------------------
 def test_train_on_shards_in_process_counts_every_sample_and_refuses_what_cannot_work(id_shards, tmp_path):
     opts = _argv(id_opts(id_shards, workers=0))
-    cfg = config.load_config(TINY, [*opts, "OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1"])
+    cfg = make_cfg(*opts, "OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1", base=TINY)
     with process_state_restored():
         api.train(cfg)
     records = read_metrics(str(tmp_path / "run"))

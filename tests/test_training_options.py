@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from distribuuuu import optim, strategies
-from distribuuuu.config import load_config
 from distribuuuu.optim import Stepper, ema_decay_per_step
 from distribuuuu.strategies import Strategy
-from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics, torchrun
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, torchrun
 
 CPU = torch.device("cpu")
 
@@ -20,8 +19,9 @@ def _net():
 
 
 def _cfg(*opts):
-    return load_config(None, ["MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2", "OPTIM.MOMENTUM", "0.0",
-                              "OPTIM.NESTEROV", "False", "OPTIM.WEIGHT_DECAY", "0.0", *opts])
+    """4 classes (_net's), plain SGD: no momentum, no weight decay, so an update is lr x gradient."""
+    return make_cfg("MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2", "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False",
+                    "OPTIM.WEIGHT_DECAY", "0.0", *opts)
 
 
 def _one_step(cfg, batches):
@@ -140,15 +140,14 @@ def _zero_vs_ddp_worker(out_dir):
     import os
 
     from distribuuuu import models
-    from distribuuuu.config import load_config
     from distribuuuu.launch import comm
     from distribuuuu.optim import Stepper
 
     results = {}
-    base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+    base = make_cfg("OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01", base=TINY)
     with comm.session(base) as ctx:
         for strategy in ("ddp", "zero1"):
-            cfg = load_config(TINY, ["DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+            cfg = make_cfg("DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01", base=TINY)
             torch.manual_seed(0)
             strat = strategies.build(cfg, ctx)
             model = strat.wrap_model(models.build_model(cfg))

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from distribuuuu import optim
-from distribuuuu.config import load_config
 from distribuuuu.engine import rng
 from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.errors import UserError
@@ -35,8 +34,8 @@ def test_counter_means_and_percentages():
 
 
 def test_cosine_schedule_with_warmup():
-    cfg = load_config(None, ["OPTIM.MAX_EPOCH", "10", "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1",
-                             "OPTIM.MIN_LR", "0.01"])
+    cfg = make_cfg("OPTIM.MAX_EPOCH", "10", "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1",
+                   "OPTIM.MIN_LR", "0.01")
     # The decay runs over the 8 epochs after the warmup (#27: every run reaches its peak LR).
     cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * (e - 2) / 8)) + 0.01  # noqa: E731
     factor = optim.Schedule(cfg, 1.0)
@@ -51,14 +50,14 @@ def test_cosine_schedule_with_warmup():
 
 
 def test_steps_schedule_and_linear_scaling():
-    cfg = load_config(None, ["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 3, 6]", "OPTIM.LR_MULT", "0.1",
-                             "OPTIM.MAX_EPOCH", "9", "OPTIM.WARMUP_EPOCHS", "0",
-                             "OPTIM.LR_SCALING", "linear", "OPTIM.BASE_LR", "0.1"])
+    cfg = make_cfg("OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 3, 6]", "OPTIM.LR_MULT", "0.1",
+                   "OPTIM.MAX_EPOCH", "9", "OPTIM.WARMUP_EPOCHS", "0",
+                   "OPTIM.LR_SCALING", "linear", "OPTIM.BASE_LR", "0.1")
     factor = optim.Schedule(cfg, 1.0)
     assert [factor(e) for e in (0, 2.99, 3, 5.5, 6, 8.9)] == pytest.approx(
         [1, 1, 0.1, 0.1, 0.01, 0.01])
     assert optim.peak_lr(cfg, 256) == pytest.approx(0.2)  # 0.1 x 256 / 128
-    plain = load_config(None, ["OPTIM.BASE_LR", "0.1"])
+    plain = make_cfg("OPTIM.BASE_LR", "0.1")
     assert optim.peak_lr(plain, 256) == pytest.approx(0.1)
 
 
@@ -207,7 +206,7 @@ def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, 
 def test_a_strategy_refuses_what_it_cannot_train(opts, world, message):
     from distribuuuu import strategies
 
-    cfg = load_config(TINY, opts)
+    cfg = make_cfg(*opts, base=TINY)
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
 
@@ -217,7 +216,7 @@ def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
 
     for opts, world in ((["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True"], 2), (["DIST.STRATEGY", "dp"], 1),
                         (["DIST.STRATEGY", "zero1", "TRAIN.EMA_DECAY", "0.9"], 2)):
-        cfg = load_config(TINY, opts)
+        cfg = make_cfg(*opts, base=TINY)
         strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
     assert [strategies.resolve(n, False) for n in ("ddp", "fsdp", "dp")] == ["single", "single", "dp"]
     assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]
