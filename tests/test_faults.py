@@ -162,21 +162,6 @@ def test_a_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path, opts):
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point())
 
 
-def test_nonfinite_stop_mode_ends_the_run(tmp_path):
-    out = str(tmp_path / "run")
-    proc = _run(SMALL + ["OUT_DIR", out, "TRAIN.NONFINITE", "stop"], {"NAN_AT": "2:0"}, launcher="plain")
-    assert proc.returncode == 2  # a user error (issue 14 item 8): the cure is a setting or the data
-    assert "non-finite loss or gradients at step 2" in proc.stderr
-
-
-def test_consecutive_nonfinite_steps_stop_after_the_limit(tmp_path):
-    out = str(tmp_path / "run")
-    proc = _run(SMALL + ["OUT_DIR", out, "TRAIN.NONFINITE_MAX_SKIPS", "2"], {"NAN_AT": "2,3,4:0"},
-                launcher="plain")
-    assert proc.returncode == 2
-    assert "3 in a row" in proc.stderr
-
-
 def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tmp_path):
     """Under the local Slurm cluster: rank 1 of `srun -n 2` gets SIGUSR1 after step 3; both ranks
     agree, checkpoint, and exit; a second srun resumes from that step and finishes."""
