@@ -202,6 +202,18 @@ def check(proc: subprocess.CompletedProcess, status: int = 0) -> subprocess.Comp
     return proc
 
 
+def check_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """A user error as the CLI reports it: exit 2, no traceback, and on stderr one `error...` line and
+    nothing else, holding every fragment (however many processes were asked for). Returns the line."""
+    check(proc, 2)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error"), proc.stderr[-4000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -25,6 +25,7 @@ from tests.conftest import (
     ROOT,
     TINY,
     check,
+    check_user_error,
     cli_main,
     distribuuuu,
     env,
@@ -37,37 +38,26 @@ from tests.conftest import (
 FAST = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
 
 
-def _user_error(proc, *fragments) -> str:
-    """Exit 2, no traceback, one `error:` line on stderr and nothing else, holding every fragment: the line."""
-    check(proc, 2)
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error"), proc.stderr  # one, however many processes were asked for
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # Mistakes in the config, its keys and the data
 # ---------------------------------------------------------------------------------------------
 def test_unknown_key():
-    _user_error(cli_main("train", "--cfg", TINY, "MODEL.ARHC", "resnet18"),
-                "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
+    check_user_error(cli_main("train", "--cfg", TINY, "MODEL.ARHC", "resnet18"),
+                     "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
 
 
 def test_wrong_type():
-    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE", "big"),
-                "TRAIN.BATCH_SIZE", "expects an int", "'big'")
+    check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE", "big"),
+                     "TRAIN.BATCH_SIZE", "expects an int", "'big'")
 
 
 def test_missing_config_file():
-    _user_error(cli_main("train", "--cfg", "no/such.yaml"), "no/such.yaml", "does not exist")
+    check_user_error(cli_main("train", "--cfg", "no/such.yaml"), "no/such.yaml", "does not exist")
 
 
 def test_missing_dataset_folder(tmp_path):
-    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path / "imagenet")),
-                "TRAIN.DATASET", str(tmp_path / "imagenet"))
+    check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path / "imagenet")),
+                     "TRAIN.DATASET", str(tmp_path / "imagenet"))
 
 
 def test_empty_class_folder(tmp_path):
@@ -76,28 +66,28 @@ def test_empty_class_folder(tmp_path):
     for cls in ("cat", "dog"):
         os.makedirs(tmp_path / "train" / cls)
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "cat" / "a.png")
-    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path)), "dog")
+    check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.DATASET", str(tmp_path)), "dog")
 
 
 def test_unknown_arch():
-    _user_error(cli_main("train", "--cfg", TINY, "MODEL.ARCH", "resnt18"),
-                "MODEL.ARCH", "resnet18")
+    check_user_error(cli_main("train", "--cfg", TINY, "MODEL.ARCH", "resnt18"),
+                     "MODEL.ARCH", "resnet18")
 
 
 def test_missing_weights_file(tmp_path):
-    _user_error(cli_main("eval", "--cfg", TINY, "MODEL.WEIGHTS", str(tmp_path / "w.pth")),
-                "MODEL.WEIGHTS", "w.pth")
+    check_user_error(cli_main("eval", "--cfg", TINY, "MODEL.WEIGHTS", str(tmp_path / "w.pth")),
+                     "MODEL.WEIGHTS", "w.pth")
 
 
 def test_world_size_larger_than_the_data():
     """Refused by the spawner's parent, before any child starts."""
-    _user_error(cli_main("train", "--nproc-per-node", "3", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2"),
-                "world size 3")
+    check_user_error(cli_main("train", "--nproc-per-node", "3", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2"),
+                     "world size 3")
 
 
 def test_bad_nproc_and_odd_override_list():
-    _user_error(cli_main("train", "--nproc-per-node", "zero", "--cfg", TINY), "--nproc-per-node")
-    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE"), "KEY VALUE pairs")
+    check_user_error(cli_main("train", "--nproc-per-node", "zero", "--cfg", TINY), "--nproc-per-node")
+    check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.BATCH_SIZE"), "KEY VALUE pairs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +96,7 @@ def test_bad_nproc_and_odd_override_list():
 def test_a_binary_cfg_says_it_is_not_utf8_yaml(tmp_path):
     bad = tmp_path / "weights.yaml"
     bad.write_bytes(b"\x00\x01\x02\xff\xfe binary junk")
-    msg = _user_error(cli_main("train", "--cfg", str(bad), "OUT_DIR", str(tmp_path / "run")))
+    msg = check_user_error(cli_main("train", "--cfg", str(bad), "OUT_DIR", str(tmp_path / "run")))
     assert "is not UTF-8 YAML text" in msg and "binary data" in msg and "config/resnet18.yaml" in msg
     assert not (tmp_path / "run").exists()
 
@@ -115,7 +105,7 @@ def test_a_checkpoint_passed_as_cfg_is_named_as_such(tmp_path):
     ckpt = tmp_path / "last.pth"
     torch.save({"model": {"w": torch.arange(300, dtype=torch.float32)}}, ckpt)  # a real zip archive
     assert zipfile.is_zipfile(ckpt)
-    msg = _user_error(cli_main("config", "--cfg", str(ckpt)))
+    msg = check_user_error(cli_main("config", "--cfg", str(ckpt)))
     assert "is not UTF-8 YAML text" in msg and "a zip archive (a PyTorch checkpoint?)" in msg
 
 
@@ -133,12 +123,12 @@ def test_a_utf16_cfg_with_a_bom_is_read_as_text(tmp_path):
 def test_a_utf16_cfg_without_bom_is_refused_with_what_it_looks_like(tmp_path):
     wide = tmp_path / "tiny16.yaml"
     wide.write_bytes(open(TINY, encoding="utf-8").read().encode("utf-16-le"))  # valid UTF-8, with NULs
-    msg = _user_error(cli_main("config", "--cfg", str(wide)))
+    msg = check_user_error(cli_main("config", "--cfg", str(wide)))
     assert "UTF-16 text without a byte-order mark" in msg and "save it as UTF-8" in msg
 
 
 def test_a_folder_as_cfg(tmp_path):
-    assert "is a folder" in _user_error(cli_main("config", "--cfg", str(tmp_path)))
+    assert "is a folder" in check_user_error(cli_main("config", "--cfg", str(tmp_path)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,19 +137,19 @@ def test_a_folder_as_cfg(tmp_path):
 def test_cfg_dest_that_is_a_folder_in_out_dir(tmp_path):
     out = tmp_path / "run"
     (out / "configs").mkdir(parents=True)
-    msg = _user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(out), "CFG_DEST", "configs", *FAST))
+    msg = check_user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(out), "CFG_DEST", "configs", *FAST))
     assert "CFG_DEST 'configs' is an existing folder in OUT_DIR" in msg and "config.yaml" in msg
     assert sorted(os.listdir(out)) == ["configs"]  # nothing written
 
 
 @pytest.mark.parametrize("dest", ["log.txt", "checkpoints", "sub/config.yaml", ".."])
 def test_cfg_dest_that_would_replace_a_run_file_or_leave_out_dir(tmp_path, dest):
-    msg = _user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), "CFG_DEST", dest))
+    msg = check_user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), "CFG_DEST", dest))
     assert f"CFG_DEST {dest!r}" in msg
 
 
 def test_unknown_timm_pretrained_tag_lists_the_known_ones(tmp_path):
-    msg = _user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"),
+    msg = check_user_error(cli_main("train", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"),
                                "MODEL.ARCH", "resnet18.bogus_tag", "MODEL.SMALL_STEM", "False"))
     known = [n.split(".", 1)[1] for n in timm.models.get_arch_pretrained_cfgs("resnet18")]
     assert "no pretrained tag 'bogus_tag' for resnet18" in msg and known
@@ -180,7 +170,7 @@ def test_an_image_size_that_cannot_fit_in_memory(tmp_path, command, key):
     if command == "eval":  # eval first asks for a checkpoint (#27): one that exists, the size is checked before it is read
         torch.save({}, tmp_path / "w.pth")
         weights = ["--checkpoint", str(tmp_path / "w.pth")]
-    msg = _user_error(cli_main(command, "--cfg", TINY, *weights, "OUT_DIR", str(tmp_path / "run"),
+    msg = check_user_error(cli_main(command, "--cfg", TINY, *weights, "OUT_DIR", str(tmp_path / "run"),
                                f"{key}.IM_SIZE", "200000"))
     assert f"{key}.BATCH_SIZE 16 images of 3x200000x200000" in msg and "7.0 TiB" in msg
     assert "this host's" in msg and f"lower {key}.IM_SIZE" in msg
@@ -197,15 +187,15 @@ def a_file(tmp_path):
 
 
 def test_export_out_that_is_a_file(a_file):
-    _user_error(cli_main("export", "--out", str(a_file), "--cfg", TINY, "MODEL.WEIGHTS", "none.pth"),
-                "--out", str(a_file), "is a file")
+    check_user_error(cli_main("export", "--out", str(a_file), "--cfg", TINY, "MODEL.WEIGHTS", "none.pth"),
+                     "--out", str(a_file), "is a file")
 
 
 def test_plot_out_that_is_a_file(tmp_path, a_file):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"epoch": 1, "split": "train", "loss": 1.0, "top1": 50.0}\n')
-    _user_error(cli_main("plot", str(run), "--out", str(a_file)), "--out", str(a_file), "is a file")
+    check_user_error(cli_main("plot", str(run), "--out", str(a_file)), "--out", str(a_file), "is a file")
 
 
 def test_predict_output_under_a_file(tmp_path, a_file):
@@ -214,15 +204,15 @@ def test_predict_output_under_a_file(tmp_path, a_file):
 
     Image.new("RGB", (8, 8)).save(image)
     target = a_file / "preds.csv"
-    _user_error(cli_main("predict", "--cfg", TINY, "MODEL.WEIGHTS", str(a_file), str(image), "--output", str(target)),
-                "--output", str(a_file), "is a file")
+    refused = cli_main("predict", "--cfg", TINY, "MODEL.WEIGHTS", str(a_file), str(image), "--output", str(target))
+    check_user_error(refused, "--output", str(a_file), "is a file")
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "export"])
 def test_a_folder_as_model_weights_is_named_a_folder(tmp_path, command):
     """Before: "MODEL.WEIGHTS ... does not exist" for a folder that does."""
     result = cli_main(command, "--cfg", TINY, "OUT_DIR", str(tmp_path / "out"), "MODEL.WEIGHTS", str(tmp_path))
-    _user_error(result, "MODEL.WEIGHTS", "is a folder", "best.pth")
+    check_user_error(result, "MODEL.WEIGHTS", "is a folder", "best.pth")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,27 +245,27 @@ def test_eval_predict_and_export_take_checkpoint_as_model_weights(trained, tmp_p
     assert proc.stdout.splitlines()[0] == str(tmp_path / "x.png") and "  2. " in proc.stdout
     check(cli_main("export", "--checkpoint", trained, "--out", str(tmp_path / "ex")))
     assert {"model.torchscript.pt", "model.safetensors"} <= set(os.listdir(tmp_path / "ex"))
-    _user_error(cli_main("eval", "--checkpoint", trained, "MODEL.WEIGHTS", str(tmp_path / "other.pth")),
-                "--checkpoint", "MODEL.WEIGHTS", "name two files")
+    check_user_error(cli_main("eval", "--checkpoint", trained, "MODEL.WEIGHTS", str(tmp_path / "other.pth")),
+                     "--checkpoint", "MODEL.WEIGHTS", "name two files")
     for command in ("eval", "export"):  # a bare checkpoint word: the option it meant
-        _user_error(cli_main(command, trained), f"distribuuuu {command} --checkpoint {trained}")
-    _user_error(cli_main("predict", trained, str(tmp_path / "x.png")), f"pass it as --checkpoint {trained}")
+        check_user_error(cli_main(command, trained), f"distribuuuu {command} --checkpoint {trained}")
+    check_user_error(cli_main("predict", trained, str(tmp_path / "x.png")), f"pass it as --checkpoint {trained}")
 
 
 def test_eval_without_a_checkpoint_says_that_first(tmp_path):
     """Before the data, the model or the sizes: what eval is missing is the checkpoint."""
-    _user_error(cli_main("eval", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), "TEST.DATASET",
+    check_user_error(cli_main("eval", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), "TEST.DATASET",
                          str(tmp_path / "nowhere"), "MODEL.ARCH", "nosuchnet"),
-                "eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH)", "holds no best.pth")
+                     "eval needs a checkpoint: give --checkpoint PATH (or MODEL.WEIGHTS PATH)", "holds no best.pth")
     write_image(str(tmp_path / "x.png"), (16, 16), "RGB", seed=0)
-    _user_error(cli_main("predict", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), str(tmp_path / "x.png")),
-                "predict needs trained weights: give --checkpoint PATH")
+    check_user_error(cli_main("predict", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"), str(tmp_path / "x.png")),
+                     "predict needs trained weights: give --checkpoint PATH")
 
 
 def test_options_after_the_key_value_pairs_are_options(tmp_path):
     # --nproc-per-node after the pairs reaches the spawner's parent (which refuses 3 processes for 2 samples).
-    _user_error(cli_main("train", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2", "--nproc-per-node", "3"),
-                "world size 3")
+    check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "2", "--nproc-per-node", "3"),
+                     "world size 3")
     proc = check(cli_main("config", "OPTIM.BASE_LR", "0.3", "--cfg", TINY, "TRAIN.IM_SIZE", "-8"), 2)
     assert "TRAIN.IM_SIZE must be positive" in proc.stderr  # "-8" stays a value, not an option
     proc = check(cli_main("config", "OPTIM.BASE_LR", "0.3", "--cfg", TINY))
@@ -367,8 +357,8 @@ def test_config_explain_prints_a_keys_comment_type_and_default():
         first, comment = proc.stdout.splitlines()
         assert first == f"{key}  ({kind}, default {value!r})"
         assert comment.strip() and comment.strip()[:40] in source  # the comment above the key in defaults.py
-    _user_error(cli_main("config", "--explain", "MODEL.WEIGTHS"), "unknown config key MODEL.WEIGTHS",
-                "did you mean MODEL.WEIGHTS?")
+    check_user_error(cli_main("config", "--explain", "MODEL.WEIGTHS"), "unknown config key MODEL.WEIGTHS",
+                     "did you mean MODEL.WEIGHTS?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,14 +396,14 @@ def test_each_ranks_last_line_is_one_write(monkeypatch, raised, line):
 @pytest.mark.e2e
 def test_the_installed_command_exits_2_with_one_message():
     command = os.path.join(os.path.dirname(sys.executable), "distribuuuu")  # the console script
-    _user_error(run([command, "train", "--cfg", TINY, "MODEL.ARHC", "resnet18"], timeout=120),
-                "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
+    check_user_error(run([command, "train", "--cfg", TINY, "MODEL.ARHC", "resnet18"], timeout=120),
+                     "unknown config key MODEL.ARHC (did you mean MODEL.ARCH?)")
 
 
 @pytest.mark.e2e
 def test_unknown_arch_with_spawned_processes_fails_once_and_cleanly():
-    _user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
-                "MODEL.ARCH")
+    check_user_error(distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "MODEL.ARCH", "nosuchnet"),
+                     "MODEL.ARCH")
 
 
 @pytest.mark.e2e
@@ -443,5 +433,5 @@ def test_a_mistake_before_the_spawner_starts_is_one_message(tmp_path):
     once, before any process starts."""
     proc = distribuuuu("train", "--nproc-per-node", "2", "--cfg", TINY, "OUT_DIR", str(tmp_path / "run"),
                        "TRAIN.IM_SIZE", "200000", timeout=120)
-    _user_error(proc, "TRAIN.IM_SIZE")
+    check_user_error(proc, "TRAIN.IM_SIZE")
     assert "[spawn]" not in proc.stdout
