@@ -1,4 +1,4 @@
-"""models.py: names, heads, stems, and safe weight loading (CPU, tiny inputs)."""
+"""The models (distribuuuu/models.py): names, heads, stems, and safe weight loading (CPU, tiny inputs)."""
 
 import os
 
@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from distribuuuu import models
 from distribuuuu.errors import UserError
+from distribuuuu.weights import load_checkpoint
 from tests.conftest import make_cfg
 
 torch.set_num_threads(1)
@@ -177,11 +178,14 @@ class _Evil:
 
 
 def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    """As MODEL.WEIGHTS and as a checkpoint to resume or evaluate (weights.load_checkpoint)."""
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pth"
     torch.save({"model": _Evil(marker)}, path)
     with pytest.raises(UserError, match="weights_only"):
         models.load_weights(build("resnet_tiny"), str(path))
+    with pytest.raises(UserError, match="refused to load checkpoint"):
+        load_checkpoint(str(path))
     assert not marker.exists()
 
 

@@ -142,6 +142,18 @@ def test_csv_header_grows_with_a_new_key(tmp_path):
     assert not (tmp_path / "other").exists()  # ranks other than 0 write nothing
 
 
+def test_an_older_metrics_file_reads_with_todays_field_names(tmp_path):
+    """metrics.jsonl's top-k field was named "top5" (it held top-TRAIN.TOPK): readers accept it as "topk_acc"."""
+    from distribuuuu.run_folder.metrics_files import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"epoch": 1, "split": "val", "top1": 40.0, "top5": 70.0, "topk": 2, "n": 5}\n'
+                    '{"epoch": 2, "split": "val", "top1": 50.0, "topk_acc": 80.0, "topk": 2, "n": 5}\n')
+    old, new = read_jsonl(str(path))
+    assert old == {"epoch": 1, "split": "val", "top1": 40.0, "topk_acc": 70.0, "topk": 2, "n": 5}
+    assert new["topk_acc"] == 80.0 and "top5" not in new
+
+
 # ---------------------------------------------------------------------------------------------
 # eval.jsonl
 # ---------------------------------------------------------------------------------------------

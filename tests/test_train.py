@@ -1,5 +1,8 @@
-"""End-to-end training and evaluation with real processes (gloo on CPU)."""
+"""Training and evaluation: DDP replicas that agree, exact evaluation over any number of processes, top-k
+counting, weights with a module. prefix, and a resume that continues where the run stopped. Real
+processes (gloo on CPU), but for the counting and the RNG state, in process."""
 
+import math
 import os
 import signal
 import subprocess
@@ -10,16 +13,17 @@ import pytest
 import torch
 import yaml
 
+from distribuuuu.engine import rng
+from distribuuuu.engine.evaluation import Counter, topk_hits
 from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import ROOT, TINY, check, distribuuuu, env, read_metrics, torchrun
-
-pytestmark = pytest.mark.e2e  # every test here starts processes
 
 
 def _weights(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+@pytest.mark.e2e
 def test_two_process_ddp_run_ends_with_identical_weights(tmp_path):
     out = str(tmp_path / "run")
     proc = check(torchrun(2, "tests/scripts/train_and_dump.py", "--cfg", TINY, "OUT_DIR", out))
@@ -60,6 +64,7 @@ def _eval(out_dir, weights, nproc):
     return read_jsonl(os.path.join(out_dir, "eval.jsonl"))[-1]  # eval writes eval.jsonl, not metrics.jsonl
 
 
+@pytest.mark.e2e
 def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
     out = str(tmp_path / "run")
     # A barely trained model, so that the counts are neither 0 nor everything.
@@ -75,6 +80,7 @@ def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
     assert one["loss"] == pytest.approx(three["loss"], rel=1e-6)  # float sums in another order
 
 
+@pytest.mark.e2e
 def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
     out = str(tmp_path / "run")
     check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"))
@@ -86,6 +92,7 @@ def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
     assert (plain["top1"], plain["topk_acc"], plain["n"]) == (from_prefixed["top1"], from_prefixed["topk_acc"], from_prefixed["n"])
 
 
+@pytest.mark.e2e
 def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", out,
@@ -116,7 +123,37 @@ def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
         torch.testing.assert_close(final["model"][key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.e2e
 def test_config_command_prints_the_merged_config():
     proc = check(distribuuuu("config", "--cfg", TINY, "TRAIN.BATCH_SIZE", "3"))
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["TRAIN"]["BATCH_SIZE"] == 3 and cfg["MODEL"]["ARCH"] == "resnet_tiny"
+
+
+# ---------------------------------------------------------------------------------------------
+# In process: top-k counting and the RNG state a resume restores
+# ---------------------------------------------------------------------------------------------
+def test_topk_hits_counts_and_clips_k_to_the_number_of_classes():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.7, 0.2, 0.1], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    target = torch.tensor([1, 1, 0, 2])
+    assert topk_hits(logits, target, (1, 2)).tolist() == [1, 2]
+    assert topk_hits(logits, target, (1, 5)).tolist() == [1, 4]  # k=5 > 3 classes: everything
+
+
+def test_counter_means_and_percentages():
+    c = Counter(torch.device("cpu"), topk=2)
+    c.update(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([0]), torch.tensor(1.0))
+    c.update(torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]), torch.tensor([1, 0]), torch.tensor(4.0))
+    r = c.reduce().result()  # no process group: reduce is the identity
+    assert r["n"] == 3
+    assert r["loss"] == pytest.approx((1.0 + 2 * 4.0) / 3)
+    assert r["top1"] == pytest.approx(100 / 3) and r["topk_acc"] == pytest.approx(200 / 3)
+    assert math.isnan(Counter(torch.device("cpu"), 2).result()["top1"])
+
+
+def test_rng_state_round_trip():
+    state = rng.rng_state()
+    a = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    rng.set_rng_state(state)
+    b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
