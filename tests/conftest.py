@@ -6,9 +6,9 @@ script) is marked `e2e`, per file (`pytestmark`) or per test; the rest runs in t
 in-process test that is long by nature (a real training run checked for accuracy, several seconds)
 is marked `slow`. `make test-fast` runs the rest (`-m "not e2e and not slow"`), `make test` everything.
 
-Groups: `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each file
-is one group (its tests in order in one worker, its module fixtures built once); the tests that
-submit jobs to the one-host, two-CPU Slurm cluster form one group, or two jobs would wait for each other.
+Files: `make test` runs them on two pytest-xdist workers (`-n 2 --dist loadfile`), each file's tests
+in order in one worker, its module fixtures built once. The tests that submit jobs to the one-host,
+two-CPU Slurm cluster are all in test_slurm.py, so two jobs never wait for each other.
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
 # see their SIGINT ignored. Python's own default handler here makes the children start with the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.nodeid.split("::")[0]  # by name, the tests that run srun/sbatch (see "Slurm" below)
-        uses_slurm = module.endswith("test_slurm.py") or any(m in item.name for m in ("slurm", "srun", "sbatch"))
-        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm else module))
 
 
 # ---- In-process tests share pytest's process: what one changes process-wide is put back ----------
