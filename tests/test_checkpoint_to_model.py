@@ -1,4 +1,4 @@
-"""One path from a checkpoint to a model (#28 item 5): eval, predict, export and load_model take the
+"""Which checkpoint of a run becomes the model: eval, predict, export and load_model take the
 same file of a run (run_folder.best_or_last, through inference.chosen_weights), with the same card
 and the same weights. The run's best.pth and last.pth differ here (other weights, other class
 names), so a command that chose its file by a rule of its own would show it."""

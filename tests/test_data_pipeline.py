@@ -1,4 +1,4 @@
-"""The input pipelines' seam (issue #28 item 6): one Pipeline class per pipeline, chosen in one place
+"""The input pipelines' seam: one Pipeline class per pipeline, chosen in one place
 (pipeline.pipeline_class) once per split key, every loader keeping the contract of pipeline.Pipeline;
 a new pipeline is one module (its class as PIPELINE) and one line in pipeline.PIPELINES."""
 

@@ -1,4 +1,5 @@
-"""The CUDA paths of issue 18, tested on what a CPU can exercise.
+"""The CUDA paths (fp16 and its scaler, DataParallel, a GPU per rank, FSDP's offload, TF32, the GPU
+benchmark jobs), tested on what a CPU can exercise (docs/performance.md).
 
 No GPU exists here, so where a test needs CUDA's side of a path it says how it stands in for it:
 a CPU GradScaler (the same class and update rule as CUDA's), autocast on CPU inside a worker thread,

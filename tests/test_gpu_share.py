@@ -1,4 +1,4 @@
-"""Several ranks on one GPU under gloo (issue #26), on what a CPU can exercise.
+"""Several ranks on one GPU under gloo, on what a CPU can exercise (docs/performance.md).
 
 No GPU exists here: the device choice runs with torch.cuda reporting GPUs (monkeypatch, only where
 CUDA itself is missing), and the check of gloo's collectives (launch.gloo_cuda) runs for real on a gloo

@@ -1,4 +1,5 @@
-"""The package's shape (issue #15): no import cycle, the core apart from the tools, size budgets.
+"""The package's shape: no import cycle, the core apart from the tools, size budgets, and the suite's
+own rules (a test that starts a process is marked e2e).
 
 Read from the source with `ast`, nothing is imported: fast, and a module that does not import
 (a missing dependency, a half-finished edit) is still measured. Imports inside functions count

@@ -1,6 +1,7 @@
-"""Checkpoints that describe themselves (issue #16 item 2): the model card in every checkpoint and
-export, eval / predict / export / load_model from a checkpoint alone, predict's folders, globs,
-CSV and JSON, and the README's plain-PyTorch loading code, run against a real checkpoint."""
+"""The model card (distribuuuu/model_card.py): every checkpoint and export says what its model is
+(config, class names, preprocessing), so eval, predict, export and load_model need the checkpoint
+alone; predict's folders, globs, CSV and JSON; the README's plain-PyTorch loading code, run against a
+real checkpoint."""
 
 from __future__ import annotations
 

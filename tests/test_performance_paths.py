@@ -1,4 +1,4 @@
-"""The fast input paths of issue #7 are correct (their speed is measured by benchmarks/overhead.py).
+"""The fast input paths are correct (their speed is measured by benchmarks/overhead.py; docs/performance.md).
 
 - the in-memory loader gives each rank exactly the samples of the resumable sampler's semantics
   (one permutation of seed + epoch, `start` skipped, rank::world, the tail dropped);

@@ -1,6 +1,7 @@
-"""Run integrity on resume (issue #14 items 2, 4, 6), each done for real: an edited config against a
-real run folder, another dataset size on disk, real bytes flipped inside a checkpoint's tensor data,
-a metrics.jsonl torn mid-line."""
+"""What a resume checks before it continues a run, each case done for real: an edited config against a
+real run folder (an identity key refused, a recipe key only with TRAIN.RESUME_ALLOW), another dataset
+size on disk, real bytes flipped inside a checkpoint's tensor data, a metrics.jsonl torn mid-line
+(docs/reliability.md)."""
 
 import hashlib
 import json
