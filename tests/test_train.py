@@ -64,15 +64,21 @@ def _eval(out_dir, weights, nproc):
     return read_jsonl(os.path.join(out_dir, "eval.jsonl"))[-1]  # eval writes eval.jsonl, not metrics.jsonl
 
 
-@pytest.mark.e2e
-def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
-    out = str(tmp_path / "run")
-    # A barely trained model, so that the counts are neither 0 nor everything.
-    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1",
+@pytest.fixture(scope="module")
+def barely_trained(tmp_path_factory) -> tuple[str, dict]:
+    """(last.pth, its eval record in one process) of one epoch on 32 samples at a low LR: a model whose
+    counts are neither 0 nor everything."""
+    root = tmp_path_factory.mktemp("barely")
+    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", str(root / "run"), "OPTIM.MAX_EPOCH", "1",
                       "TRAIN.SYNTHETIC_SAMPLES", "32", "OPTIM.BASE_LR", "0.01"))
-    weights = f"{out}/checkpoints/last.pth"
+    weights = str(root / "run" / "checkpoints" / "last.pth")
+    return weights, _eval(str(root / "eval1"), weights, 1)
+
+
+@pytest.mark.e2e
+def test_exact_eval_is_the_same_for_one_and_three_processes(barely_trained, tmp_path):
+    weights, one = barely_trained
     # 50 samples: not a multiple of 3, and fewer than the global batch of 3 x 32.
-    one = _eval(str(tmp_path / "eval1"), weights, 1)
     three = _eval(str(tmp_path / "eval3"), weights, 3)
     assert one["n"] == three["n"] == 50
     assert 0 < one["top1"] < one["topk_acc"] < 100, one
@@ -81,14 +87,11 @@ def test_exact_eval_is_the_same_for_one_and_three_processes(tmp_path):
 
 
 @pytest.mark.e2e
-def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
-    out = str(tmp_path / "run")
-    check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1"))
-    state = _weights(f"{out}/checkpoints/last.pth")["model"]
+def test_module_prefixed_state_dict_loads_with_model_weights(barely_trained, tmp_path):
+    weights, plain = barely_trained
     prefixed = str(tmp_path / "ddp_style.pth")
-    torch.save({"state_dict": {"module." + k: v for k, v in state.items()}}, prefixed)
-    plain = _eval(str(tmp_path / "e1"), f"{out}/checkpoints/last.pth", 1)
-    from_prefixed = _eval(str(tmp_path / "e2"), prefixed, 1)
+    torch.save({"state_dict": {"module." + k: v for k, v in _weights(weights)["model"].items()}}, prefixed)
+    from_prefixed = _eval(str(tmp_path / "eval"), prefixed, 1)
     assert (plain["top1"], plain["topk_acc"], plain["n"]) == (from_prefixed["top1"], from_prefixed["topk_acc"], from_prefixed["n"])
 
 
@@ -96,7 +99,7 @@ def test_module_prefixed_state_dict_loads_with_model_weights(tmp_path):
 def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
     out = str(tmp_path / "run")
     args = [sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", out,
-            "OPTIM.MAX_EPOCH", "4", "TRAIN.SYNTHETIC_SAMPLES", "1024"]
+            "OPTIM.MAX_EPOCH", "3", "TRAIN.SYNTHETIC_SAMPLES", "512"]
     straight_out = str(tmp_path / "straight")
     check(subprocess.run(args[:-6] + ["OUT_DIR", straight_out] + args[-4:], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=240))
@@ -109,14 +112,14 @@ def test_interrupted_run_resumes_at_the_next_epoch(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     done = _weights(os.path.join(out, "checkpoints", "last.pth"))["epoch"]
-    assert 1 <= done < 4, f"the kill came too late to test anything (epoch {done})"
+    assert 1 <= done < 3, f"the kill came too late to test anything (epoch {done})"
 
     resumed = check(subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
     assert f"resumed from {out}/checkpoints/last.pth: {done} epochs done" in resumed.stdout
     epochs = [m["epoch"] for m in read_metrics(out) if m["split"] == "train"]
-    assert epochs[-(4 - done):] == list(range(done + 1, 5))  # continued at the next epoch
+    assert epochs[-(3 - done):] == list(range(done + 1, 4))  # continued at the next epoch
     final = _weights(os.path.join(out, "checkpoints", "last.pth"))
-    assert final["epoch"] == 4
+    assert final["epoch"] == 3
     # One process, no augmentation, RNG state restored: the resumed run is the straight run.
     straight = _weights(os.path.join(straight_out, "checkpoints", "last.pth"))
     for key, value in straight["model"].items():
