@@ -26,7 +26,7 @@ demo: $(STAMP)
 # for a fresh-clone .ci/run with its installs); most of it is the e2e tests' process starts (about
 # 4 s of imports each) and the README's commands.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # The in-process tier: every test not marked e2e (none starts the command, a launcher or a
 # spawner) nor slow (an in-process training run checked for accuracy: tests/conftest.py), on two

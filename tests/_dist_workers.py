@@ -12,6 +12,7 @@ import torch
 
 
 def _cfg():
+    """Not tests.conftest.make_cfg: a child imports this file alone (conftest would bring pytest)."""
     from distribuuuu.config import load_config
 
     return load_config(None, ["DEVICE", "cpu", "NUM_THREADS", "1"])

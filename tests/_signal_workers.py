@@ -1,4 +1,4 @@
-"""Module-level workers for tests/test_integrity_signals.py (spawn pickles them by name).
+"""Module-level workers for tests/test_stop_signals.py (spawn pickles them by name).
 
 Kept apart from the test module so that a child process imports only this small file.
 """

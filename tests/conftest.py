@@ -6,9 +6,9 @@ script) is marked `e2e`, per file (`pytestmark`) or per test; the rest runs in t
 in-process test that is long by nature (a real training run checked for accuracy, several seconds)
 is marked `slow`. `make test-fast` runs the rest (`-m "not e2e and not slow"`), `make test` everything.
 
-Groups: `make test` runs the files on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each file
-is one group (its tests in order in one worker, its module fixtures built once); the tests that
-submit jobs to the one-host, two-CPU Slurm cluster form one group, or two jobs would wait for each other.
+Files: `make test` runs them on two pytest-xdist workers (`-n 2 --dist loadfile`), each file's tests
+in order in one worker, its module fixtures built once. The tests that submit jobs to the one-host,
+two-CPU Slurm cluster are all in test_slurm.py, so two jobs never wait for each other.
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
 # see their SIGINT ignored. Python's own default handler here makes the children start with the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.nodeid.split("::")[0]  # by name, the tests that run srun/sbatch (see "Slurm" below)
-        uses_slurm = module.endswith("test_slurm.py") or any(m in item.name for m in ("slurm", "srun", "sbatch"))
-        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm else module))
 
 
 # ---- In-process tests share pytest's process: what one changes process-wide is put back ----------
@@ -202,6 +195,18 @@ def check(proc: subprocess.CompletedProcess, status: int = 0) -> subprocess.Comp
     return proc
 
 
+def check_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """A user error as the CLI reports it: exit 2, no traceback, and on stderr one `error...` line and
+    nothing else, holding every fragment (however many processes were asked for). Returns the line."""
+    check(proc, 2)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error"), proc.stderr[-4000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -302,16 +307,34 @@ def describe(pids: list[int]) -> str:
 
 
 # ---- Small on-disk data: configs, image trees, fake CIFAR pickles ---------------------------------
-def make_cfg(overrides: dict):
-    """load_config from {KEY: value}, the unset keys decided from the data (inferred.resolve, as api.py
-    does before a run); non-string values are passed as Python literals."""
+def make_cfg(*opts, base: str | None = None, resolve: bool = True):
+    """The tests' one way to a config: load_config(base, opts), then the unset keys decided from the
+    data (inferred.resolve, as the API does before a run) unless resolve=False. opts are KEY VALUE
+    words or {KEY: value} dicts, mixed as reads best: a value that is not a string is passed as a
+    Python literal, a path as its text."""
     from distribuuuu import inferred
     from distribuuuu.config import load_config
 
-    opts: list[str] = []
-    for key, value in overrides.items():
-        opts += [key, value if isinstance(value, str) else repr(value)]
-    return inferred.resolve(load_config(None, opts))
+    def word(value) -> str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        return value if isinstance(value, str) else repr(value)
+
+    words: list[str] = []
+    for opt in opts:
+        words += [word(w) for pair in opt.items() for w in pair] if isinstance(opt, dict) else [word(opt)]
+    cfg = load_config(base, words)
+    return inferred.resolve(cfg) if resolve else cfg
+
+
+def fit(cfg, hooks=()) -> dict:
+    """engine.fit in this process, in the process-group session the API opens around it (without the
+    API's checks and run lock): for tests of the loop and its hooks."""
+    from distribuuuu import engine
+    from distribuuuu.launch import comm
+
+    with comm.session(cfg) as ctx:
+        return engine.fit(cfg, ctx, hooks=hooks)
 
 
 def write_image(path: str, size: tuple[int, int], mode: str, seed: int) -> None:

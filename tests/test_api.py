@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import distribuuuu
-from distribuuuu import api, config, data
+from distribuuuu import api, data
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
-
+from tests.conftest import TINY, make_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _cfg(out_dir, *opts: str):
-    return config.load_config(TINY, ["OUT_DIR", str(out_dir), *opts])
+def _cfg(out_dir, *opts):
+    """TINY into out_dir, unresolved: what a user's load_config gives the API, which resolves it."""
+    return make_cfg("OUT_DIR", out_dir, *opts, base=TINY, resolve=False)
 
 
 class _Events(HookBase):
@@ -79,7 +75,7 @@ def test_load_model_refuses_what_is_not_a_checkpoint(tmp_path):
 
 def test_user_errors_raise_instead_of_exiting(tmp_path):
     with pytest.raises(UserError):  # a key that does not exist
-        api.train(config.load_config(TINY, ["OUT_DIR", str(tmp_path), "TRAIN.NO_SUCH_KEY", "1"]))
+        api.train(_cfg(tmp_path, "TRAIN.NO_SUCH_KEY", "1"))
     with pytest.raises(UserError, match="MODEL.ARCH|no_such_net"):  # caught before any process group
         api.train(_cfg(tmp_path / "run", "MODEL.ARCH", "no_such_net"))
     assert not (tmp_path / "run" / "run.lock").exists()

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from distribuuuu.errors import UserError
-from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CORES = len(os.sched_getaffinity(0))
@@ -107,12 +107,11 @@ def test_compare_plans_split_the_global_batch_and_refuse_uneven_ones():
 def test_compare_runs_the_amp_variant_channels_last_on_a_gpu_only():
     """On CUDA the ddp+amp run is channels_last (NCHW made it look 1.20x where bench shows 2.2x);
     ddp, single and every CPU run keep the config's layout, and a user's TRAIN.CHANNELS_LAST wins."""
-    from distribuuuu.config import load_config
     from distribuuuu.tools.compare import plan_runs, run_opts
 
     def layout(gpus: int, method: str, *opts: str) -> bool:
         plan = {p.method: p for p in plan_runs(["single", "ddp", "ddp+amp"], gpus, 1, 32, "bf16", 8)}[method]
-        return load_config(TINY, run_opts(plan, list(opts), "/tmp/x", 2, 0)).TRAIN.CHANNELS_LAST
+        return make_cfg(*run_opts(plan, list(opts), "/tmp/x", 2, 0), base=TINY).TRAIN.CHANNELS_LAST
 
     assert layout(1, "ddp+amp") is True
     assert layout(1, "ddp") is False and layout(1, "single") is False

@@ -1,4 +1,4 @@
-"""One path from a checkpoint to a model (#28 item 5): eval, predict, export and load_model take the
+"""Which checkpoint of a run becomes the model: eval, predict, export and load_model take the
 same file of a run (run_folder.best_or_last, through inference.chosen_weights), with the same card
 and the same weights. The run's best.pth and last.pth differ here (other weights, other class
 names), so a command that chose its file by a rule of its own would show it."""
@@ -13,13 +13,12 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from distribuuuu import api, config, data, inference, run_folder
+from distribuuuu import api, data, inference, run_folder
 from distribuuuu.errors import UserError
 from distribuuuu.tools import export, predict
 from distribuuuu.weights import INTEGRITY_KEY, load_checkpoint
-from tests.conftest import ROOT, cli_main, process_state_restored
+from tests.conftest import TINY, cli_main, make_cfg, process_state_restored
 
-TINY = os.path.join(ROOT, "config", "synthetic_tiny.yaml")
 OPTS = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "32", "TEST.SYNTHETIC_SAMPLES", "16", "NUM_THREADS", "1"]
 
 
@@ -33,13 +32,13 @@ def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("one_path") / "run")
     with process_state_restored():
         torch.set_num_threads(1)
-        api.train(config.load_config(TINY, ["OUT_DIR", out, *OPTS]))
+        api.train(make_cfg("OUT_DIR", out, *OPTS, base=TINY))
     state = load_checkpoint(os.path.join(out, "checkpoints", "epoch_0001.pth"))
     del state[INTEGRITY_KEY]
     state["model"] = {k: v + 0.25 if v.is_floating_point() else v for k, v in state["model"].items()}
     state["card"] = {**state["card"], "classes": ["w", "x", "y", "z"]}
     state["epoch"] += 1
-    run_folder.RunFolder(config.load_config(TINY, ["OUT_DIR", out, "TRAIN.CKPT_KEEP", "5"])).save(state, is_best=False)
+    run_folder.RunFolder(make_cfg("OUT_DIR", out, "TRAIN.CKPT_KEEP", "5", base=TINY)).save(state, is_best=False)
     return out
 
 
@@ -54,7 +53,7 @@ def _assert_all_use(out: str, tmp: str, expected: str) -> None:
     loaded = api.load_model(expected)
     assert loaded.card.to_dict() == ckpt["card"] and _same_weights(loaded.model.state_dict(), ckpt)
 
-    evaluated = api.evaluate(config.load_config(TINY, ["OUT_DIR", out, *OPTS]))  # no MODEL.WEIGHTS: run_eval chooses
+    evaluated = api.evaluate(make_cfg("OUT_DIR", out, *OPTS, base=TINY))  # no MODEL.WEIGHTS: run_eval chooses
     assert os.path.samefile(evaluated["weights"], expected)
     assert os.path.samefile(inference.load_config(None, ["OUT_DIR", out]).MODEL.WEIGHTS, expected)  # eval OUT_DIR run
     loader = data.build_test_loader(loaded.config, 0, 1, torch.device("cpu"))
@@ -96,7 +95,7 @@ def test_eval_predict_export_and_load_model_use_the_runs_chosen_checkpoint(run, 
     os.remove(last)
     assert run_folder.best_or_last(run) is None
     image = str(tmp_path / "a" / "photo.png")
-    for command, call in (("eval", lambda: api.evaluate(config.load_config(TINY, ["OUT_DIR", run, *OPTS]))),
+    for command, call in (("eval", lambda: api.evaluate(make_cfg("OUT_DIR", run, *OPTS, base=TINY))),
                           ("predict", lambda: predict.main(TINY, ["OUT_DIR", run, image], 2)),
                           ("export", lambda: export.main(TINY, ["OUT_DIR", run], str(tmp_path / "x"), 1e-4, 2))):
         with pytest.raises(UserError, match=f"^{command} needs .*holds no best.pth or last.pth"):
@@ -106,7 +105,7 @@ def test_eval_predict_export_and_load_model_use_the_runs_chosen_checkpoint(run, 
 @pytest.mark.parametrize("command", ["eval", "predict", "export"])
 def test_a_run_folder_as_checkpoint_is_named_a_folder_without_cfg_too(tmp_path, command):
     """Before: without --cfg (the checkpoint's own config), "MODEL.WEIGHTS ... does not exist" for a
-    folder that does; with --cfg it was named a folder (tests/test_output_paths.py)."""
+    folder that does; with --cfg it was named a folder (tests/test_cli.py)."""
     folder = tmp_path / "run"
     folder.mkdir()
     image = tmp_path / "photo.png"

@@ -25,11 +25,6 @@ SYN = {"TRAIN.DATASET": "synthetic", "TEST.DATASET": "synthetic", "MODEL.NUM_CLA
        "TEST.SYNTHETIC_SAMPLES": 32, "TRAIN.WORKERS": 0, "TRAIN.BATCH_SIZE": 8}
 
 
-def cfg_with(base: dict, **changes) -> object:
-    """base overridden by KEY_PART__KEY=value keywords (TRAIN__DATASET=...)."""
-    return make_cfg({**base, **{k.replace("__", "."): v for k, v in changes.items()}})
-
-
 def unnormalize(x: torch.Tensor, mean: float, std: float) -> torch.Tensor:
     return (x * std + mean) * 255
 
@@ -52,8 +47,8 @@ def test_mnist5k_split_sizes_stratified_disjoint_and_fixed():
 
 
 def test_mnist5k_split_ignores_rng_seed():
-    a = data.build_dataset(cfg_with(MNIST, RNG_SEED=1), train=False)
-    b = data.build_dataset(cfg_with(MNIST, RNG_SEED=2), train=False)
+    a = data.build_dataset(make_cfg(MNIST, "RNG_SEED", 1), train=False)
+    b = data.build_dataset(make_cfg(MNIST, "RNG_SEED", 2), train=False)
     assert torch.equal(a.targets, b.targets) and torch.equal(a.images, b.images)
 
 
@@ -72,7 +67,7 @@ def test_mnist5k_items_shapes_values_and_labels():
 
 
 def test_mnist5k_three_channels_and_resize():
-    cfg = cfg_with(MNIST, MODEL__IN_CHANS=3, TRAIN__IM_SIZE=32)
+    cfg = make_cfg(MNIST, "MODEL.IN_CHANS", 3, "TRAIN.IM_SIZE", 32)
     x, _ = data.build_dataset(cfg, train=False)[0]
     assert x.shape == (3, 32, 32)
     assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])  # gray repeated
@@ -80,7 +75,7 @@ def test_mnist5k_three_channels_and_resize():
 
 def test_mnist5k_unknown_split_lists_valid_ones():
     with pytest.raises(UserError, match=r"TEST\.SPLIT.*'test'.*train, val"):
-        data.build_dataset(cfg_with(MNIST, TEST__SPLIT="test"), train=False)
+        data.build_dataset(make_cfg(MNIST, "TEST.SPLIT", "test"), train=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +95,7 @@ def test_sharded_eval_sampler_rejects_bad_rank():
 
 
 def test_val_loader_is_exact_over_ranks():
-    cfg = cfg_with(SYN, TEST__SYNTHETIC_SAMPLES=7, TEST__BATCH_SIZE=2)
+    cfg = make_cfg(SYN, "TEST.SYNTHETIC_SAMPLES", 7, "TEST.BATCH_SIZE", 2)
     seen = []
     for rank in range(3):
         loader = data.build_val_loader(cfg, rank, 3, CPU)
@@ -148,7 +143,7 @@ def test_resumable_sampler_continues_with_the_next_samples_for_any_world_size():
 
 
 def test_train_loader_order_follows_epoch_and_seed():
-    cfg = cfg_with(SYN, RNG_SEED=5)
+    cfg = make_cfg(SYN, "RNG_SEED", 5)
     a, b = data.build_train_loader(cfg, 0, 1, CPU), data.build_train_loader(cfg, 0, 1, CPU)
     assert isinstance(a.sampler, ResumableDistributedSampler)
     a.sampler.set_epoch(0)
@@ -163,23 +158,23 @@ def test_train_loader_order_follows_epoch_and_seed():
     ds = a.dataset
     assert torch.equal(x, torch.stack([ds[i][0] for i in list(a.sampler)[:8]]))
     assert y.tolist() == [ds[i][1] for i in list(a.sampler)[:8]]
-    other_seed = data.build_train_loader(cfg_with(SYN, RNG_SEED=6), 0, 1, CPU)
+    other_seed = data.build_train_loader(make_cfg(SYN, "RNG_SEED", 6), 0, 1, CPU)
     other_seed.sampler.set_epoch(0)
     assert list(other_seed.sampler) != order0
 
 
 def test_train_loader_ranks_are_disjoint_and_drop_last_rule():
-    cfg = cfg_with(SYN, RNG_SEED=0)  # 64 samples, batch 8
+    cfg = make_cfg(SYN, "RNG_SEED", 0)  # 64 samples, batch 8
     shards = [list(data.build_train_loader(cfg, r, 2, CPU).sampler) for r in range(2)]
     assert sorted(shards[0] + shards[1]) == list(range(64))
     assert data.build_train_loader(cfg, 0, 2, CPU).drop_last is True
-    small = cfg_with(SYN, TRAIN__BATCH_SIZE=40)  # 32 per rank < 40: keep the partial batch
+    small = make_cfg(SYN, "TRAIN.BATCH_SIZE", 40)  # 32 per rank < 40: keep the partial batch
     loader = data.build_train_loader(small, 0, 2, CPU)
     assert loader.drop_last is False and len(loader) == 1
 
 
 def test_train_loader_with_workers_is_reproducible():
-    cfg = cfg_with(MNIST, RNG_SEED=3, TRAIN__WORKERS=1, TRAIN__DATA_PIPELINE="loader")
+    cfg = make_cfg(MNIST, "RNG_SEED", 3, "TRAIN.WORKERS", 1, "TRAIN.DATA_PIPELINE", "loader")
     first = []
     for _ in range(2):
         loader = data.build_train_loader(cfg, 0, 1, CPU)
@@ -193,7 +188,7 @@ def test_train_loader_with_workers_is_reproducible():
 # synthetic and dummy input
 # ---------------------------------------------------------------------------------------------
 def test_synthetic_deterministic_balanced_and_shaped():
-    cfg = cfg_with(SYN, MODEL__IN_CHANS=2, TRAIN__IM_SIZE=12, TRAIN__SYNTHETIC_SAMPLES=40)
+    cfg = make_cfg(SYN, "MODEL.IN_CHANS", 2, "TRAIN.IM_SIZE", 12, "TRAIN.SYNTHETIC_SAMPLES", 40)
     ds = data.build_dataset(cfg, train=True)
     assert len(ds) == 40 and ds.classes == ["0", "1", "2", "3"]
     x, y = ds[13]
@@ -205,8 +200,8 @@ def test_synthetic_deterministic_balanced_and_shaped():
 
 
 def test_synthetic_train_and_val_share_prototypes():
-    cfg = cfg_with(SYN, MODEL__NUM_CLASSES=10, TRAIN__TOPK=5, TRAIN__SYNTHETIC_SAMPLES=200,
-                   TEST__SYNTHETIC_SAMPLES=100)
+    cfg = make_cfg(SYN, "MODEL.NUM_CLASSES", 10, "TRAIN.TOPK", 5, "TRAIN.SYNTHETIC_SAMPLES", 200,
+                   "TEST.SYNTHETIC_SAMPLES", 100)
     train, val = data.build_dataset(cfg, train=True), data.build_dataset(cfg, train=False)
     xs, ys = map(torch.stack, zip(*[(x, torch.tensor(y)) for x, y in train]))
     centroids = torch.stack([xs[ys == c].mean(0) for c in range(10)]).flatten(1)
@@ -217,8 +212,8 @@ def test_synthetic_train_and_val_share_prototypes():
 
 def test_synthetic_is_learnable_by_a_tiny_cnn():
     torch.manual_seed(0)
-    cfg = cfg_with(SYN, TRAIN__SYNTHETIC_SAMPLES=128, TEST__SYNTHETIC_SAMPLES=64, TRAIN__BATCH_SIZE=16,
-                   RNG_SEED=0)
+    cfg = make_cfg(SYN, "TRAIN.SYNTHETIC_SAMPLES", 128, "TEST.SYNTHETIC_SAMPLES", 64, "TRAIN.BATCH_SIZE", 16,
+                   "RNG_SEED", 0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
         torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
@@ -253,11 +248,11 @@ def test_dummy_input_needs_no_data_on_disk(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # ImageFolder trees
 # ---------------------------------------------------------------------------------------------
-def folder_cfg(root, **changes):
-    base = {"TRAIN.DATASET": str(root), "TEST.DATASET": str(root), "MODEL.NUM_CLASSES": 0,
-            "TRAIN.TOPK": 1, "TRAIN.IM_SIZE": 8, "TEST.IM_SIZE": 10, "TRAIN.WORKERS": 0,
-            "TRAIN.BATCH_SIZE": 2, "TEST.BATCH_SIZE": 4}
-    return cfg_with(base, **changes)
+def folder_cfg(root, *opts):
+    """The image folder root at 8 px, batches of 2 (train) and 4: this section's own defaults."""
+    return make_cfg({"TRAIN.DATASET": root, "TEST.DATASET": root, "MODEL.NUM_CLASSES": 0, "TRAIN.TOPK": 1,
+                     "TRAIN.IM_SIZE": 8, "TEST.IM_SIZE": 10, "TRAIN.WORKERS": 0, "TRAIN.BATCH_SIZE": 2,
+                     "TEST.BATCH_SIZE": 4}, *opts)
 
 
 def test_image_folder_loaders_give_train_im_size(tmp_path):
@@ -278,7 +273,7 @@ def test_image_folder_converts_gray_and_rgba_to_in_chans(tmp_path, chans):
     write_image(tmp_path / "train" / "a" / "gray.png", (9, 9), "L", seed=1)
     write_image(tmp_path / "train" / "b" / "rgba.png", (9, 9), "RGBA", seed=2)
     write_image(tmp_path / "train" / "b" / "rgb.jpg", (9, 9), "RGB", seed=3)
-    ds = data.build_dataset(folder_cfg(tmp_path, MODEL__IN_CHANS=chans), train=True)
+    ds = data.build_dataset(folder_cfg(tmp_path, "MODEL.IN_CHANS", chans), train=True)
     assert [ds[i][0].shape for i in range(3)] == [(chans, 8, 8)] * 3
 
 
@@ -304,7 +299,7 @@ def test_val_folder_with_unknown_class_is_a_user_error(tmp_path):
 def test_fake_cifar10_loads(tmp_path, nested):
     folder = tmp_path / "cifar-10-batches-py" if nested else tmp_path
     test_images = write_fake_cifar10(folder)
-    cfg = folder_cfg(tmp_path, MODEL__NUM_CLASSES=10, TRAIN__IM_SIZE=32)
+    cfg = folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 10, "TRAIN.IM_SIZE", 32)
     data.check_datasets(cfg, world_size=2)
     train, val = data.build_dataset(cfg, train=True), data.build_dataset(cfg, train=False)
     assert (len(train), len(val)) == (10, 3)
@@ -316,28 +311,28 @@ def test_fake_cifar10_loads(tmp_path, nested):
     back = (x * std[:, None, None] + mean[:, None, None]) * 255
     assert torch.allclose(back, torch.from_numpy(test_images[2]).float(), atol=1e-3)  # R, G, B planes
     assert train[0][0].shape == (3, 32, 32)
-    gray = data.build_dataset(folder_cfg(tmp_path, MODEL__NUM_CLASSES=10, MODEL__IN_CHANS=1,
-                                         TRAIN__IM_SIZE=16), train=False)
+    gray = data.build_dataset(folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 10, "MODEL.IN_CHANS", 1, "TRAIN.IM_SIZE", 16),
+                              train=False)
     assert gray[0][0].shape == (1, 16, 16)
 
 
 def test_fake_cifar100_loads_and_needs_100_classes(tmp_path):
     write_fake_cifar100(tmp_path / "cifar-100-python")
-    cfg = folder_cfg(tmp_path, MODEL__NUM_CLASSES=100, TRAIN__IM_SIZE=32, TEST__SPLIT="test")
+    cfg = folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 100, "TRAIN.IM_SIZE", 32, "TEST.SPLIT", "test")
     ds = data.build_dataset(cfg, train=True)
     assert len(ds) == 4 and ds.targets.tolist() == [99, 98, 97, 96] and ds.classes[99] == "c99"
     assert len(data.build_dataset(cfg, train=False)) == 2
     with pytest.raises(UserError, match="set MODEL.NUM_CLASSES 100"):
-        data.check_datasets(folder_cfg(tmp_path, MODEL__NUM_CLASSES=10, TRAIN__IM_SIZE=32), 1)
+        data.check_datasets(folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 10, "TRAIN.IM_SIZE", 32), 1)
 
 
 def test_cifar_missing_batch_and_bad_split(tmp_path):
     write_fake_cifar10(tmp_path)
     with pytest.raises(UserError, match="train, val, test"):
-        data.check_datasets(folder_cfg(tmp_path, MODEL__NUM_CLASSES=10, TEST__SPLIT="dev"), 1)
+        data.check_datasets(folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 10, "TEST.SPLIT", "dev"), 1)
     os.remove(tmp_path / "data_batch_3")
     with pytest.raises(UserError, match="data_batch_3"):
-        data.check_datasets(folder_cfg(tmp_path, MODEL__NUM_CLASSES=10), 1)
+        data.check_datasets(folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 10), 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,13 +371,13 @@ def test_check_too_many_classes(tmp_path):
     write_image_tree(tmp_path, "train", {"a": 1, "b": 1, "c": 1})
     write_image_tree(tmp_path, "val", {"a": 1})
     with pytest.raises(UserError, match="set MODEL.NUM_CLASSES 3"):
-        data.check_datasets(folder_cfg(tmp_path, MODEL__NUM_CLASSES=2), 1)
+        data.check_datasets(folder_cfg(tmp_path, "MODEL.NUM_CLASSES", 2), 1)
 
 
 def test_check_world_size_larger_than_train_set(tmp_path):
     write_image_tree(tmp_path, "train", {"a": 2, "b": 2})
     write_image_tree(tmp_path, "val", {"a": 1})
-    cfg = folder_cfg(tmp_path, TRAIN__BATCH_SIZE=1)  # (batch 2 x 4 ranks would make no step: refused)
+    cfg = folder_cfg(tmp_path, "TRAIN.BATCH_SIZE", 1)  # (batch 2 x 4 ranks would make no step: refused)
     data.check_datasets(cfg, 4)  # 4 samples for 4 ranks: fine (counted beyond 1 per class)
     with pytest.raises(UserError, match="world size 5 is larger than the 4 training samples"):
         data.check_datasets(cfg, 5)
@@ -393,18 +388,18 @@ def test_check_world_size_larger_than_train_set(tmp_path):
 def test_check_valid_builtins_pass_and_bad_channels_fail():
     data.check_datasets(make_cfg(MNIST), 8)
     data.check_datasets(make_cfg(SYN), 8)
-    data.check_datasets(cfg_with(SYN, MODEL__IN_CHANS=5), 1)  # synthetic makes any channel count
+    data.check_datasets(make_cfg(SYN, "MODEL.IN_CHANS", 5), 1)  # synthetic makes any channel count
     with pytest.raises(UserError, match="MODEL.IN_CHANS 1 or 3"):
-        data.check_datasets(cfg_with(MNIST, MODEL__IN_CHANS=2), 1)
+        data.check_datasets(make_cfg(MNIST, "MODEL.IN_CHANS", 2), 1)
     with pytest.raises(UserError, match="set MODEL.NUM_CLASSES 10"):
-        data.check_datasets(cfg_with(MNIST, MODEL__NUM_CLASSES=5, TRAIN__TOPK=5), 1)
+        data.check_datasets(make_cfg(MNIST, "MODEL.NUM_CLASSES", 5, "TRAIN.TOPK", 5), 1)
 
 
 def test_check_val_crop_larger_than_resize(tmp_path):
     write_image_tree(tmp_path, "train", {"a": 1})
     write_image_tree(tmp_path, "val", {"a": 1})
     with pytest.raises(UserError, match=r"TEST.IM_SIZE \(6\) must be >= TRAIN.IM_SIZE \(8\)"):
-        data.check_datasets(folder_cfg(tmp_path, TEST__IM_SIZE=6), 1)
+        data.check_datasets(folder_cfg(tmp_path, "TEST.IM_SIZE", 6), 1)
 
 
 def test_check_test_only_for_eval(tmp_path):
@@ -426,7 +421,7 @@ def test_export_mnist5k_round_trips_through_image_folder(tmp_path):
         assert classes == [str(d) for d in range(10)]
         assert sum(len(os.listdir(tmp_path / split / c)) for c in classes) == n
     memory = data.build_dataset(make_cfg(MNIST), train=False)
-    cfg = cfg_with(MNIST, TEST__DATASET=str(tmp_path), TEST__IM_SIZE=28)
+    cfg = make_cfg(MNIST, "TEST.DATASET", str(tmp_path), "TEST.IM_SIZE", 28)
     data.check_datasets(cfg, 2)
     folder = data.build_dataset(cfg, train=False)
     assert len(folder) == 1000 and folder.classes == memory.classes

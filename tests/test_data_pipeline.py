@@ -1,4 +1,4 @@
-"""The input pipelines' seam (issue #28 item 6): one Pipeline class per pipeline, chosen in one place
+"""The input pipelines' seam: one Pipeline class per pipeline, chosen in one place
 (pipeline.pipeline_class) once per split key, every loader keeping the contract of pipeline.Pipeline;
 a new pipeline is one module (its class as PIPELINE) and one line in pipeline.PIPELINES."""
 
@@ -69,16 +69,17 @@ CHOICES = [
 ]
 
 
-def _cfg(sources_on_disk: dict, source: str, overrides: dict):
+def _source_cfg(sources_on_disk: dict, source: str, overrides: dict):
+    """The config of one of this module's sources (a CHOICES name), with overrides."""
     base = {"mnist": MNIST, "syn": SYN}.get(source)
     if base is None:
         base = _cifar(sources_on_disk["cifar"]) if source == "cifar" else _images(sources_on_disk[source])
-    return make_cfg({**base, **overrides})
+    return make_cfg(base, overrides)
 
 
 @pytest.mark.parametrize("case,source,overrides,expected", CHOICES, ids=[c[0] for c in CHOICES])
 def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, source, overrides, expected):
-    cfg = _cfg(sources_on_disk, source, overrides)
+    cfg = _source_cfg(sources_on_disk, source, overrides)
     for key, cls in expected.items():
         assert pipeline.pipeline_class(cfg, key) is cls, f"{case}, {key}"
         assert pipeline.data_pipeline(cfg, key) == cls.name
@@ -91,11 +92,11 @@ def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, sourc
 ])
 def test_the_chooser_refuses_what_the_forced_pipeline_cannot_read(sources_on_disk, source, overrides, message):
     with pytest.raises(UserError, match=message):
-        pipeline.pipeline_class(_cfg(sources_on_disk, source, overrides), "TRAIN")
+        pipeline.pipeline_class(_source_cfg(sources_on_disk, source, overrides), "TRAIN")
 
 
 def test_auto_falls_back_to_the_dataloader_above_the_memory_budget(sources_on_disk, monkeypatch, caplog):
-    cfg = _cfg(sources_on_disk, "cifar", {})
+    cfg = _source_cfg(sources_on_disk, "cifar", {})
     monkeypatch.setattr(memory, "MEMORY_PIPELINE_BUDGET_BYTES", memory.memory_pipeline_bytes(cfg, "TRAIN") - 1)
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
         assert pipeline.pipeline_class(cfg, "TRAIN") is LoaderPipeline
@@ -110,7 +111,7 @@ def test_auto_falls_back_to_the_dataloader_above_the_memory_budget(sources_on_di
 ])
 def test_every_pipeline_keeps_the_train_loader_contract(sources_on_disk, source, overrides, loader_type):
     """len(), .dataset, .sampler.set_epoch(epoch, start), (images, target) batches: the Pipeline docstring."""
-    cfg = _cfg(sources_on_disk, source, overrides)
+    cfg = _source_cfg(sources_on_disk, source, overrides)
     loader = data.build_train_loader(cfg, 1, 2, CPU)
     assert isinstance(loader, loader_type)
     assert len(loader.dataset) > 0 and len(loader.dataset.classes) == cfg.MODEL.NUM_CLASSES

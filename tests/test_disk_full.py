@@ -1,5 +1,5 @@
-"""Issue 25 item 7: a checkpoint that does not fit on the disk, on a real full file system (a
-small tmpfs, mounted for the test): one line naming "No space left on device", the folder, and what
+"""A checkpoint that does not fit on the disk, on a real full file system (a small tmpfs, mounted
+for the test): one line naming "No space left on device", the folder, and what
 is really kept; no temporary left. Needs mount rights (root); skipped with the reason otherwise."""
 
 from __future__ import annotations

@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher, spawn
 from tests import _dist_workers as workers
-from tests.conftest import free_port
+from tests.conftest import TINY, free_port, make_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,10 +60,6 @@ def plain_env(monkeypatch):
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["pytest"])
-
-
-def cpu_cfg(*opts: str):
-    return load_config(None, ["DEVICE", "cpu", "NUM_THREADS", "1", *opts])
 
 
 def pid_alive(pid: int) -> bool:
@@ -250,7 +245,7 @@ def test_parse_tasks_per_node_errors(spec):
 def test_setup_plain_single_process(plain_env, capsys):
     threads = torch.get_num_threads()
     try:
-        with comm.session(cpu_cfg()) as ctx:
+        with comm.session(make_cfg(base=TINY)) as ctx:
             assert ctx.launcher == "plain"
             assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 0, 1, True, False)
             assert ctx.device == torch.device("cpu") and ctx.backend == "gloo"
@@ -276,13 +271,13 @@ def test_helpers_without_process_group():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_cuda_without_gpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="no CUDA GPU"):
-        comm.setup(load_config(None, ["DEVICE", "cuda"]))
+        comm.setup(make_cfg("DEVICE", "cuda"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_setup_nccl_on_cpu_is_user_error(plain_env):
     with pytest.raises(UserError, match="nccl"):
-        comm.setup(load_config(None, ["DIST.BACKEND", "nccl"]))
+        comm.setup(make_cfg("DIST.BACKEND", "nccl"))
 
 
 def test_free_port_is_bindable():
@@ -428,12 +423,12 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(1)
-        comm.setup(load_config(None, ["DEVICE", "cpu"]))
+        comm.setup(make_cfg("DEVICE", "cpu"))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        comm.setup(load_config(None, ["DEVICE", "cpu"]))
+        comm.setup(make_cfg("DEVICE", "cpu"))
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))  # left as torch has it
-        comm.setup(cpu_cfg())
+        comm.setup(make_cfg(base=TINY))
         assert torch.get_num_threads() == 1  # NUM_THREADS wins
     finally:
         torch.set_num_threads(threads)
@@ -442,14 +437,14 @@ def test_setup_threads_default_and_omp(plain_env, monkeypatch):
 def test_setup_cudnn_flags(plain_env):
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
-        comm.setup(cpu_cfg("CUDNN.DETERMINISTIC", "True"))
+        comm.setup(make_cfg("CUDNN.DETERMINISTIC", "True", base=TINY))
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
-        comm._set_cuda_flags(cpu_cfg("CUDNN.DETERMINISTIC", "True"))  # what setup() does on a GPU
+        comm._set_cuda_flags(make_cfg("CUDNN.DETERMINISTIC", "True", base=TINY))  # what setup() does on a GPU
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-        comm.setup(cpu_cfg())  # the defaults undo it: setup() leaves no state of an earlier call
+        comm.setup(make_cfg(base=TINY))  # the defaults undo it: setup() leaves no state of an earlier call
         assert not torch.are_deterministic_algorithms_enabled()
-        comm._set_cuda_flags(cpu_cfg())
+        comm._set_cuda_flags(make_cfg(base=TINY))
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
     finally:
         torch.use_deterministic_algorithms(False)

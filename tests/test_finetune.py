@@ -17,33 +17,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from distribuuuu import engine, heads, inferred, models, optim
-from distribuuuu.config import get_defaults, load_config, merge_text
+from distribuuuu import engine, heads, models, optim
+from distribuuuu.config import get_defaults, merge_text
 from distribuuuu.errors import UserError
-from distribuuuu.launch import comm
 from distribuuuu.model_card import from_checkpoint
 from distribuuuu.weights import adapt_input_channels, load_checkpoint
-from tests.conftest import ROOT, TINY, check, cli_main, env, process_state_restored, write_image_tree
+from tests.conftest import ROOT, TINY, check, cli_main, env, fit, make_cfg, process_state_restored, write_image_tree
 
 torch.set_num_threads(1)
 
 
-def _cfg(*opts, cfg_file=None):
-    return inferred.resolve(load_config(cfg_file, list(opts)))
-
-
 def _build(*opts, new_head=True):
-    return models.build_model(_cfg("MODEL.ARCH", "resnet_tiny", "TRAIN.TOPK", "2", *opts), new_head=new_head)
-
-
-def _fit(cfg, hooks=()):
-    with comm.session(cfg) as ctx:
-        return engine.fit(cfg, ctx, hooks=hooks)
+    return models.build_model(make_cfg("MODEL.ARCH", "resnet_tiny", "TRAIN.TOPK", "2", *opts), new_head=new_head)
 
 
 def _train_cfg(tmp_path, name, *opts):
-    return _cfg("OUT_DIR", str(tmp_path / name), "TRAIN.PRINT_FREQ", "100", "OPTIM.WARMUP_EPOCHS", "1",
-                *opts, cfg_file=TINY)
+    """TINY into tmp_path/name, with the one-epoch warmup this module's schedules are checked against."""
+    return make_cfg("OUT_DIR", tmp_path / name, "TRAIN.PRINT_FREQ", "100", "OPTIM.WARMUP_EPOCHS", "1", *opts,
+                    base=TINY)
 
 
 def _head_lines(caplog):
@@ -54,7 +45,7 @@ def _head_lines(caplog):
 def source_ckpt(tmp_path_factory):
     """A real distribuuuu checkpoint: synthetic_tiny (4 classes) trained for one epoch."""
     tmp = tmp_path_factory.mktemp("source")
-    _fit(_train_cfg(tmp, "src", "OPTIM.MAX_EPOCH", "1"))
+    fit(_train_cfg(tmp, "src", "OPTIM.MAX_EPOCH", "1"))
     return str(tmp / "src" / "checkpoints" / "last.pth")
 
 
@@ -77,7 +68,7 @@ def _backbone(state):
     ("googlenet", ["fc", "aux1.fc2", "aux2.fc2"]),    # torchvision: auxiliary heads of the same width
 ])
 def test_head_layers_are_found_and_score_the_classes(arch, expected):
-    model = models.build_model(_cfg("MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "7"))
+    model = models.build_model(make_cfg("MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "7"))
     assert heads.head_layers(model) == expected
     for name in expected:
         layer = model.get_submodule(name)
@@ -237,8 +228,8 @@ def test_pretrained_file_of_1_channel_is_adapted_onto_the_rgb_stem(gray_ckpt):
     """MODEL.PRETRAINED FILE (it used to end in a size-mismatch traceback): the stem exactly as
     adapt_input_channels makes it, every other tensor but the head as in the file."""
     source = _source_state(gray_ckpt)
-    model = models.build_model(_cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "3",
-                                    "MODEL.PRETRAINED", gray_ckpt))
+    model = models.build_model(make_cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "3",
+                                        "MODEL.PRETRAINED", gray_ckpt))
     got = model.state_dict()
     assert torch.equal(got["conv1.0.weight"], adapt_input_channels(source["conv1.0.weight"], 3))
     assert torch.equal(got["layer4.0.conv2.weight"], source["layer4.0.conv2.weight"])
@@ -277,8 +268,8 @@ def test_another_shape_mismatch_is_exit_2_naming_the_layer_and_both_shapes(tmp_p
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("no_wd", [False, True])
 def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
-    cfg = _cfg("MODEL.ARCH", "resnet_tiny", "OPTIM.BACKBONE_LR_SCALE", "0.1", "OPTIM.NO_WD_NORM_BIAS", str(no_wd),
-               "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.MAX_EPOCH", "10")
+    cfg = make_cfg("MODEL.ARCH", "resnet_tiny", "OPTIM.BACKBONE_LR_SCALE", "0.1", "OPTIM.NO_WD_NORM_BIAS", str(no_wd),
+                   "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.MAX_EPOCH", "10")
     model = models.build_model(cfg)
     opt = optim.build_optimizer(cfg, model)
     head = {id(p) for p in model.fc.parameters()}
@@ -292,7 +283,7 @@ def test_backbone_lr_scale_makes_groups_that_follow_the_schedule(no_wd):
         lr = schedule.apply(opt, epoch)
         for g in opt.param_groups:
             assert g["lr"] == pytest.approx(lr * g["lr_scale"], rel=1e-12)
-    default = _cfg("MODEL.ARCH", "resnet_tiny")
+    default = make_cfg("MODEL.ARCH", "resnet_tiny")
     groups = optim.build_optimizer(default, models.build_model(default)).param_groups
     assert len(groups) == 1 and "lr_scale" not in groups[0]  # as before the key existed: old checkpoints resume
 
@@ -303,8 +294,8 @@ def test_zero1_takes_the_groups_and_keeps_their_ratio(tmp_path):
     from distribuuuu.strategies import zero1
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    cfg = _cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2",
-               "OPTIM.BACKBONE_LR_SCALE", "0.25")
+    cfg = make_cfg("MODEL.ARCH", "resnet_tiny", "MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2",
+                   "OPTIM.BACKBONE_LR_SCALE", "0.25")
     model = models.build_model(cfg)
     opt = zero1.Zero1(cfg, None).build_optimizer(model)
     for group in opt.param_groups:  # what the schedule does at LR 0.08
@@ -348,7 +339,7 @@ def test_frozen_backbone_stays_exactly_as_loaded_then_trains(tmp_path, source_ck
     cfg = _train_cfg(tmp_path, "ft", "MODEL.NUM_CLASSES", "3", "MODEL.WEIGHTS", source_ckpt,
                      "TRAIN.FREEZE_BACKBONE_EPOCHS", "2", "OPTIM.MAX_EPOCH", "3", "OPTIM.WEIGHT_DECAY", "0.01")
     with caplog.at_level(logging.INFO, logger="distribuuuu"):
-        _fit(cfg, hooks=[snaps])
+        fit(cfg, hooks=[snaps])
     assert [_same(s, loaded) for s in snaps.backbone] == [True, True, False]  # weights and BN statistics
     assert snaps.grad == [False, False, True]
     assert not torch.equal(snaps.head[0], snaps.head[1])  # the head trains while the backbone is frozen
@@ -360,7 +351,7 @@ def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source
     loaded = _backbone(_source_state(source_ckpt))
     opts = ["MODEL.NUM_CLASSES", "3", "MODEL.PRETRAINED", source_ckpt, "TRAIN.FREEZE_BACKBONE_EPOCHS", "2",
             "OPTIM.BACKBONE_LR_SCALE", "0.1"]
-    _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "1"))  # stops inside the frozen phase
+    fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "1"))  # stops inside the frozen phase
     first = load_checkpoint(str(tmp_path / "run" / "checkpoints" / "last.pth"))
     assert _same(_backbone(models.strip_wrapper_prefixes(first["model"])), loaded)
     assert [g["lr_scale"] for g in first["optimizer"]["param_groups"]] == [0.1, 1.0]
@@ -370,7 +361,7 @@ def test_resume_in_the_frozen_phase_stays_frozen_then_unfreezes(tmp_path, source
     try:
         caplog.set_level(logging.INFO, logger="distribuuuu")
         caplog.clear()  # the first run's lines
-        _fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "3"), hooks=[snaps])  # resumes at epoch 2
+        fit(_train_cfg(tmp_path, "run", *opts, "OPTIM.MAX_EPOCH", "3"), hooks=[snaps])  # resumes at epoch 2
     finally:
         package_log.removeHandler(caplog.handler)
     # The resumed run's weights come from its checkpoint: MODEL.PRETRAINED is not read again.

@@ -1,12 +1,12 @@
-"""DIST.STRATEGY fsdp (FSDP2 fully_shard), DIST.CPU_OFFLOAD and TRAIN.ACTIVATION_CHECKPOINTING,
-with 2 real gloo processes on CPU."""
+"""DIST.STRATEGY fsdp (FSDP2 fully_shard), DIST.CPU_OFFLOAD and TRAIN.ACTIVATION_CHECKPOINTING, with 2 real
+gloo processes on CPU; its sharded checkpoint write, stopped or failing, in process."""
 
 import os
 
 import pytest
 import torch
 
-from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics
 
 # AdamW keeps two state tensors per parameter: the per-rank share of it is easy to see.
 ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"]
@@ -19,7 +19,6 @@ def _strategy_worker(out_dir):
     from torch.distributed.fsdp import FSDPModule
 
     from distribuuuu import models, strategies
-    from distribuuuu.config import load_config
     from distribuuuu.launch import comm
     from distribuuuu.nonfinite import local_tensor
     from distribuuuu.optim import Stepper
@@ -31,9 +30,9 @@ def _strategy_worker(out_dir):
                 "ddp_ac": ["TRAIN.ACTIVATION_CHECKPOINTING", "True"]}
     common = [*ADAMW, "TRAIN.ACCUM_STEPS", "2", "TRAIN.CLIP_GRAD_NORM", "0.5"]
     results = {}
-    with comm.session(load_config(TINY, common)) as ctx:
+    with comm.session(make_cfg(*common, base=TINY)) as ctx:
         for name, opts in variants.items():
-            cfg = load_config(TINY, [*common, *opts])
+            cfg = make_cfg(*common, *opts, base=TINY)
             torch.manual_seed(0)
             strategy = strategies.build(cfg, ctx)
             model = strategy.wrap_model(models.build_model(cfg))
@@ -83,12 +82,11 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
 def test_activation_checkpointing_keeps_fewer_activations():
     """The bytes autograd saves for the backward pass, counted with saved_tensors_hooks."""
     from distribuuuu import models
-    from distribuuuu.config import load_config
     from distribuuuu.strategies import blocks, checkpoint_activations
 
     def saved_bytes(checkpointing: bool) -> int:
         torch.manual_seed(0)
-        model = models.build_model(load_config(TINY, ["TRAIN.IM_SIZE", "32"]))
+        model = models.build_model(make_cfg("TRAIN.IM_SIZE", "32", base=TINY))
         if checkpointing:
             assert checkpoint_activations(model, blocks(model)) == 4
         total = 0
@@ -153,3 +151,34 @@ def test_fsdp_rejects_what_it_cannot_do():
     assert proc.returncode == 2 and "TRAIN.EMA_DECAY needs whole parameters" in proc.stderr
     proc = cli_main("train", "--cfg", TINY, "DIST.CPU_OFFLOAD", "True")
     assert proc.returncode == 2 and "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp" in proc.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP without a process group
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "Terminated", None])
+def test_a_sharded_checkpoint_write_ends_as_a_stop_or_one_clear_error(tmp_path, monkeypatch, stop):
+    """torch.distributed.checkpoint collects every failure, a Ctrl-C included, into a
+    CheckpointException, a BaseException that the CLI neither reported nor treated as a stop (a raw
+    traceback, exit 1). A stop inside its writes (here: in fsync) comes out as the stop; any other
+    failure (here: the folder's parent is a file) as an OSError naming the folder."""
+    from distribuuuu.launch.signals import Terminated
+    from distribuuuu.strategies import fsdp
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # momentum buffers: optimizer state to write
+    if stop is None:
+        (tmp_path / "a_file").write_text("")
+        folder = str(tmp_path / "a_file" / "epoch_0001.dcp")
+        with pytest.raises(OSError, match="writing the sharded checkpoint .*epoch_0001.dcp failed"):
+            fsdp.save_sharded(model, optimizer, folder)
+        return
+    stop = Terminated if stop == "Terminated" else stop
+
+    def interrupted_fsync(fd: int) -> None:
+        raise stop()
+
+    monkeypatch.setattr(os, "fsync", interrupted_fsync)
+    with pytest.raises(stop):
+        fsdp.save_sharded(model, optimizer, str(tmp_path / "epoch_0001.dcp"))
+    assert not (tmp_path / "epoch_0001.dcp").exists()  # the half-written folder is gone

@@ -1,4 +1,5 @@
-"""The CUDA paths of issue 18, tested on what a CPU can exercise.
+"""The CUDA paths (fp16 and its scaler, DataParallel, a GPU per rank, FSDP's offload, TF32, the GPU
+benchmark jobs), tested on what a CPU can exercise (docs/performance.md).
 
 No GPU exists here, so where a test needs CUDA's side of a path it says how it stands in for it:
 a CPU GradScaler (the same class and update rule as CUDA's), autocast on CPU inside a worker thread,
@@ -17,13 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, TINY, check, distribuuuu, read_metrics
-
-
-def _cfg(*opts: str):
-    from distribuuuu.config import load_config
-
-    return load_config(TINY, list(opts))
+from tests.conftest import ROOT, TINY, check, distribuuuu, make_cfg, read_metrics
 
 
 def _tiny_model() -> nn.Module:
@@ -36,7 +31,7 @@ def _fp16_stepper(init_scale: float, *opts: str):
     from distribuuuu.optim import Stepper
     from distribuuuu.strategies import Strategy
 
-    cfg = _cfg("TRAIN.AMP", "fp16", *opts)
+    cfg = make_cfg("TRAIN.AMP", "fp16", *opts, base=TINY)
     model = _tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = Stepper(cfg, torch.device("cpu"), model, opt, global_batch=16, strategy=Strategy(cfg, None))
@@ -174,7 +169,7 @@ def test_slurm_more_tasks_than_gpus_is_a_user_error(monkeypatch):
 
     _fake_gpus(monkeypatch, 4)
     monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
-    cfg = _cfg("DEVICE", "auto")
+    cfg = make_cfg("DEVICE", "auto", base=TINY)
     with pytest.raises(UserError) as e:  # --ntasks-per-node 8 --gres gpu:4: two ranks per GPU
         comm._choose_device(cfg, _slurm_info(5, 8))
     assert "8 processes on this node but only 4 GPU(s)" in str(e.value)
@@ -255,8 +250,8 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
                 f.truncate(per_batch * 3072)
 
     def cfg(folder, size: int):
-        return _cfg("TRAIN.DATASET", str(folder), "TEST.DATASET", str(folder), "TRAIN.IM_SIZE", str(size),
-                    "MODEL.IN_CHANS", "3")
+        return make_cfg("TRAIN.DATASET", folder, "TEST.DATASET", folder, "TRAIN.IM_SIZE", size, "MODEL.IN_CHANS", 3,
+                        base=TINY)
 
     assert pipeline.data_pipeline(cfg(full, 32), "TRAIN") == "memory"  # ~0.4 GB
     with caplog.at_level("WARNING", logger="distribuuuu"):
@@ -281,8 +276,8 @@ def test_bench_step_synchronizes_at_the_ends_only_and_bench_data_at_the_end(monk
 
     calls = []
     monkeypatch.setattr(bench, "_synchronize", lambda device: calls.append(time.perf_counter()))
-    cfg = _cfg("TRAIN.DATASET", "mnist5k", "TEST.DATASET", "mnist5k", "MODEL.IN_CHANS", "1",
-               "MODEL.NUM_CLASSES", "10", "TRAIN.IM_SIZE", "28", "TRAIN.BATCH_SIZE", "8")
+    cfg = make_cfg("TRAIN.DATASET", "mnist5k", "TEST.DATASET", "mnist5k", "MODEL.IN_CHANS", "1",
+                   "MODEL.NUM_CLASSES", "10", "TRAIN.IM_SIZE", "28", "TRAIN.BATCH_SIZE", "8", base=TINY)
     with comm.session(cfg) as ctx:
         for iters in (4, 12):
             calls.clear()
@@ -305,7 +300,7 @@ def _replica_worker(out_dir: str) -> None:
     from distribuuuu.optim import Stepper
     from distribuuuu.strategies import fsdp
 
-    cfg = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", "TRAIN.CLIP_GRAD_NORM", "1.0")
+    cfg = make_cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", "TRAIN.CLIP_GRAD_NORM", "1.0", base=TINY)
     with comm.session(cfg) as ctx:
         torch.manual_seed(0)
         strategy = strategies.build(cfg, ctx)
@@ -343,12 +338,12 @@ def test_fsdp_cpu_offload_under_nccl_gets_a_gloo_backend_for_cpu_tensors():
     clipping norm, the non-finite vote). The run below does those CPU collectives for real (gloo)."""
     from distribuuuu.strategies import strategy_class
 
-    offload = _cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True")
+    offload = make_cfg("DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True", base=TINY)
     assert strategy_class("fsdp").group_backend(offload, "nccl") == "cpu:gloo,cuda:nccl"
     assert strategy_class("fsdp").group_backend(offload, "gloo") == "gloo"
-    fsdp = _cfg("DIST.STRATEGY", "fsdp")
+    fsdp = make_cfg("DIST.STRATEGY", "fsdp", base=TINY)
     assert strategy_class("fsdp").group_backend(fsdp, "nccl") == "nccl"
-    assert strategy_class("ddp").group_backend(_cfg(), "nccl") == "nccl"
+    assert strategy_class("ddp").group_backend(make_cfg(base=TINY), "nccl") == "nccl"
 
 
 @pytest.mark.e2e
@@ -367,7 +362,7 @@ def _timeout_worker(out_dir: str) -> None:
     """Rank 0 votes on a gloo side group made with a 3 s timeout; rank 1 does not join for 8 s."""
     from distribuuuu.launch import comm
 
-    with comm.session(_cfg()) as ctx:
+    with comm.session(make_cfg(base=TINY)) as ctx:
         comm.set_control_group(comm.gloo_side_group(datetime.timedelta(seconds=3)))
         start = time.monotonic()
         if ctx.rank == 0:
@@ -414,8 +409,8 @@ def test_a_coarser_vote_acts_on_a_signal_at_the_next_vote_and_resumes_step_exact
 def test_vote_period_auto_and_explicit():
     from distribuuuu.engine import vote_period
 
-    assert [vote_period(_cfg(), n) for n in (1, 8, 9, 64)] == [1, 1, 10, 10]
-    assert vote_period(_cfg("DIST.VOTE_PERIOD_STEPS", "4"), 64) == 4
+    assert [vote_period(make_cfg(base=TINY), n) for n in (1, 8, 9, 64)] == [1, 1, 10, 10]
+    assert vote_period(make_cfg("DIST.VOTE_PERIOD_STEPS", "4", base=TINY), 64) == 4
 
 
 # --- item 11: TF32 ---------------------------------------------------------------------------------
@@ -428,13 +423,13 @@ def test_tf32_key_sets_the_flags_that_torch_and_its_compiler_read():
 
     try:
         for value, on in (("False", False), ("True", True)):
-            comm._set_cuda_flags(_cfg("CUDNN.TF32", value))
+            comm._set_cuda_flags(make_cfg("CUDNN.TF32", value, base=TINY))
             assert torch._C._get_cublas_allow_tf32() is on  # what torch._dynamo reads
             assert torch.backends.cudnn.allow_tf32 is on
             assert (torch.backends.cuda.matmul.fp32_precision == "tf32") is on  # what inductor reads
             assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is on
     finally:
-        comm._set_cuda_flags(_cfg())
+        comm._set_cuda_flags(make_cfg(base=TINY))
 
 
 # --- benchmarks/gpu.py: the script that runs these paths on a GPU ---------------------------------
@@ -536,7 +531,7 @@ def test_train_epoch_outside_fit_with_the_benchmarks_quiet_metrics(tmp_path, mon
     from distribuuuu import engine
     from distribuuuu.launch import comm
 
-    cfg = _cfg("OUT_DIR", str(tmp_path), "TRAIN.PRINT_FREQ", "1000", "TRAIN.BATCH_SIZE", "8")
+    cfg = make_cfg("OUT_DIR", str(tmp_path), "TRAIN.PRINT_FREQ", "1000", "TRAIN.BATCH_SIZE", "8", base=TINY)
     ctx = comm.setup(cfg)
     try:
         trainer = engine.Trainer(cfg, ctx)

@@ -1,4 +1,4 @@
-"""Several ranks on one GPU under gloo (issue #26), on what a CPU can exercise.
+"""Several ranks on one GPU under gloo, on what a CPU can exercise (docs/performance.md).
 
 No GPU exists here: the device choice runs with torch.cuda reporting GPUs (monkeypatch, only where
 CUDA itself is missing), and the check of gloo's collectives (launch.gloo_cuda) runs for real on a gloo
@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu import strategies
-from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, gloo_cuda
 from distribuuuu.launch.launcher import LaunchInfo
-from tests.conftest import TINY, free_port
+from tests.conftest import TINY, free_port, make_cfg
 
 
 def _fake_gpus(monkeypatch, count: int) -> None:
@@ -33,7 +32,7 @@ def _torchrun_info(local_rank: int, local_world: int) -> LaunchInfo:
 
 def test_gloo_lets_ranks_share_a_gpu_round_robin(monkeypatch):
     _fake_gpus(monkeypatch, 1)
-    cfg = load_config(TINY, ["DEVICE", "cuda", "DIST.BACKEND", "gloo"])
+    cfg = make_cfg("DEVICE", "cuda", "DIST.BACKEND", "gloo", base=TINY)
     assert [comm._choose_device(cfg, _torchrun_info(r, 2)) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
     _fake_gpus(monkeypatch, 2)
     assert [comm._choose_device(cfg, _torchrun_info(r, 4)).index for r in range(4)] == [0, 1, 0, 1]
@@ -43,7 +42,7 @@ def test_gloo_lets_ranks_share_a_gpu_round_robin(monkeypatch):
 @pytest.mark.parametrize("backend", ["auto", "nccl"])
 def test_nccl_on_a_shared_gpu_is_refused_naming_gloo(monkeypatch, backend):
     _fake_gpus(monkeypatch, 1)
-    cfg = load_config(TINY, ["DEVICE", "cuda", "DIST.BACKEND", backend])
+    cfg = make_cfg("DEVICE", "cuda", "DIST.BACKEND", backend, base=TINY)
     with pytest.raises(UserError) as e:
         comm._choose_device(cfg, _torchrun_info(1, 2))
     msg = str(e.value)
@@ -53,7 +52,7 @@ def test_nccl_on_a_shared_gpu_is_refused_naming_gloo(monkeypatch, backend):
 
 def _needed(*opts: str) -> list[str]:
     """The collectives the strategy of a config runs on device tensors, as launch.comm asks them."""
-    cfg = load_config(TINY, list(opts))
+    cfg = make_cfg(*opts, base=TINY)
     return strategies.strategy_class(cfg.DIST.STRATEGY).collectives(cfg)
 
 

@@ -6,21 +6,16 @@ import sys
 import pytest
 
 from distribuuuu import engine
-from distribuuuu.config import load_config
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
-from tests.conftest import ROOT, TINY, read_metrics
+from tests.conftest import ROOT, TINY, fit, make_cfg, read_metrics
 
 STEPS_PER_EPOCH = 8  # synthetic_tiny: 128 samples, batch 16, one process
 
 
 def _cfg(tmp_path, *opts: str):
-    return load_config(TINY, ["OUT_DIR", str(tmp_path / "run"), "TRAIN.PRINT_FREQ", "100", *opts])
-
-
-def _fit(cfg, hooks=()):
-    with comm.session(cfg) as ctx:
-        return engine.fit(cfg, ctx, hooks=hooks)
+    """This module's runs: TINY into tmp_path/run, without progress lines."""
+    return make_cfg("OUT_DIR", tmp_path / "run", "TRAIN.PRINT_FREQ", "100", *opts, base=TINY)
 
 
 class Recorder(engine.HookBase):
@@ -60,7 +55,7 @@ class StopAfterFirstEpoch(engine.HookBase):
 
 def test_hooks_see_the_documented_order(tmp_path):
     rec = Recorder()
-    summary = _fit(_cfg(tmp_path, "TRAIN.ACCUM_STEPS", "2"), hooks=[rec])
+    summary = fit(_cfg(tmp_path, "TRAIN.ACCUM_STEPS", "2"), hooks=[rec])
     names = [e[0] for e in rec.events]
     per_epoch = ["before_epoch", *["after_step"] * STEPS_PER_EPOCH, "after_eval:val", "after_epoch"]
     assert names == ["before_fit", *per_epoch, *per_epoch, "after_fit"]
@@ -76,7 +71,7 @@ def test_hooks_see_the_documented_order(tmp_path):
 def test_a_hook_from_the_config_can_stop_training(tmp_path, caplog):
     cfg = _cfg(tmp_path, "TRAIN.HOOKS", "['tests.test_hooks:StopAfterFirstEpoch']", "OPTIM.MAX_EPOCH", "3")
     with caplog.at_level("INFO", logger="distribuuuu"):
-        summary = _fit(cfg)
+        summary = fit(cfg)
     assert summary["epochs"] == 1
     assert [(r["epoch"], r["split"]) for r in read_metrics(cfg.OUT_DIR)] == [(1, "train"), (1, "val")]
     assert "done (stopped by a hook)" in caplog.text
@@ -101,5 +96,5 @@ def test_the_example_plateau_hook_ends_a_run(tmp_path, monkeypatch):
     (made,) = from_config(cfg)
     assert (made.patience, made.min_delta) == (3, 1e-3)
     # From Python, with a min_delta no loss can beat: the second evaluation is "no improvement".
-    summary = _fit(_cfg(tmp_path, "OPTIM.MAX_EPOCH", "4"), hooks=[type(made)(patience=1, min_delta=1e9)])
+    summary = fit(_cfg(tmp_path, "OPTIM.MAX_EPOCH", "4"), hooks=[type(made)(patience=1, min_delta=1e9)])
     assert summary["epochs"] == 2

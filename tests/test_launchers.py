@@ -1,4 +1,4 @@
-"""Every launcher end to end, what a stop signal leaves behind, busy ports, and Distribuuuu's own command.
+"""Every launcher end to end, busy ports, and Distribuuuu's own command (stop signals: test_stop_signals.py).
 
 Real processes only: plain python, the built-in spawner, torchrun and the legacy
 torch.distributed.launch, each training config/synthetic_tiny.yaml (gloo on CPU).
@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import ROOT, TINY, check, env, free_port, kill_tree, process_tree, read_metrics, run, wait_gone
+from tests.conftest import ROOT, TINY, check, env, free_port, read_metrics, run
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -116,90 +114,6 @@ def test_legacy_launch_passes_local_rank(tmp_path):
     assert all(line.endswith("| backend gloo | launcher launch") for line in lines), lines
     assert [m["n"] for m in read_metrics(out) if m["split"] == "val"] == [50]
     assert os.path.isfile(out / "checkpoints" / "last.pth")
-
-
-# ---------------------------------------------------------------------------------------------
-# Ctrl-C and SIGTERM leave nothing behind
-# ---------------------------------------------------------------------------------------------
-
-
-LONG = ["OPTIM.MAX_EPOCH", "100000", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
-LAUNCH = {
-    "plain": [PY, "train_net.py"],
-    "spawn": [PY, "-m", "distribuuuu", "train", "--nproc-per-node", "2"],
-    "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train_net.py"],
-}
-
-
-def _stop_mid_training(tmp_path, cmd: list[str], sig: int, *opts: str) -> tuple[int, str]:
-    """Start cmd, wait until training is under way (a checkpoint exists), send sig to cmd's pid only.
-
-    Asserts that every process of the job (cmd and all its descendants, recorded from /proc while
-    it ran) is gone within 30 s, and that the last checkpoint loads. Returns (exit status, output).
-    """
-    out = tmp_path / "run"
-    last = out / "checkpoints" / "last.pth"
-    log_path = tmp_path / "console.txt"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*cmd, "--cfg", TINY, "OUT_DIR", str(out), *LONG, *opts], cwd=ROOT, env=env(),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    job: dict[int, str] = {}
-    try:
-        deadline = time.monotonic() + 180
-        while not last.exists():
-            assert proc.poll() is None, f"exited {proc.returncode} early:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "no checkpoint after 180 s"
-            job.update(process_tree(proc.pid))
-            time.sleep(0.2)
-        time.sleep(0.5)  # well into the next epoch
-        job.update(process_tree(proc.pid))
-        os.kill(proc.pid, sig)
-        status = proc.wait(timeout=30)
-        left = wait_gone(job, 30)
-    finally:
-        kill_tree(proc, job)
-    console = log_path.read_text()
-    assert len(job) >= (1 if cmd == LAUNCH["plain"] else 3), job  # the launcher and its 2 ranks
-    assert not left, f"left behind: {left}\n{console[-4000:]}"
-    ckpt = torch.load(last, map_location="cpu", weights_only=True)  # the last checkpoint is whole
-    assert ckpt["epoch"] >= 1 and ckpt["model"]
-    return status, console
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("launcher", list(LAUNCH))
-def test_stop_signal_to_the_launcher_leaves_no_process(tmp_path, launcher, sig):
-    status, console = _stop_mid_training(tmp_path, LAUNCH[launcher], sig)
-    if launcher == "torchrun":
-        # torchrun reports the signal its own way; our workers must have stopped without a traceback.
-        assert status != 0, console[-4000:]
-        assert not re.search(r"\[rank\d\]: Traceback", console), console[-6000:]
-    else:
-        assert status == 128 + sig, f"exit {status}\n{console[-4000:]}"
-        assert "Traceback" not in console, console[-6000:]
-    if launcher == "spawn":
-        assert f"[spawn] stopped by {sig.name}; all processes stopped" in console, console[-4000:]
-
-
-def test_sigterm_unwinds_every_rank_like_ctrl_c(tmp_path):
-    """With SIGTERM not a preemption signal, each rank raises Terminated at once: one line, status 143.
-
-    The spawner passes the SIGTERM on to both ranks; each prints `stopped by SIGTERM` (rank 1
-    with its rank), leaves its process group and exits 143, which the spawner returns.
-    """
-    status, console = _stop_mid_training(tmp_path, LAUNCH["spawn"], signal.SIGTERM,
-                                         "TRAIN.PREEMPT_SIGNALS", "['SIGUSR1']")
-    assert status == 143, f"exit {status}\n{console[-4000:]}"
-    assert "Traceback" not in console, console[-6000:]
-    lines = console.splitlines()
-    assert "stopped by SIGTERM" in lines and "stopped by SIGTERM (rank 1)" in lines, console[-4000:]
-    assert "[spawn] stopped by SIGTERM; all processes stopped" in lines
-
-
-def test_sigkill_to_the_spawner_takes_the_children_along(tmp_path):
-    """A spawner killed outright (OOM killer, kill -9) cannot clean up: the kernel stops its children."""
-    status, _ = _stop_mid_training(tmp_path, LAUNCH["spawn"], signal.SIGKILL)
-    assert status == -signal.SIGKILL
 
 
 # ---------------------------------------------------------------------------------------------

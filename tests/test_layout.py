@@ -1,4 +1,5 @@
-"""The package's shape: layers without import cycles, the core apart from the tools, size budgets.
+"""The package's shape: layers without import cycles, the core apart from the tools, size budgets, and
+the suite's own rules (a test that starts a process is marked e2e).
 
 Read from the source with `ast`, nothing is imported: fast, and a module that does not import
 (a missing dependency, a half-finished edit) is still measured. Every import counts, inside functions
@@ -305,7 +306,7 @@ _STARTERS = {"distribuuuu", "torchrun", "run"}
 _STARTER_ATTRS = {"run", "Popen", "call", "check_call", "check_output", "spawn", "start_processes"}
 # {"file.py::test": why it is in-process although it starts a process}
 IN_PROCESS_ALTHOUGH: dict[str, str] = {
-    "test_integrity_folder.py::test_lock_of_a_live_process_holds_and_a_reused_pid_does_not":
+    "test_run_folder.py::test_lock_of_a_live_process_holds_and_a_reused_pid_does_not":
         "starts `sleep` as a live pid for the lock; the lock code runs in this process",
     "test_distributed.py::test_spawn_refuses_inside_another_launcher": "refused before any process starts",
     "test_distributed.py::test_spawn_rejects_zero_processes": "refused before any process starts",

@@ -1,4 +1,4 @@
-"""models.py: names, heads, stems, and safe weight loading (CPU, tiny inputs)."""
+"""The models (distribuuuu/models.py): names, heads, stems, and safe weight loading (CPU, tiny inputs)."""
 
 import os
 
@@ -7,21 +7,18 @@ import safetensors.torch
 import torch
 import torch.nn as nn
 
-from distribuuuu import inferred, models
-from distribuuuu.config import load_config
+from distribuuuu import models
 from distribuuuu.errors import UserError
+from distribuuuu.weights import load_checkpoint
+from tests.conftest import make_cfg
 
 torch.set_num_threads(1)
 
 BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]
 
 
-def make_cfg(arch="resnet18", *opts):
-    return inferred.resolve(load_config(None, ["MODEL.ARCH", arch, *opts]))
-
-
 def build(arch="resnet18", *opts):
-    return models.build_model(make_cfg(arch, *opts))
+    return models.build_model(make_cfg("MODEL.ARCH", arch, *opts))
 
 
 def last_linear(model):
@@ -181,11 +178,14 @@ class _Evil:
 
 
 def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    """As MODEL.WEIGHTS and as a checkpoint to resume or evaluate (weights.load_checkpoint)."""
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pth"
     torch.save({"model": _Evil(marker)}, path)
     with pytest.raises(UserError, match="weights_only"):
         models.load_weights(build("resnet_tiny"), str(path))
+    with pytest.raises(UserError, match="refused to load checkpoint"):
+        load_checkpoint(str(path))
     assert not marker.exists()
 
 

@@ -1,5 +1,7 @@
-"""The non-finite guard (TRAIN.NONFINITE skip, the default): a skipped step leaves no trace, costs
-no host sync per step, and a run that could not save is not "done" (issue 24). In process, tiny."""
+"""Non-finite losses and gradients (TRAIN.NONFINITE): under skip, the default, a skipped step leaves no
+trace and costs no host sync per step; stop, the skip limit and off end the run with one clear message
+and the last good checkpoint kept; a run that could not save is not "done". In process and tiny, but
+for the endings, which are real runs (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from distribuuuu import engine, nonfinite, optim
-from distribuuuu.config import load_config
 from distribuuuu.data import register_source, unregister_source
 from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
 from distribuuuu.launch import comm
 from distribuuuu.optim import Stepper
 from distribuuuu.strategies import Strategy
-from tests.conftest import ROOT, TINY, env, read_metrics
+from tests.conftest import ROOT, TINY, distribuuuu, env, fit, make_cfg, read_metrics
 
 CPU = torch.device("cpu")
 SOURCE = "guard_nan_tiny"
@@ -64,14 +65,10 @@ def nan_source():
 
 
 def _cfg(out, *opts: str):
-    return load_config(TINY, ["OUT_DIR", str(out), "TRAIN.DATASET", SOURCE, "TEST.DATASET", SOURCE,
-                              "TEST.SPLIT", "val", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8",
-                              "OPTIM.BASE_LR", "0.1", "TRAIN.PRINT_FREQ", "100", *opts])
-
-
-def _fit(cfg, hooks=()):
-    with comm.session(cfg) as ctx:
-        return engine.fit(cfg, ctx, hooks=hooks)
+    """A run into out on the source with a NaN sample (nan_source), at 8 px."""
+    return make_cfg("OUT_DIR", out, "TRAIN.DATASET", SOURCE, "TEST.DATASET", SOURCE, "TEST.SPLIT", "val",
+                    "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "OPTIM.BASE_LR", "0.1", "TRAIN.PRINT_FREQ", "100", *opts,
+                    base=TINY)
 
 
 # -- no trace -----------------------------------------------------------------------------------------
@@ -102,7 +99,7 @@ def _same(a: dict, b: dict) -> bool:
                                   ["OPTIM.OPTIMIZER", "sgd", "TRAIN.CLIP_GRAD_NORM", "1.0"],
                                   ["OPTIM.OPTIMIZER", "lamb"]], ids=["sgd", "adamw", "sgd-clip", "lamb-synced"])
 def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
-    cfg = load_config(TINY, ["TRAIN.EMA_DECAY", "0.9", *opts])
+    cfg = make_cfg("TRAIN.EMA_DECAY", "0.9", *opts, base=TINY)
     model = _net()
     stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16,
                       strategy=Strategy(cfg, None))
@@ -124,7 +121,7 @@ def test_state_after_a_skipped_step_equals_the_state_before_bitwise(opts):
 def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
     """Fused SGD's first step makes the momentum buffers; a skipped one must not make them from its
     gradients (they start at zero): NaN first, then a good batch, ends where the good batch alone does."""
-    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    cfg = make_cfg("OPTIM.OPTIMIZER", "sgd", base=TINY)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     runs = []
@@ -145,7 +142,7 @@ def test_fused_sgd_momentum_is_not_born_from_a_skipped_first_step():
 # -- one all-NaN sample in a run --------------------------------------------------------------------
 def test_one_nan_sample_is_skipped_without_trace_and_the_run_is_saved(tmp_path, nan_source):
     out = tmp_path / "run"
-    summary = _fit(_cfg(out, "OPTIM.MAX_EPOCH", "3", "TRAIN.CKPT_PERIOD_STEPS", "1"))
+    summary = fit(_cfg(out, "OPTIM.MAX_EPOCH", "3", "TRAIN.CKPT_PERIOD_STEPS", "1"))
     records = read_metrics(str(out))
     train = [r for r in records if r["split"] == "train"]
     val = [r for r in records if r["split"] == "val"]
@@ -170,12 +167,12 @@ class CrashAtFirstStepCheckpoint(engine.HookBase):
 
 def test_resume_across_a_skipped_step_is_bitwise_a_straight_run(tmp_path, nan_source):
     opts = ["OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_STEPS", "2", "TRAIN.EMA_DECAY", "0.9"]
-    _fit(_cfg(tmp_path / "straight", *opts))
+    fit(_cfg(tmp_path / "straight", *opts))
     with pytest.raises(KeyboardInterrupt):
-        _fit(_cfg(tmp_path / "resumed", *opts), hooks=[CrashAtFirstStepCheckpoint()])
+        fit(_cfg(tmp_path / "resumed", *opts), hooks=[CrashAtFirstStepCheckpoint()])
     (step,) = glob.glob(str(tmp_path / "resumed" / "checkpoints" / "step_*.pth"))
     mid = torch.load(step, map_location="cpu", weights_only=True)
-    _fit(_cfg(tmp_path / "resumed", *opts))
+    fit(_cfg(tmp_path / "resumed", *opts))
     train = [r for r in read_metrics(str(tmp_path / "resumed")) if r["split"] == "train"]
     # The resumed epoch met the NaN batch after the checkpoint it started from.
     assert mid["epoch"] == 0 and train[0]["skipped_steps"] == 1, (mid["global_step"], train)
@@ -209,10 +206,10 @@ class CountSyncs(TorchFunctionMode):
 def test_sync_calls_do_not_grow_with_the_steps(tmp_path, optimizer):
     counts = []
     for samples in (16, 142):  # batch 2: 8 and 71 optimizer steps, no print step between
-        cfg = load_config(TINY, ["OUT_DIR", str(tmp_path / str(samples)), "OPTIM.OPTIMIZER", optimizer,
-                                 "OPTIM.BASE_LR", "0.01", "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "2",
-                                 "TRAIN.SYNTHETIC_SAMPLES", str(samples), "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8",
-                                 "TEST.SYNTHETIC_SAMPLES", "8", "TRAIN.PRINT_FREQ", "1000"])
+        cfg = make_cfg("OUT_DIR", tmp_path / str(samples), "OPTIM.OPTIMIZER", optimizer, "OPTIM.BASE_LR", "0.01",
+                       "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "2", "TRAIN.SYNTHETIC_SAMPLES", samples,
+                       "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TEST.SYNTHETIC_SAMPLES", "8",
+                       "TRAIN.PRINT_FREQ", "1000", base=TINY)
         mode = CountSyncs()
         with comm.session(cfg) as ctx:
             trainer = engine.Trainer(cfg, ctx)
@@ -235,9 +232,9 @@ class PoisonBuffersAtTheEnd(engine.HookBase):
 
 
 def test_a_run_that_could_not_save_raises_not_saved(tmp_path):
-    cfg = load_config(TINY, ["OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16"])
+    cfg = make_cfg("OUT_DIR", tmp_path / "run", "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16", base=TINY)
     with pytest.raises(RunNotSaved, match="not finite at the end"):
-        _fit(cfg, hooks=[PoisonBuffersAtTheEnd()])
+        fit(cfg, hooks=[PoisonBuffersAtTheEnd()])
 
 
 @pytest.mark.e2e
@@ -252,6 +249,61 @@ def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
     assert len(errors) == 1 and "the run could not save" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "done:" not in proc.stdout + proc.stderr
     assert not os.path.exists(out / "checkpoints" / "epoch_0001.pth")
+
+
+# -- a clear ending: TRAIN.NONFINITE stop, the skip limit, off (real runs) ---------------------------
+FAST = ["OPTIM.MAX_EPOCH", "1", "TRAIN.SYNTHETIC_SAMPLES", "64", "TEST.SYNTHETIC_SAMPLES", "16"]
+
+
+def _train(out, *args: str, nproc: int = 0) -> subprocess.CompletedProcess:
+    launcher = ["--nproc-per-node", str(nproc)] if nproc else []
+    return distribuuuu("train", *launcher, "--cfg", TINY, "OUT_DIR", str(out), *args, timeout=180)
+
+
+def _assert_nonfinite_ending(proc: subprocess.CompletedProcess, *parts: str) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    for part in ("lower OPTIM.BASE_LR (now 1e+30)", "TRAIN.CLIP_GRAD_NORM", "check the data", *parts):
+        assert part in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("nproc", [0, 2], ids=["plain", "spawn-2"])
+@pytest.mark.e2e
+def test_nonfinite_stop_is_a_clear_ending_on_every_rank(tmp_path, nproc):
+    out = tmp_path / "run"
+    proc = _train(out, *FAST, "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE", "stop", nproc=nproc)
+    _assert_nonfinite_ending(proc, "non-finite loss or gradients at step", "TRAIN.NONFINITE stop")
+    if nproc:  # each rank ended the same way (no peer left waiting, no crash)
+        assert "error (rank 1): non-finite loss or gradients at step" in proc.stderr, proc.stderr
+    log = (out / "log.txt").read_text()
+    assert "rank 0 failed: NonFiniteLoss: non-finite loss" in log  # why the run ended, in the run folder
+
+
+@pytest.mark.e2e
+def test_nonfinite_skip_limit_is_a_clear_ending(tmp_path):
+    proc = _train(tmp_path / "run", *FAST, "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE_MAX_SKIPS", "1")
+    _assert_nonfinite_ending(proc, "2 in a row", "NONFINITE_MAX_SKIPS 1")
+
+
+@pytest.mark.e2e
+def test_nonfinite_off_ends_at_the_epoch_and_keeps_the_last_good_checkpoint(tmp_path):
+    """TRAIN.NONFINITE off checks nothing per step; an epoch whose loss is not finite ends the run
+    with the same kind of message, before a checkpoint of the broken weights replaces the good one."""
+    out = tmp_path / "run"
+    assert _train(out, *FAST).returncode == 0  # one good epoch
+    good = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+    # The same run, one more epoch, with an LR that diverges (allowed explicitly on resume).
+    proc = _train(out, *FAST, "OPTIM.MAX_EPOCH", "2", "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE", "off",
+                  "TRAIN.RESUME_ALLOW", "['OPTIM.BASE_LR', 'TRAIN.NONFINITE']")
+    _assert_nonfinite_ending(proc, "the training loss of epoch 2", "TRAIN.NONFINITE off")
+    last = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+    assert last["epoch"] == 1 and all(torch.equal(last["model"][k], good["model"][k]) for k in good["model"])
+    records = read_metrics(str(out))  # every line parses
+    assert [(r["epoch"], r["split"]) for r in records if r["split"] == "train"] == [(1, "train"), (2, "train")]
+    assert records[-1]["loss"] is None  # the non-finite epoch is recorded (NaN as null)
 
 
 @pytest.mark.e2e
@@ -269,7 +321,7 @@ def test_the_gpu_sync_debug_job_dry_runs_on_the_cpu(tmp_path):
 def test_fused_sgd_gives_momentum_to_parameters_that_start_training_later():
     """A frozen backbone unfrozen later (or a parameter without a gradient so far): fused SGD's kernel
     takes no missing buffer beside existing ones; that step makes them as multi-tensor SGD does."""
-    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    cfg = make_cfg("OPTIM.OPTIMIZER", "sgd", base=TINY)
     model = _net()
     stepper = Stepper(cfg, CPU, model, optim.build_optimizer(cfg, model), global_batch=16,
                       strategy=Strategy(cfg, None))
@@ -309,7 +361,7 @@ def test_the_epoch_counter_leaves_out_non_finite_batches_and_reads_older_sums():
 def test_a_checkpoint_from_before_the_fused_kernels_resumes_on_them():
     """Optimizer state saved with foreach SGD (before issue 24) loads its param groups' kernel keys;
     the stepper puts back the fused kernel its device-side skip needs."""
-    cfg = load_config(TINY, ["OPTIM.OPTIMIZER", "sgd"])
+    cfg = make_cfg("OPTIM.OPTIMIZER", "sgd", base=TINY)
     model = _net()
     opt = optim.build_optimizer(cfg, model)
     stepper = Stepper(cfg, CPU, model, opt, global_batch=16, strategy=Strategy(cfg, None))

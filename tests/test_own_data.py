@@ -1,4 +1,4 @@
-"""#27 items 1, 2, 7: your own images, first try right. The keys left unset follow the data
+"""Your own images, first try right (README's "Train on your own images"). The keys left unset follow the data
 (distribuuuu/inferred.py), each decided value logged with its origin; a folder of class folders trains
 as is, with a held-out val part. The e2e tests run the installed command from a folder outside the
 checkout, as a user does, on real digits (mnist5k)."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
-from distribuuuu import config, data, inferred, models, optim
+from distribuuuu import data, inferred, models, optim
 from distribuuuu.errors import UserError
-from tests.conftest import ROOT, check, cli_main, env, write_fake_cifar10, write_image_tree
+from tests.conftest import ROOT, check, cli_main, env, make_cfg, write_fake_cifar10, write_image_tree
 
 CPU = torch.device("cpu")
 BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]
@@ -26,16 +26,6 @@ BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160
 
 def decisions(cfg) -> dict[str, inferred.Decision]:
     return {d.key: d for d in inferred.decisions(cfg)}
-
-
-def unresolved(*opts: str):
-    """The config load_config merges and checks, before resolve() decides the unset keys."""
-    return config.load_config(None, list(opts))
-
-
-def resolved(cfg_file, opts=()):
-    """load_config, then the unset keys decided from the data (as api.py does before a run)."""
-    return inferred.resolve(config.load_config(cfg_file, list(opts)))
 
 
 def three_classes(root, ext: str = "png", size=(12, 10)) -> str:
@@ -49,7 +39,7 @@ def three_classes(root, ext: str = "png", size=(12, 10)) -> str:
 # ---------------------------------------------------------------------------------------------
 def test_unset_keys_follow_a_folder_of_train_and_val(tmp_path):
     root = three_classes(tmp_path)
-    cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.BATCH_SIZE", "4"])
+    cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.BATCH_SIZE", "4")
     assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.TOPK) == (3, root, "val", 3)
     f = decisions(cfg)
     assert f["MODEL.NUM_CLASSES"].line() == "MODEL.NUM_CLASSES 3 (from the folder)"
@@ -61,8 +51,8 @@ def test_unset_keys_follow_a_folder_of_train_and_val(tmp_path):
 
 def test_values_given_are_kept_and_said_to_come_from_the_config(tmp_path):
     root = three_classes(tmp_path)
-    cfg = resolved(None, ["TRAIN.DATASET", root, "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "2",
-                                    "TEST.DATASET", root, "TRAIN.WORKERS", "0"])
+    cfg = make_cfg("TRAIN.DATASET", root, "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "2", "TEST.DATASET", root,
+                   "TRAIN.WORKERS", "0")
     f = decisions(cfg)
     assert [f[k].line() for k in ("MODEL.NUM_CLASSES", "TRAIN.TOPK", "TRAIN.WORKERS")] == [
         "MODEL.NUM_CLASSES 3 (config)", "TRAIN.TOPK 2 (config)", "TRAIN.WORKERS 0 (config)"]
@@ -82,13 +72,13 @@ def test_a_num_classes_that_differs_from_the_folder_exits_2_naming_both(tmp_path
 
 def test_num_classes_of_cifar_mnist5k_and_the_fallback(tmp_path):
     write_fake_cifar10(str(tmp_path))
-    cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path)])
+    cfg = make_cfg("TRAIN.DATASET", str(tmp_path))
     assert cfg.MODEL.NUM_CLASSES == 10 and decisions(cfg)["MODEL.NUM_CLASSES"].origin == "from the CIFAR folder"
-    cfg = resolved(None, ["TRAIN.DATASET", "mnist5k"])
+    cfg = make_cfg("TRAIN.DATASET", "mnist5k")
     assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET) == (10, "mnist5k")
-    cfg = resolved(None, ["TRAIN.DATASET", "synthetic"])  # makes MODEL.NUM_CLASSES classes
+    cfg = make_cfg("TRAIN.DATASET", "synthetic")  # makes MODEL.NUM_CLASSES classes
     assert cfg.MODEL.NUM_CLASSES == 1000 and "the former default" in decisions(cfg)["MODEL.NUM_CLASSES"].origin
-    cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path / "not_here")])  # preflight names it
+    cfg = make_cfg("TRAIN.DATASET", str(tmp_path / "not_here"))  # preflight names it
     assert cfg.MODEL.NUM_CLASSES == 1000
     with pytest.raises(UserError, match="TRAIN.DATASET"):
         data.check_datasets(cfg, 1)
@@ -99,16 +89,16 @@ def test_num_classes_of_cifar_mnist5k_and_the_fallback(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_eval_size_follows_train_im_size_and_an_explicit_one_wins(tmp_path):
     root = three_classes(tmp_path, size=(64, 48))
-    cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TRAIN.WORKERS", "0"])
+    cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TRAIN.WORKERS", "0")
     assert cfg.TEST.IM_SIZE == 36  # floor(32 / 0.875)
     assert decisions(cfg)["eval size"].line() == ("eval size resize to 36, center crop 32 px "
                                               "(TEST.IM_SIZE 36, follows TRAIN.IM_SIZE: 32 / 0.875)")
     x, _ = data.build_dataset(cfg, train=False)[0]
     assert tuple(x.shape[-2:]) == (32, 32)  # the whole digit at 32 px, not a 32 px crop of a 256 px resize
-    assert resolved(None, ["TRAIN.IM_SIZE", "224"]).TEST.IM_SIZE == 256  # Distribuuuu's 256 for 224
-    cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "40"])
+    assert make_cfg("TRAIN.IM_SIZE", "224").TEST.IM_SIZE == 256  # Distribuuuu's 256 for 224
+    cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "40")
     assert cfg.TEST.IM_SIZE == 40 and decisions(cfg)["eval size"].origin == "TEST.IM_SIZE 40, config"
-    cfg = resolved(None, ["TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.CROP_PCT", "0.8"])
+    cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.IM_SIZE", "32", "TEST.CROP_PCT", "0.8")
     assert decisions(cfg)["eval size"].line() == "eval size resize to 40, center crop 32 px (TEST.CROP_PCT 0.8)"
 
 
@@ -116,7 +106,7 @@ def test_eval_size_follows_train_im_size_and_an_explicit_one_wins(tmp_path):
 # Warmup, workers
 # ---------------------------------------------------------------------------------------------
 def test_a_warmup_longer_than_half_the_run_is_shortened_and_reaches_the_peak():
-    cfg = resolved(None, ["OPTIM.MAX_EPOCH", "3"])  # the default 5 warmup epochs
+    cfg = make_cfg("OPTIM.MAX_EPOCH", "3")  # the default 5 warmup epochs
     assert cfg.OPTIM.WARMUP_EPOCHS == 5.0  # the key keeps its value: a resume with more epochs compares equal
     assert optim.warmup_epochs(cfg) == pytest.approx(0.6)
     fact = decisions(cfg)["OPTIM.WARMUP_EPOCHS"]
@@ -124,32 +114,32 @@ def test_a_warmup_longer_than_half_the_run_is_shortened_and_reaches_the_peak():
     factors = [optim.Schedule(cfg, 1.0)(e / 100) for e in range(300)]
     assert max(factors) == pytest.approx(1.0) and factors[60] == pytest.approx(1.0)  # the peak, at 0.6
     assert factors[0] == pytest.approx(0.1) and factors[30] == pytest.approx(0.55)
-    cfg = resolved(None, ["OPTIM.MAX_EPOCH", "10"])  # 5 of 10 fits: as given
+    cfg = make_cfg("OPTIM.MAX_EPOCH", "10")  # 5 of 10 fits: as given
     assert optim.warmup_epochs(cfg) == 5.0 and "OPTIM.WARMUP_EPOCHS" not in decisions(cfg)
     assert optim.Schedule(cfg, 1.0)(5.0) == pytest.approx(1.0)
 
 
 def test_warmup_epochs_is_a_float_and_an_int_in_yaml_still_loads(tmp_path):
-    assert resolved(None, ["OPTIM.WARMUP_EPOCHS", "0.5"]).OPTIM.WARMUP_EPOCHS == 0.5
+    assert make_cfg("OPTIM.WARMUP_EPOCHS", "0.5").OPTIM.WARMUP_EPOCHS == 0.5
     path = tmp_path / "c.yaml"
     path.write_text("OPTIM:\n  WARMUP_EPOCHS: 2\n")
-    value = resolved(str(path)).OPTIM.WARMUP_EPOCHS
+    value = make_cfg(base=str(path)).OPTIM.WARMUP_EPOCHS
     assert value == 2.0 and isinstance(value, float)
 
 
 def test_workers_follow_the_cores_of_each_process(monkeypatch):
     monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     for procs, want in ((1, 7), (2, 3), (4, 1), (8, 0), (16, 0)):
-        cfg = inferred.resolve(unresolved(), local_world_size=procs)
+        cfg = inferred.resolve(make_cfg(resolve=False), local_world_size=procs)
         assert cfg.TRAIN.WORKERS == want, procs
         assert decisions(cfg)["TRAIN.WORKERS"].origin.startswith(f"from the cores: {max(1, 8 // procs)} per process")
     monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert inferred.resolve(unresolved(), local_world_size=1).TRAIN.WORKERS == inferred.MAX_AUTO_WORKERS
-    assert inferred.resolve(unresolved("TRAIN.WORKERS", "2"), local_world_size=1).TRAIN.WORKERS == 2
+    assert inferred.resolve(make_cfg(resolve=False), local_world_size=1).TRAIN.WORKERS == inferred.MAX_AUTO_WORKERS
+    assert inferred.resolve(make_cfg("TRAIN.WORKERS", "2", resolve=False), local_world_size=1).TRAIN.WORKERS == 2
 
 
 def test_resolve_is_done_once():
-    cfg = resolved(None, [])
+    cfg = make_cfg()
     assert inferred.resolve(cfg) is cfg and cfg.is_frozen()
     assert cfg.MODEL.NUM_CLASSES and cfg.TEST.IM_SIZE and cfg.TEST.DATASET and cfg.TRAIN.WORKERS >= 0
 
@@ -160,7 +150,7 @@ def test_resolve_is_done_once():
 def test_a_folder_of_class_folders_holds_out_a_stratified_seeded_tenth(tmp_path):
     write_image_tree(str(tmp_path), "", {"ant": 20, "bee": 10, "cat": 30})
     opts = ["TRAIN.DATASET", str(tmp_path), "TRAIN.IM_SIZE", "8", "TRAIN.WORKERS", "0", "TEST.BATCH_SIZE", "64"]
-    cfg = resolved(None, opts)
+    cfg = make_cfg(*opts)
     assert (cfg.TRAIN.SPLIT, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == ("", str(tmp_path), "", 0.1)
     assert cfg.MODEL.NUM_CLASSES == 3
     f = decisions(cfg)
@@ -172,18 +162,18 @@ def test_a_folder_of_class_folders_holds_out_a_stratified_seeded_tenth(tmp_path)
     labels = sorted(int(y) for _, ys in val for y in ys)
     assert labels == [0, 0, 1, 2, 2, 2]  # 2 of 20, 1 of 10, 3 of 30
     assert len(train.dataset) == 54
-    again = [int(y) for _, ys in data.build_val_loader(resolved(None, opts), 0, 1, CPU) for y in ys]
+    again = [int(y) for _, ys in data.build_val_loader(make_cfg(*opts), 0, 1, CPU) for y in ys]
     assert sorted(again) == labels
     # A TEST.DATASET given: the folder is the training split, nothing is held out unasked.
     other = three_classes(tmp_path / "other")
-    cfg = resolved(None, [*opts, "TEST.DATASET", other])
+    cfg = make_cfg(*opts, "TEST.DATASET", other)
     assert (cfg.TRAIN.SPLIT, cfg.TRAIN.VAL_SPLIT, cfg.TEST.SPLIT) == ("", 0.0, "val")
 
 
 def test_a_split_layout_is_not_taken_for_a_folder_of_class_folders(tmp_path):
     write_image_tree(str(tmp_path), "training", {"a": 2})  # another split name: not class folders
     write_image_tree(str(tmp_path), "val", {"a": 1})
-    cfg = resolved(None, ["TRAIN.DATASET", str(tmp_path)])
+    cfg = make_cfg("TRAIN.DATASET", str(tmp_path))
     assert cfg.TRAIN.SPLIT == "train" and "TRAIN.SPLIT" not in decisions(cfg)
     with pytest.raises(UserError, match="TRAIN.DATASET"):
         data.check_datasets(cfg, 1)
@@ -196,8 +186,7 @@ def test_a_split_layout_is_not_taken_for_a_folder_of_class_folders(tmp_path):
                                         ("resnet18.a1_in1k", "bn2")])
 def test_zero_init_residual_sets_the_last_batchnorm_of_each_block(arch, last):
     def last_bns(zero: bool) -> list[torch.Tensor]:
-        cfg = resolved(None, ["MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "10",
-                                        "MODEL.ZERO_INIT_RESIDUAL", str(zero)])
+        cfg = make_cfg("MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "10", "MODEL.ZERO_INIT_RESIDUAL", str(zero))
         model = models.build_model(cfg)
         return [getattr(m, last).weight for m in model.modules() if hasattr(m, last) and hasattr(m, "conv1")]
 
@@ -213,7 +202,7 @@ def test_zero_init_residual_sets_the_last_batchnorm_of_each_block(arch, last):
 @pytest.mark.parametrize("arch", BASELINES)
 def test_the_original_yamls_decide_nothing(arch):
     path = os.path.join(ROOT, "config", f"{arch}.yaml")
-    cfg = resolved(path)
+    cfg = make_cfg(base=path)
     stated = yaml.safe_load(open(path))
     assert cfg.MODEL.NUM_CLASSES == stated["MODEL"]["NUM_CLASSES"] == 1000
     assert (cfg.TEST.DATASET, cfg.TEST.IM_SIZE, cfg.TRAIN.WORKERS) == ("./data/ILSVRC/", 256, 4)

@@ -1,4 +1,4 @@
-"""A package, not only a checkout (issue #16, item 1): the configs ship in the wheel and are found
+"""A package, not only a checkout: the configs ship in the wheel and are found
 by name from any folder (`--cfg mnist5k_fast`), `config --list`, `--version`, and the wheel and
 the sdist hold what they must (those two build the package in a subprocess: e2e)."""
 

@@ -1,4 +1,4 @@
-"""The fast input paths of issue #7 are correct (their speed is measured by benchmarks/overhead.py).
+"""The fast input paths are correct (their speed is measured by benchmarks/overhead.py; docs/performance.md).
 
 - the in-memory loader gives each rank exactly the samples of the resumable sampler's semantics
   (one permutation of seed + epoch, `start` skipped, rank::world, the tail dropped);
@@ -22,7 +22,6 @@ import torchvision.transforms as T
 from PIL import Image
 
 from distribuuuu import data
-from distribuuuu.config import load_config
 from distribuuuu.data import batches, images, pipeline, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
@@ -336,7 +335,7 @@ def test_pipeline_choice_and_its_errors(tmp_path):
 
 
 def test_speedrun_config_validates_and_runs_in_memory():
-    cfg = load_config(os.path.join(ROOT, "config", "mnist5k_fast.yaml"))
+    cfg = make_cfg(base=os.path.join(ROOT, "config", "mnist5k_fast.yaml"))
     assert cfg.TRAIN.DATASET == cfg.TEST.DATASET == "mnist5k" and cfg.MODEL.NUM_CLASSES == 10
     data.check_datasets(cfg, world_size=2)
     train, val = data.build_train_loader(cfg, 0, 2, CPU), data.build_val_loader(cfg, 1, 2, CPU)

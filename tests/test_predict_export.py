@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ROOT, check, distribuuuu
+from tests.conftest import ROOT, check, distribuuuu, make_cfg
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -18,12 +18,11 @@ OPTS = ["DEVICE", "cpu", "NUM_THREADS", "1"]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(cfg, weights): resnet_tiny after one epoch on the 4,000 mnist5k training digits."""
-    from distribuuuu import config
 
     out = str(tmp_path_factory.mktemp("predict") / "run")
     check(distribuuuu("train", "--cfg", MNIST, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "1", *OPTS))
     weights = os.path.join(out, "checkpoints", "best.pth")
-    return config.load_config(MNIST, ["MODEL.WEIGHTS", weights, *OPTS]), weights
+    return make_cfg("MODEL.WEIGHTS", weights, *OPTS, base=MNIST), weights
 
 
 @pytest.fixture(scope="module")

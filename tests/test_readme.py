@@ -1,4 +1,4 @@
-"""The README stays true (issue #16 item 6): every code block in it is marked (run, output, file or
+"""The README stays true: every code block in it is marked (run, output, file or
 skip with a reason), and every command a CPU can run does run, in order, from a folder outside the
 repository with the installed command, and prints what the README shows (scripts/readme_outputs.py
 runs them; `make readme` rewrites the output blocks from such a run)."""

@@ -1,4 +1,4 @@
-"""The data recipe keys (issue #16 item 4): TRAIN.CROP_SCALE / CROP_RATIO / FLIP_PROB / INTERPOLATION /
+"""The data recipe keys: TRAIN.CROP_SCALE / CROP_RATIO / FLIP_PROB / INTERPOLATION /
 MEAN / STD and TEST.CROP_PCT, on every path that builds transforms (PIL folders, the fast decode,
 tensor sources in memory and per sample, predict), timm's data config, and bad values. In process."""
 

@@ -1,5 +1,6 @@
-"""Training and evaluating from shards (issue #17 items 2-6): the epoch plan, the tar reader, every
-sample once across ranks x workers, step-exact resume, exact evaluation, bad records, truncated shards.
+"""Training and evaluating from shards: the epoch plan, the tar reader, every sample once across ranks x
+workers, step-exact resume, exact evaluation, bad records, truncated shards and shards off their index
+count (docs/data-at-scale.md).
 
 The images carry their id in two pixels, and the loaders run with a crop of the whole image, no
 flip, nearest interpolation, mean 0 and std 1, so every batch can be read back as sample ids.
@@ -20,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from distribuuuu import api, config, data, model_card
+from distribuuuu import api, data, model_card
 from distribuuuu.data import shards, transforms
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
@@ -283,6 +284,35 @@ def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_p
     assert message.startswith(f"shard {victim} ") and "truncated" in message and "Traceback" not in message
 
 
+# A shard that holds more or fewer samples than its index.json records: an error naming the shard, read
+# by the main process or by loader workers; never a hang, never a quietly shorter epoch (before: an index
+# that under-counts the last shard trained on fewer samples, exit 0).
+def _shards_with_count(tmp_path, delta: int) -> tuple[str, str]:
+    """24 train samples in shards of 5; the index of the shard read last in epoch 0 is off by delta."""
+    write_id_images(tmp_path / "src", "train", 24)
+    write_id_images(tmp_path / "src", "val", 6)
+    root = str(tmp_path / "sh")
+    shards.write_shards(str(tmp_path / "src"), root, shard_samples=5, progress=False)
+    folder = os.path.join(root, "train")
+    with open(os.path.join(folder, "index.json")) as f:
+        index = json.load(f)
+    order = shards.plan.shard_order(len(index["shards"]), 3, 0)  # the seed the loader is given (epoch_ids)
+    victim = index["shards"][int(order[-1])]
+    victim["num_samples"] += delta
+    with open(os.path.join(folder, "index.json"), "w") as f:
+        json.dump(index, f)
+    return root, os.path.join(folder, victim["name"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("delta", [-1, 1], ids=["index-under-counts", "index-over-counts"])
+def test_a_shard_off_its_index_count_is_an_error_naming_it(tmp_path, workers, delta):
+    root, victim = _shards_with_count(tmp_path, delta)
+    cfg = make_cfg(id_opts(root, workers=workers, batch=4))
+    with pytest.raises(tar.ShardError, match=rf"shard {victim} holds \d+ samples, but its index .* records"):
+        epoch_ids(cfg, 0, 1, 0)
+
+
 def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shards):
     opts = {k: v for k, v in id_opts(id_shards, workers=0).items() if k not in ("TRAIN.MEAN", "TRAIN.STD")}
     cfg = make_cfg({**opts, "TEST.IM_SIZE": 10})
@@ -295,7 +325,7 @@ def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shard
 # -- the command ------------------------------------------------------------------------------------
 def test_train_on_shards_in_process_counts_every_sample_and_refuses_what_cannot_work(id_shards, tmp_path):
     opts = _argv(id_opts(id_shards, workers=0))
-    cfg = config.load_config(TINY, [*opts, "OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1"])
+    cfg = make_cfg(*opts, "OUT_DIR", str(tmp_path / "run"), "OPTIM.MAX_EPOCH", "1", base=TINY)
     with process_state_restored():
         api.train(cfg)
     records = read_metrics(str(tmp_path / "run"))

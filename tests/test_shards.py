@@ -1,4 +1,4 @@
-"""`distribuuuu data shard` (issue #17 item 1): WebDataset-layout tar shards + index.json, deterministic,
+"""`distribuuuu data shard`: WebDataset-layout tar shards + index.json, deterministic,
 the original encoded bytes, read back by the webdataset package; finding a shard set from TRAIN.DATASET."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Training under a real Slurm cluster: srun, sbatch, torchrun inside an allocation, Ctrl-C.
+"""Training under a real Slurm cluster: srun, sbatch, torchrun inside an allocation, Ctrl-C, preemption
+and requeue, and the tutorial's Slurm step: every test that uses the cluster, in this one file.
 
 Every test submits real jobs to the controller that `scripts/local_slurm.sh` starts (a one-host
 cluster: slurmctld + slurmd + munged on this machine; .ci/run starts it before the tests). They are
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 from tests import conftest as su
-from tests.conftest import ROOT, TINY, env, read_metrics
+from tests.conftest import ROOT, TINY, check, env, read_metrics, run
+from tests.test_tutorial import ARGS, check_ladder_output, script
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -233,3 +235,89 @@ def test_signal_to_srun_leaves_nothing_behind(tmp_path, job_name, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+# ---------------------------------------------------------------------------------------------
+# Preemption and requeue (tests/scripts/fault_run.py sends the signal at a chosen step)
+# ---------------------------------------------------------------------------------------------
+# 2 ranks x batch 16 on 256 samples: 8 steps per epoch, 2 epochs.
+FAULTS = ["--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "256", "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "1"]
+FAULT_RUN = os.path.join("tests", "scripts", "fault_run.py")
+
+
+def _ckpt(out):
+    return torch.load(os.path.join(out, "checkpoints", "last.pth"), map_location="cpu", weights_only=True)
+
+
+def test_preemption_signal_under_srun_checkpoints_and_the_next_srun_continues(tmp_path):
+    """Under the local Slurm cluster: rank 1 of `srun -n 2` gets SIGUSR1 after step 3; both ranks
+    agree, checkpoint, and exit; a second srun resumes from that step and finishes."""
+    out = str(tmp_path / "run")
+    cmd = ["srun", "-N", "1", "-n", "2", "-t", "5", "--kill-on-bad-exit=1", PY, FAULT_RUN, *FAULTS,
+           "OUT_DIR", out]
+    e = env()
+    e["SIGNAL_AT"] = "3:1:SIGUSR1"
+    first = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    assert first.returncode != 0, first.stdout[-2000:]
+    assert "launcher slurm" in first.stdout
+    ckpt = _ckpt(out)
+    assert (ckpt["global_step"], ckpt["samples_in_epoch"], ckpt["world_size"]) == (3, 3 * 32, 2)
+    second = check(subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240))
+    assert "96 samples into epoch 1, step 3" in second.stdout
+    assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
+
+
+def test_preempted_sbatch_job_requeues_itself_and_the_second_run_finishes(tmp_path):
+    """TRAIN.REQUEUE True in a `sbatch --requeue` job: the preempted first run checkpoints at step 3,
+    rank 0 runs `scontrol requeue`, Slurm starts the same script again (restart count 1), and that
+    run resumes from step 3 and completes the job."""
+    out, log, name = str(tmp_path / "run"), str(tmp_path / "job.log"), f"requeue-{os.getpid()}"
+    e = env()
+    e["PYTHON"] = PY
+    cmd = ["sbatch", "--parsable", "-J", name, "-t", "5", f"--output={log}", "tests/scripts/requeue.sbatch",
+           *FAULTS, "OUT_DIR", out, "TRAIN.REQUEUE", "True"]
+    sub = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 120
+        info = su.job_info(job)
+        while not (info.get("Restarts") == "1" and info.get("JobState") == "PENDING"):
+            assert info.get("JobState") not in su.FINISHED, f"job ended without a requeue: {info}"
+            assert time.monotonic() < deadline, f"no requeue after 120 s: {info}"
+            time.sleep(0.3)
+            info = su.job_info(job)
+        # Slurm holds a requeued batch job back for ~2 minutes (the credential lifetime, 120 s by
+        # default); starting it now keeps the test short and changes nothing else. Not at once: slurmd
+        # revoked the first run's credential with a time in whole seconds and refuses a new one made in
+        # that same second ("Killing non-startable batch JobId=N: Job credential revoked" in
+        # slurmctld.log, and the job ends FAILED), so the release waits for the next second.
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        info = su.wait_job(job, 180)
+    finally:
+        su.cancel(name)
+    output = open(log).read() if os.path.exists(log) else "(no output file)"
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{output}"
+    assert f"[preempt] scontrol requeue {job}: ok" in output, output
+    assert f"job {job} starts, restart count 1" in output, output
+    assert "96 samples into epoch 1, step 3" in output, output
+    assert _ckpt(out)["epoch"] == 2 and _ckpt(out)["global_step"] == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The tutorial's Slurm step (tutorial/mnmc_ddp_slurm.py)
+# ---------------------------------------------------------------------------------------------
+def test_tutorial_mnmc_ddp_slurm():
+    name = f"tut-{uuid.uuid4().hex[:8]}"
+    # MASTER_PORT is unset (conftest.env drops it): the script derives the port from the job id.
+    # --kill-on-bad-exit=1: a crashing rank stops the other instead of leaving it in a collective.
+    cmd = ["srun", "-J", name, "-t", "5", "-N", "1", "-n", "2", "--kill-on-bad-exit=1",
+           PY, "-u", script("mnmc_ddp_slurm.py"), *ARGS]
+    try:
+        proc = run(cmd, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)} did not finish within 240 s")
+    finally:
+        subprocess.run(["scancel", "-n", name], capture_output=True, timeout=30)
+    out = check_ladder_output(proc, world=2)
+    assert "master: " in out and "backend: gloo" in out

@@ -1,13 +1,16 @@
-"""Training options of issue #5: accumulation, AMP, EMA, mixup, clipping, optimizers, early stopping."""
+"""Training options: accumulation, AMP, EMA, mixup, clipping, the optimizers and the LR schedule, early
+stopping, torch.compile, and the strategies (DIST.STRATEGY: the rules each states, zero1, dp)."""
+
+import math
 
 import pytest
 import torch
 
 from distribuuuu import optim, strategies
-from distribuuuu.config import load_config
+from distribuuuu.errors import UserError
 from distribuuuu.optim import Stepper, ema_decay_per_step
 from distribuuuu.strategies import Strategy
-from tests.conftest import TINY, check, cli_main, distribuuuu, read_metrics, torchrun
+from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics, torchrun
 
 CPU = torch.device("cpu")
 
@@ -20,8 +23,9 @@ def _net():
 
 
 def _cfg(*opts):
-    return load_config(None, ["MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2", "OPTIM.MOMENTUM", "0.0",
-                              "OPTIM.NESTEROV", "False", "OPTIM.WEIGHT_DECAY", "0.0", *opts])
+    """4 classes (_net's), plain SGD: no momentum, no weight decay, so an update is lr x gradient."""
+    return make_cfg("MODEL.NUM_CLASSES", "4", "TRAIN.TOPK", "2", "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False",
+                    "OPTIM.WEIGHT_DECAY", "0.0", *opts)
 
 
 def _one_step(cfg, batches):
@@ -140,15 +144,14 @@ def _zero_vs_ddp_worker(out_dir):
     import os
 
     from distribuuuu import models
-    from distribuuuu.config import load_config
     from distribuuuu.launch import comm
     from distribuuuu.optim import Stepper
 
     results = {}
-    base = load_config(TINY, ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+    base = make_cfg("OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01", base=TINY)
     with comm.session(base) as ctx:
         for strategy in ("ddp", "zero1"):
-            cfg = load_config(TINY, ["DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"])
+            cfg = make_cfg("DIST.STRATEGY", strategy, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01", base=TINY)
             torch.manual_seed(0)
             strat = strategies.build(cfg, ctx)
             model = strat.wrap_model(models.build_model(cfg))
@@ -203,3 +206,78 @@ def test_zero1_checkpoints_and_resumes(tmp_path):
 def test_dp_runs_in_one_process_and_refuses_several():
     proc = cli_main("train", "--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY", "dp")
     assert proc.returncode == 2 and "DIST.STRATEGY dp is ONE process" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The LR schedule
+# ---------------------------------------------------------------------------------------------
+def test_cosine_schedule_with_warmup():
+    cfg = make_cfg("OPTIM.MAX_EPOCH", "10", "OPTIM.WARMUP_EPOCHS", "2", "OPTIM.WARMUP_FACTOR", "0.1",
+                   "OPTIM.MIN_LR", "0.01")
+    # The decay runs over the 8 epochs after the warmup (#27: every run reaches its peak LR).
+    cos = lambda e: 0.99 * 0.5 * (1 + math.cos(math.pi * (e - 2) / 8)) + 0.01  # noqa: E731
+    factor = optim.Schedule(cfg, 1.0)
+    assert factor(0.0) == pytest.approx(0.1)  # warmup starts at WARMUP_FACTOR
+    assert factor(1.0) == pytest.approx(0.55)  # halfway through warmup
+    assert factor(2.0) == pytest.approx(1.0)  # warmup over: the peak itself
+    assert factor(6.0) == pytest.approx(cos(6.0))
+    assert factor(10.0) == pytest.approx(0.01)  # ends at MIN_LR
+    # Monotone after warmup.
+    values = [factor(2 + i / 10) for i in range(80)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_steps_schedule_and_linear_scaling():
+    cfg = make_cfg("OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 3, 6]", "OPTIM.LR_MULT", "0.1",
+                   "OPTIM.MAX_EPOCH", "9", "OPTIM.WARMUP_EPOCHS", "0",
+                   "OPTIM.LR_SCALING", "linear", "OPTIM.BASE_LR", "0.1")
+    factor = optim.Schedule(cfg, 1.0)
+    assert [factor(e) for e in (0, 2.99, 3, 5.5, 6, 8.9)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01, 0.01])
+    assert optim.peak_lr(cfg, 256) == pytest.approx(0.2)  # 0.1 x 256 / 128
+    plain = make_cfg("OPTIM.BASE_LR", "0.1")
+    assert optim.peak_lr(plain, 256) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each strategy states its own rules (strategies/), asked before any process starts
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opts, world, message", [
+    (["DIST.STRATEGY", "fsdp", "TRAIN.EMA_DECAY", "0.9"], 2, "TRAIN.EMA_DECAY needs whole parameters"),
+    (["DIST.STRATEGY", "fsdp", "TRAIN.AMP", "fp16"], 2, "fsdp supports TRAIN.AMP off or bf16"),
+    (["DIST.STRATEGY", "fsdp", "TRAIN.FREEZE_BACKBONE_EPOCHS", "1"], 2, "not fsdp (its shards"),
+    (["DIST.STRATEGY", "ddp", "DIST.CPU_OFFLOAD", "True"], 2, "DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp"),
+    (["DIST.STRATEGY", "dp"], 2, "dp is ONE process driving all local GPUs, but 2 processes"),
+])
+def test_a_strategy_refuses_what_it_cannot_train(opts, world, message):
+    from distribuuuu import strategies
+
+    cfg = make_cfg(*opts, base=TINY)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
+
+
+def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
+    from distribuuuu import strategies
+
+    for opts, world in ((["DIST.STRATEGY", "fsdp", "DIST.CPU_OFFLOAD", "True"], 2), (["DIST.STRATEGY", "dp"], 1),
+                        (["DIST.STRATEGY", "zero1", "TRAIN.EMA_DECAY", "0.9"], 2)):
+        cfg = make_cfg(*opts, base=TINY)
+        strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world)
+    assert [strategies.resolve(n, False) for n in ("ddp", "fsdp", "dp")] == ["single", "single", "dp"]
+    assert [strategies.resolve(n, True) for n in ("ddp", "zero1", "fsdp")] == ["ddp", "zero1", "fsdp"]
+
+
+def test_every_strategy_the_config_allows_is_in_the_registry():
+    """DIST.STRATEGY's choices (config/validate.py) are the registry: ddp, the default, is built into
+    strategies/__init__.py (no module of its name); strategy_class imports the module of any other."""
+    import importlib.util
+
+    from distribuuuu import strategies
+    from distribuuuu.config.validate import STRATEGIES
+
+    assert set(strategies.BUILT_IN) == {"ddp"} and importlib.util.find_spec("distribuuuu.strategies.ddp") is None
+    for name in (*STRATEGIES, "single"):
+        cls = strategies.strategy_class(name)
+        module = "distribuuuu.strategies" if name in strategies.BUILT_IN else f"distribuuuu.strategies.{name}"
+        assert issubclass(cls, strategies.Strategy) and cls.name == name and cls.__module__ == module

@@ -5,8 +5,8 @@ must: exit 0; print the step line exactly once (so only rank 0 prints it); print
 line once with global = per process x world size; and end with `val acc: ...% (n=1000)`, the
 all-reduced count of distinct val samples. (1,000 / 2 needs no padding, so the exactness of that
 count for world sizes that do not divide the set is checked on evaluate() itself, below.)
-The Slurm step needs the local cluster (scripts/local_slurm.sh, started by .ci/run); it is
-skipped, with the reason printed, only when no Slurm controller answers.
+The Slurm step (mnmc_ddp_slurm.py) is tested in tests/test_slurm.py, with every test that uses the
+local cluster.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import re
 import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-from tests.conftest import ROOT, check, free_port, require_slurm, run
+from tests.conftest import ROOT, check, free_port, run
 
 PY = sys.executable
 TUTORIAL = os.path.join(ROOT, "tutorial")
@@ -97,24 +96,6 @@ def test_mnmc_ddp_mp():
     cmd = [PY, script("mnmc_ddp_mp.py"), "--nodes", "1", "--ngpus_per_node", "2", "--node_rank", "0",
            "--dist-url", f"tcp://127.0.0.1:{free_port()}", *ARGS]
     check_ladder_output(run(cmd), world=2)
-
-
-@pytest.mark.e2e
-def test_mnmc_ddp_slurm():
-    require_slurm()
-    name = f"tut-{uuid.uuid4().hex[:8]}"
-    # MASTER_PORT is unset (conftest.env drops it): the script derives the port from the job id.
-    # --kill-on-bad-exit=1: a crashing rank stops the other instead of leaving it in a collective.
-    cmd = ["srun", "-J", name, "-t", "5", "-N", "1", "-n", "2", "--kill-on-bad-exit=1",
-           PY, "-u", script("mnmc_ddp_slurm.py"), *ARGS]
-    try:
-        proc = run(cmd, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{' '.join(cmd)} did not finish within 240 s")
-    finally:
-        subprocess.run(["scancel", "-n", name], capture_output=True, timeout=30)
-    out = check_ladder_output(proc, world=2)
-    assert "master: " in out and "backend: gloo" in out
 
 
 @pytest.fixture(scope="session")

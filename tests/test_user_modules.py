@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from distribuuuu import cli, config, models
 from distribuuuu.errors import UserError
-from tests.conftest import TINY, check, env, read_metrics, write_image_tree
+from tests.conftest import TINY, check, env, make_cfg, read_metrics, write_image_tree
 
 # A tiny timm-registered model: a conv, global pooling and a linear head.
 MODEL_SOURCE = textwrap.dedent('''
@@ -142,8 +142,8 @@ def test_register_model_takes_a_plain_function_by_its_name_or_another():
     models.register_model("h2_other_name")(h2_sized)
     assert models.resolve_arch("h2_sized") == ("user", "h2_sized")
     for arch in ("h2_sized", "h2_other_name"):
-        cfg = config.load_config(None, ["MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "5", "MODEL.IN_CHANS", "1",
-                                        "TRAIN.IM_SIZE", "6", "TRAIN.TOPK", "1"])
+        cfg = make_cfg("MODEL.ARCH", arch, "MODEL.NUM_CLASSES", "5", "MODEL.IN_CHANS", "1", "TRAIN.IM_SIZE", "6",
+                       "TRAIN.TOPK", "1")
         model = models.build_model(cfg)
         assert model[1].in_features == 36 and model[1].out_features == 5
     assert models.user_model_file("h2_sized") == os.path.abspath(__file__)
@@ -163,7 +163,7 @@ def test_register_model_refuses_a_taken_name_and_a_result_that_is_no_module():
     with pytest.raises(ValueError, match="'h2_taken' is already registered by"):
         models.register_model("h2_taken")(other)
     models.register_model("h2_no_module")(other)
-    cfg = config.load_config(None, ["MODEL.ARCH", "h2_no_module", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "1"])
+    cfg = make_cfg("MODEL.ARCH", "h2_no_module", "MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "1")
     with pytest.raises(UserError, match="returned str, not a torch.nn.Module"):
         models.build_model(cfg)
 

@@ -26,4 +26,9 @@ if __name__ == "__main__":
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
-    sys.exit(distribuuuu.cli.main(sys.argv[1:]))
+    status = distribuuuu.cli.main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the exit handlers of a library imported as root (wandb's temporary folders, through
+    # timm) would fail to remove what root made, and print a traceback onto the one line under test.
+    os._exit(status)

@@ -1,15 +1,19 @@
-"""Issue #14 item 7: the data is what it claims to be.
+"""The data is what it claims to be (distribuuuu/data/checks.py): symlink loops and symlinked
+duplicates, images of 16 bits and more scaled rather than clipped, unreadable evaluation images left out
+and counted, a class of unreadable files, a batch larger than the training set, and evaluation images
+that are also training images (hard links, symlinks, byte copies).
 
-Real files throughout: real symlink loops and symlinked duplicates, a real 16-bit PNG, real
-corrupt files in an evaluation set (1 and 2 processes), a class of unreadable files, and a batch
-larger than the training set; each refusal is exit status 2 with one message, before any process
-group starts.
+Real files throughout; each refusal is exit status 2 with one message, before any process group
+starts (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -17,11 +21,10 @@ import torch
 from PIL import Image
 
 from distribuuuu import data, models
-from distribuuuu.config import load_config
 from distribuuuu.data import checks, images
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
-from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, write_image_tree
+from tests.conftest import TINY, check, check_user_error, cli_main, distribuuuu, make_cfg, run, write_image_tree
 
 
 def _tree(root, train=None, val=None) -> str:
@@ -31,7 +34,15 @@ def _tree(root, train=None, val=None) -> str:
     return str(root)
 
 
+def _distinct_tree(root) -> str:
+    """root/train (classes 0, 1, 2 of 4 images) and root/val (2 each), every image distinct."""
+    write_image_tree(str(root), "train", {"0": 4, "1": 4, "2": 4}, size=(10, 10))
+    write_image_tree(str(root), "val", {"0": 2, "1": 2, "2": 2}, size=(9, 11))  # another size: other bytes
+    return str(root)
+
+
 def _folder_cfg(root: str, **extra) -> object:
+    """The folder root at 8 px, 3 classes, batches of 2 (train) and 3: this module's own defaults."""
     return make_cfg({"TRAIN.DATASET": root, "TEST.DATASET": root, "MODEL.NUM_CLASSES": 3, "TRAIN.TOPK": 1,
                      "TRAIN.IM_SIZE": 8, "TEST.IM_SIZE": 8, "TRAIN.BATCH_SIZE": 2, "TEST.BATCH_SIZE": 3,
                      "TRAIN.WORKERS": 0, **extra})
@@ -43,17 +54,6 @@ def _train_args(root: str, out: str, *extra: str) -> list[str]:
             "TEST.BATCH_SIZE", "3", "OPTIM.MAX_EPOCH", "1", "OUT_DIR", out, *extra]
 
 
-def _user_error(proc, *parts: str) -> str:
-    """Exit 2, one line on stderr holding every part, no traceback; returns that line."""
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
-    assert len(lines) == 1, proc.stderr
-    for part in parts:
-        assert part in lines[0], (part, lines[0])
-    return lines[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # Symlink loops and duplicates
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_symlink_loop_in_a_class_is_refused_naming_the_link(tmp_path):
     link = os.path.join(root, "train", "2", "loop")
     os.symlink("..", link)  # train/2/loop -> train: os.walk would follow it until the path is too long
     out = str(tmp_path / "run")
-    line = _user_error(cli_main(*_train_args(root, out)), "TRAIN.DATASET", link,
+    line = check_user_error(cli_main(*_train_args(root, out)), "TRAIN.DATASET", link,
                        os.path.realpath(os.path.join(root, "train")), "loop")
     assert "rm " + link in line
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before anything ran
@@ -90,7 +90,7 @@ def test_symlinked_duplicate_file_is_refused_and_keep_keeps_it(tmp_path):
     root = _tree(tmp_path / "ds")
     train = os.path.join(root, "train")
     os.symlink(os.path.join(train, "0", "0.png"), os.path.join(train, "1", "dup.png"))
-    line = _user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
+    line = check_user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
                        "1 image file(s)", "1/dup.png is 0/0.png", "TRAIN.DUPLICATE_IMAGES keep")
     assert "TRAIN.DATASET" in line
     # keep: every listed path is a sample, as torchvision's ImageFolder lists them (oversampling)
@@ -182,7 +182,7 @@ def test_unreadable_eval_images_are_left_out_and_counted_with_1_and_2_processes(
     args = ["--cfg", TINY, "TEST.DATASET", eval_tree, "TRAIN.DATASET", eval_tree, "MODEL.NUM_CLASSES", "3",
             "TRAIN.TOPK", "1", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8", "TEST.BATCH_SIZE", "3"]
     weights = str(tmp_path / "w.pth")  # an untrained model: what is counted matters here, not accuracy
-    cfg = load_config(TINY, args[2:])
+    cfg = make_cfg(*args[2:], base=TINY)
     torch.save(models.build_model(cfg).state_dict(), weights)
     records, logs = [], ""
     for spawn in ([], ["--nproc-per-node", "2"]):  # one plain process, then two
@@ -222,7 +222,7 @@ def test_class_whose_every_file_is_unreadable_is_refused(tmp_path):
     root = _tree(tmp_path / "ds")
     for i in range(4):
         (tmp_path / "ds" / "train" / "1" / f"{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    _user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
+    check_user_error(cli_main(*_train_args(root, str(tmp_path / "run"))),
                 "TRAIN.DATASET", "every image file of 1 class folder(s)", "1 (4 files;", "0.png")
     # One good file is enough: the class trains, its bad files are skipped as before.
     Image.new("RGB", (10, 10)).save(tmp_path / "ds" / "train" / "1" / "3.png")
@@ -241,10 +241,137 @@ def test_truncated_jpeg_with_a_good_header_counts_as_unreadable(tmp_path):
 def test_batch_larger_than_the_training_set_is_refused_with_the_numbers():
     proc = cli_main("train", "--nproc-per-node", "2", "--cfg", TINY, "TRAIN.SYNTHETIC_SAMPLES", "20",
                     "TRAIN.BATCH_SIZE", "16", "OUT_DIR", "/nonexistent/never/written")
-    _user_error(proc, "20 training samples, 10 per process", "TRAIN.BATCH_SIZE 16 x 2 process(es) x "
+    check_user_error(proc, "20 training samples, 10 per process", "TRAIN.BATCH_SIZE 16 x 2 process(es) x "
                 "TRAIN.ACCUM_STEPS 1 = 32", "set TRAIN.BATCH_SIZE 10 or less")
     cfg = make_cfg({"TRAIN.DATASET": "synthetic", "TEST.DATASET": "synthetic", "TRAIN.SYNTHETIC_SAMPLES": 64,
                     "TRAIN.BATCH_SIZE": 16, "TRAIN.ACCUM_STEPS": 3})
     data.check_datasets(cfg, 1)  # 64 >= 48: one step
     with pytest.raises(UserError, match=r"16 x 2 process\(es\) x TRAIN.ACCUM_STEPS 3 = 96.*BATCH_SIZE 10 or less"):
         data.check_datasets(cfg, 2)
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation images that are also training images (TRAIN.OVERLAP), hard links inside a split
+# ---------------------------------------------------------------------------------------------
+def _leak(root: str) -> None:
+    """val/0/0.png hard-linked, val/1/0.png symlinked and val/2/1.png copied into train."""
+    val, train = os.path.join(root, "val"), os.path.join(root, "train")
+    os.link(os.path.join(val, "0", "0.png"), os.path.join(train, "0", "hard.png"))
+    os.symlink(os.path.join(val, "1", "0.png"), os.path.join(train, "1", "soft.png"))
+    shutil.copyfile(os.path.join(val, "2", "1.png"), os.path.join(train, "2", "copy.png"))
+
+
+def test_hard_link_symlink_and_copy_of_val_images_are_each_reported(tmp_path, caplog):
+    root = _distinct_tree(tmp_path / "ds")
+    checks.check_overlap(_folder_cfg(root), is_main=True)  # a clean pair of splits: no warning
+    assert not [r for r in caplog.records if "TEST.DATASET" in r.getMessage()]
+    _leak(root)
+    with caplog.at_level(logging.WARNING, logger="distribuuuu"):
+        checks.check_overlap(_folder_cfg(root), is_main=True)
+    [line] = [r.getMessage() for r in caplog.records if "also in TEST.DATASET" in r.getMessage()]
+    assert line.startswith("3 image(s) of TRAIN.DATASET are also in TEST.DATASET (1 hard link, 1 symlink, "
+                           "1 same bytes)"), line
+    for example in ("train/0/hard.png is val/0/0.png (hard link)", "train/1/soft.png is val/1/0.png (symlink)",
+                    "train/2/copy.png is val/2/1.png (same bytes)"):
+        assert example in line, (example, line)
+    with pytest.raises(UserError, match=r"^3 image\(s\) of TRAIN.DATASET are also in TEST.DATASET"):
+        checks.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "error"}), is_main=True)
+    caplog.clear()
+    checks.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "off"}), is_main=True)
+    assert not caplog.records
+
+
+def test_only_files_of_a_size_the_other_split_has_are_read(tmp_path, monkeypatch):
+    root = _distinct_tree(tmp_path / "ds")
+    _leak(root)
+    big = os.path.join(root, "train", "0", "big.png")
+    with open(big, "wb") as f:  # a size no val image has: it must never be opened
+        f.write(os.urandom(3 << 20))
+    near = os.path.join(root, "train", "1", "near.png")  # the size of a val image, other bytes
+    val_file = os.path.join(root, "val", "1", "1.png")
+    with open(near, "wb") as f:
+        f.write(os.urandom(os.path.getsize(val_file)))
+    for split in ("train", "val"):  # two empty (unreadable) files: the same bytes, but not a copied image
+        open(os.path.join(root, split, "0", "empty.png"), "wb").close()
+    read = []
+    real_digest = checks.digest
+    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
+    found = checks.find(*(sorted(p for p, _ in images.list_split(os.path.join(root, s), list("012"))
+                                  .samples()) for s in ("train", "val")))
+    assert sorted(h for *_, h in found.pairs) == ["hard link", "same bytes", "symlink"]
+    assert big not in read and near in read
+    # Train images are 10x10, val 9x11: distinct sizes, so only the copy, near.png and the val files
+    # of their sizes are read (hard and symbolic links are found by their inode, unread).
+    train_read = {p for p in read if os.sep + "train" + os.sep in p}
+    assert train_read == {os.path.join(root, "train", "2", "copy.png"), near}, train_read
+
+
+def test_files_sharing_a_size_and_a_header_are_each_read_once(tmp_path, monkeypatch):
+    """Same-size files that share their first 4 KiB (raw images of one format) are grouped by a hash of the
+    whole file: each is read once, however many share a size (a pairwise comparison would be quadratic)."""
+    header, paths = os.urandom(4096), {"train": [], "val": []}
+    for split, n in (("train", 300), ("val", 100)):
+        os.makedirs(tmp_path / split)
+        for i in range(n):
+            path = tmp_path / split / f"{i}.ppm"
+            path.write_bytes(header + os.urandom(100))
+            paths[split].append(str(path))
+    for i in (3, 50):
+        shutil.copyfile(paths["val"][i], tmp_path / "train" / f"copy{i}.ppm")
+        paths["train"].append(str(tmp_path / "train" / f"copy{i}.ppm"))
+    read = []
+    real_digest = checks.digest
+    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
+    found = checks.find(paths["train"], paths["val"])
+    assert sorted((os.path.basename(a), os.path.basename(b), how) for a, b, how in found.pairs) == [
+        ("copy3.ppm", "3.ppm", "same bytes"), ("copy50.ppm", "50.ppm", "same bytes")]
+    assert sorted(read) == sorted(paths["train"] + paths["val"]) and found.read == len(read) == 402
+
+
+def test_hard_links_inside_train_are_refused_like_symlinks(tmp_path):
+    root = _distinct_tree(tmp_path / "ds")
+    train = os.path.join(root, "train")
+    os.link(os.path.join(train, "0", "1.png"), os.path.join(train, "2", "again.png"))
+    with pytest.raises(UserError, match=r"1 image file\(s\) in .* symlinks or hard links.*2/again.png is 0/1.png"):
+        data.check_datasets(_folder_cfg(root), 1)
+    # through a symlink to another hard link of a listed file: the same file too
+    os.remove(os.path.join(train, "2", "again.png"))
+    outside = tmp_path / "outside.png"
+    os.link(os.path.join(train, "0", "1.png"), outside)
+    os.symlink(str(outside), os.path.join(train, "1", "via.png"))
+    with pytest.raises(UserError, match=r"1 image file\(s\).*1/via.png is 0/1.png"):
+        data.check_datasets(_folder_cfg(root), 1)
+    data.check_datasets(_folder_cfg(root, **{"TRAIN.DUPLICATE_IMAGES": "keep"}), 1)  # deliberate oversampling
+
+
+@pytest.mark.e2e
+def test_overlap_error_is_exit_2_with_one_line_from_the_installed_command(tmp_path):
+    root = _distinct_tree(tmp_path / "ds")
+    _leak(root)
+    command = os.path.join(os.path.dirname(sys.executable), "distribuuuu")  # the console script
+    out = tmp_path / "refused"
+    line = check_user_error(run([command, *_train_args(root, str(out), "TRAIN.OVERLAP", "error")]),
+                            "TRAIN.OVERLAP error")
+    assert line.startswith("error: 3 image(s) of TRAIN.DATASET are also in TEST.DATASET")
+    assert not out.exists()  # refused: no run folder left
+    # warn (the default): the run goes on, and log.txt says it once with the examples
+    out = tmp_path / "warned"
+    check(run([command, *_train_args(root, str(out))]))
+    log = (out / "log.txt").read_text()
+    assert log.count("3 image(s) of TRAIN.DATASET are also in TEST.DATASET") == 1, log[-3000:]
+    assert "train/0/hard.png is val/0/0.png (hard link)" in log
+
+
+@pytest.mark.e2e
+def test_overlap_error_on_two_ranks_ends_both_without_a_hang_and_leaves_no_folder(tmp_path):
+    """Rank 0 looks, rank 1 waits for its verdict (a broadcast): both end with exit 2 and their line."""
+    root = _distinct_tree(tmp_path / "ds")
+    _leak(root)
+    out = tmp_path / "run"
+    proc = distribuuuu(*_train_args(root, str(out), "TRAIN.BATCH_SIZE", "2", "TRAIN.OVERLAP", "error"),
+                       "--nproc-per-node", "2")
+    check(proc, 2)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert sorted(ln.split(":")[0] for ln in lines) == ["error", "error (rank 1)"], proc.stderr
+    assert all("3 image(s) of TRAIN.DATASET are also in TEST.DATASET" in ln for ln in lines), lines
+    assert not out.exists(), os.listdir(out)  # the spawner's preflight made it; the refusal took it away

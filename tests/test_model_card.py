@@ -1,6 +1,7 @@
-"""Checkpoints that describe themselves (issue #16 item 2): the model card in every checkpoint and
-export, eval / predict / export / load_model from a checkpoint alone, predict's folders, globs,
-CSV and JSON, and the README's plain-PyTorch loading code, run against a real checkpoint."""
+"""The model card (distribuuuu/model_card.py): every checkpoint and export says what its model is
+(config, class names, preprocessing), so eval, predict, export and load_model need the checkpoint
+alone; predict's folders, globs, CSV and JSON; the README's plain-PyTorch loading code, run against a
+real checkpoint."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ import torch
 import yaml
 from PIL import Image
 
-from distribuuuu import api, config, data
+from distribuuuu import api, data
 from distribuuuu.data import transforms
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import CARD_KEY, ModelCard
 from distribuuuu.weights import INTEGRITY_KEY
-from tests.conftest import ROOT, check, cli_main, env, process_state_restored
+from tests.conftest import ROOT, check, cli_main, env, make_cfg, process_state_restored
 
 FAST = ["NUM_THREADS", "1", "DEVICE", "cpu", "TRAIN.PRINT_FREQ", "1000"]
 
@@ -35,7 +36,7 @@ def digits_run(tmp_path_factory):
     """(run folder, cfg, digits folder): one epoch of mnist5k_fast (36 px, resnet_tiny, small stem
     off) in process, and the digits as PNG files."""
     root = tmp_path_factory.mktemp("digits_run")
-    cfg = config.load_config("mnist5k_fast", ["OUT_DIR", str(root / "run"), "OPTIM.MAX_EPOCH", "1", *FAST])
+    cfg = make_cfg("OUT_DIR", root / "run", "OPTIM.MAX_EPOCH", "1", *FAST, base="mnist5k_fast")
     with process_state_restored():  # the run's log handlers must not outlive the fixture
         torch.set_num_threads(1)
         api.train(cfg)
@@ -59,7 +60,7 @@ def folder_run(tmp_path_factory, digits_run):
             "TRAIN.IM_SIZE", "20", "TEST.IM_SIZE", "24", "TEST.CROP_PCT", "0.8", "TRAIN.INTERPOLATION", "bicubic",
             "TRAIN.MEAN", "[0.2]", "TRAIN.STD", "[0.25]", "TRAIN.BATCH_SIZE", "12", "TEST.BATCH_SIZE", "12",
             "TRAIN.WORKERS", "0", "TRAIN.TOPK", "2", "OPTIM.MAX_EPOCH", "1", "RNG_SEED", "0", *FAST]
-    cfg = config.load_config(None, opts)
+    cfg = make_cfg(*opts)
     with process_state_restored():
         api.train(cfg)
     return root / "run", cfg, root / "data"
@@ -182,8 +183,8 @@ def test_load_model_keeps_timms_recipe_of_a_pretrained_timm_model(tmp_path):
     want = timm.models.get_pretrained_cfg("test_resnet")
     opts = ["MODEL.ARCH", "test_resnet", "MODEL.NUM_CLASSES", "3", "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "40",
             "TRAIN.TOPK", "2"]
-    trained = config.load_config(None, [*opts, "MODEL.PRETRAINED", "True"])
-    state = models.build_model(config.load_config(None, opts)).state_dict()
+    trained = make_cfg(*opts, "MODEL.PRETRAINED", "True")
+    state = models.build_model(make_cfg(*opts)).state_dict()
     card = model_card.describe(trained, None, ["a", "b", "c"])
     assert (card.mean, card.interpolation, card.crop_pct) == (list(want.mean), want.interpolation, want.crop_pct)
     assert card.resize == int(32 / want.crop_pct) != 40

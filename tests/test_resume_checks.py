@@ -1,6 +1,7 @@
-"""Run integrity on resume (issue #14 items 2, 4, 6), each done for real: an edited config against a
-real run folder, another dataset size on disk, real bytes flipped inside a checkpoint's tensor data,
-a metrics.jsonl torn mid-line."""
+"""What a resume checks before it continues a run, each case done for real: an edited config against a
+real run folder (an identity key refused, a recipe key only with TRAIN.RESUME_ALLOW), another dataset
+size on disk, real bytes flipped inside a checkpoint's tensor data, a metrics.jsonl torn mid-line
+(docs/reliability.md)."""
 
 import hashlib
 import json
@@ -16,7 +17,7 @@ from distribuuuu.errors import UserError
 from distribuuuu.run_folder import RunFolder
 from distribuuuu.tools import export, predict
 from distribuuuu.weights import load_checkpoint
-from tests.conftest import TINY, check, distribuuuu, read_metrics, write_image, write_image_tree
+from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_image, write_image_tree
 
 
 def _train(out: str, *opts: str, status: int = 0):
@@ -159,7 +160,7 @@ def test_flipped_bytes_are_detected_skipped_on_resume_and_refused_by_tools(base_
 
 def test_every_checkpoint_damaged_is_refused_not_overwritten(tmp_path, caplog):
     out = str(tmp_path)
-    folder = RunFolder(config.load_config(TINY, ["OUT_DIR", out]))
+    folder = RunFolder(make_cfg("OUT_DIR", out, base=TINY))
     for epoch in (1, 2):
         folder.save({"model": {"w": torch.arange(4096, dtype=torch.float32) * epoch}, "epoch": epoch}, is_best=False)
     for name in ("epoch_0001.pth", "last.pth"):
@@ -213,23 +214,23 @@ def test_the_key_lists_name_real_keys_and_an_unlisted_change_needs_resume_allow(
     known = set(config.flatten(config.get_defaults()))
     assert resume_check.IDENTITY_KEYS <= known and resume_check.SAFE_KEYS <= known
     assert not resume_check.IDENTITY_KEYS & resume_check.SAFE_KEYS
-    old = config.load_config(TINY, [])
-    new = config.load_config(TINY, ["OPTIM.WEIGHT_DECAY", "0.001", "TRAIN.WORKERS", "2"])
+    old = make_cfg(base=TINY)
+    new = make_cfg("OPTIM.WEIGHT_DECAY", "0.001", "TRAIN.WORKERS", "2", base=TINY)
     with pytest.raises(UserError, match=r"OPTIM.WEIGHT_DECAY: 5e-05 -> 0.001   \(changes the recipe"):
         resume_check.compare_configs(old.dump(), new, "last.pth")
-    allowed = config.load_config(TINY, ["OPTIM.WEIGHT_DECAY", "0.001", "TRAIN.WORKERS", "2",
-                                        "TRAIN.RESUME_ALLOW", "['OPTIM.WEIGHT_DECAY']"])
+    allowed = make_cfg("OPTIM.WEIGHT_DECAY", "0.001", "TRAIN.WORKERS", "2", "TRAIN.RESUME_ALLOW", "['OPTIM.WEIGHT_DECAY']",
+                       base=TINY)
     changes = resume_check.compare_configs(old.dump(), allowed, "last.pth")
     assert sorted(changes) == [("OPTIM.WEIGHT_DECAY", 5e-05, 0.001), ("TRAIN.RESUME_ALLOW", [], ["OPTIM.WEIGHT_DECAY"]),
                                ("TRAIN.WORKERS", 0, 2)]
     with pytest.raises(UserError, match="TRAIN.RESUME_ALLOW names 'OPTIM.BASE_RL', which is not a config key"):
-        config.load_config(TINY, ["TRAIN.RESUME_ALLOW", "['OPTIM.BASE_RL']"])
+        make_cfg("TRAIN.RESUME_ALLOW", "['OPTIM.BASE_RL']", base=TINY)
 
 
 def test_a_checkpoint_without_data_sizes_past_the_end_of_a_smaller_dataset_is_refused():
     from distribuuuu.run_folder import resume_check
 
-    cfg = config.load_config(TINY, [])
+    cfg = make_cfg(base=TINY)
     now = RunFolder.data_identity(300, 50)
     resume_check.check_data({"samples_in_epoch": 288}, now, cfg, "last.pth")  # fits: goes on
     with pytest.raises(UserError, match="has 300 samples now, but the checkpoint is 3328 samples into its epoch"):
