@@ -9,15 +9,16 @@ the datasets use): a symlink loop, a class folder without images, a class with n
 link, the same st_dev and st_ino; readdir's inode numbers group the candidates for free and only files
 sharing one are stat'ed, so a tree without links costs no more than the listing). The training set must
 hold at least one optimizer step, TRAIN.BATCH_SIZE x processes x ACCUM_STEPS samples (an epoch drops its
-last partial step), and the part TRAIN.VAL_SPLIT holds out must leave every class a training image.
+last partial step), the part TRAIN.VAL_SPLIT holds out must leave every class a training image, and
+the TEST data's label i must be the training class i (_require_same_labels).
 
 check_overlap (TRAIN.OVERLAP) runs once the process group is up: rank 0 looks for evaluation images
 that are training images (the same file, or the same bytes: a copy) and broadcasts its verdict, so every
-rank refuses alike; TEST naming the training split itself, with no TRAIN.VAL_SPLIT hold-out, is decided
-from the config alone (every evaluation image is a training image). Cost: one stat per file of both splits; files are read only when their byte size is
+rank refuses alike. Cost: one stat per file of both splits; files are read only when their byte size is
 shared with a file of the other split, each once, and grouped by a hash of their content: near-linear
 in the number of files (measured in docs/reliability.md). The TRAIN.VAL_SPLIT hold-out is cut from the
-listed training files and cannot overlap the rest; shard sets are not compared (their records have no
+listed training files and cannot overlap the rest; TEST naming the training split itself with nothing
+held out is all overlap (their count is said); shard sets are not compared (their records have no
 file identity to stat).
 """
 
@@ -357,46 +358,38 @@ def overlap_message(cfg: CfgNode, found: Overlap) -> str:
     shown = "; ".join(f"{os.path.relpath(os.path.abspath(a), base)} is {os.path.relpath(os.path.abspath(b), base)} "
                       f"({how})" for a, b, how in found.pairs[:NAMED])
     return (f"{len(found.pairs)} image(s) of TRAIN.DATASET are also in TEST.DATASET ({counts}), under {base}: "
-            f"{shown}{_more(found.pairs)}. "
-            f"Evaluating on images trained on overstates accuracy: remove them from one split "
-            f"(TRAIN.OVERLAP {cfg.TRAIN.OVERLAP}; 'error' refuses such a run, 'off' skips this check)")
+            f"{shown}{_more(found.pairs)}. {_overstates(cfg, 'remove them from one split')}")
+
+
+def _overstates(cfg: CfgNode, fix: str) -> str:
+    return (f"Evaluating on images trained on overstates accuracy: {fix} (TRAIN.OVERLAP {cfg.TRAIN.OVERLAP}; "
+            "'error' refuses such a run, 'off' skips this check)")
 
 
 def check_overlap(cfg: CfgNode, is_main: bool) -> None:
     """TRAIN.OVERLAP: rank 0 compares the training and evaluation folders and every rank gets the
     verdict (one broadcast: call it on every rank); 'warn' logs it on rank 0, 'error' is a UserError
-    on every rank. The training split itself as TEST: the same from the config alone, no collective
-    (_evaluating_on_training_split). Not two image folders (or OVERLAP off): nothing to compare."""
-    t = cfg.TRAIN
-    if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT:
+    on every rank. TEST naming the training split itself, nothing held out: every rank counts its
+    images. Not two image folders (or OVERLAP off): nothing to compare."""
+    t, test = cfg.TRAIN, cfg.TEST
+    if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (t.VAL_SPLIT and (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT)):
+        return  # (TRAIN.VAL_SPLIT's part is held out of the training split: no overlap)
+    if (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT):
+        count = _scan(cfg, "TEST")[1]
+        text = (f"TEST.DATASET {test.DATASET!r}, split {test.SPLIT!r}, is the training split itself and TRAIN.VAL_SPLIT "
+                f"holds nothing out: all {count} evaluation images are training images. " + _overstates(
+                    cfg, "evaluate on a split of its own (TEST.SPLIT val) or hold a part out (TRAIN.VAL_SPLIT 0.1)"))
+    elif sources.source_kind(t.DATASET) != "folder" or sources.source_kind(test.DATASET) != "folder":
         return
-    if (cfg.TEST.DATASET, cfg.TEST.SPLIT) == (t.DATASET, t.SPLIT):  # TRAIN.VAL_SPLIT's part is held out of it
-        if not t.VAL_SPLIT and (is_main or t.OVERLAP == "error"):
-            _evaluating_on_training_split(cfg)
-        return
-    if sources.source_kind(t.DATASET) != "folder" or sources.source_kind(cfg.TEST.DATASET) != "folder":
-        return
-    from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
+    else:
+        from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
 
-    verdict: Any = None
-    if is_main:
-        found = find(_split_paths(cfg, "TRAIN"), _split_paths(cfg, "TEST"))
-        verdict = (len(found.pairs), overlap_message(cfg, found)) if found.pairs else (0, "")
-    count, text = comm.broadcast_object(verdict)
+        verdict: Any = None
+        if is_main:
+            found = find(_split_paths(cfg, "TRAIN"), _split_paths(cfg, "TEST"))
+            verdict = (len(found.pairs), overlap_message(cfg, found)) if found.pairs else (0, "")
+        count, text = comm.broadcast_object(verdict)
     if count and t.OVERLAP == "error":
         raise UserError(text)
     if count and is_main:
         logging.getLogger("distribuuuu").warning(text)
-
-
-def _evaluating_on_training_split(cfg: CfgNode) -> None:
-    """TEST names the training split itself and TRAIN.VAL_SPLIT holds nothing out: every evaluation
-    image is a training image (a warning, or under TRAIN.OVERLAP error a UserError, with their count)."""
-    text = (f"TEST.DATASET {cfg.TEST.DATASET!r}, split {cfg.TEST.SPLIT!r}, is the training split itself and "
-            f"TRAIN.VAL_SPLIT holds nothing out: all {_scan(cfg, 'TEST')[1]} evaluation images are training images. "
-            "Evaluating on images trained on overstates accuracy: evaluate on a split of its own (TEST.SPLIT val) "
-            f"or hold a part out (TRAIN.VAL_SPLIT 0.1) (TRAIN.OVERLAP {cfg.TRAIN.OVERLAP}; 'error' refuses such a "
-            "run, 'off' skips this check)")
-    if cfg.TRAIN.OVERLAP == "error":
-        raise UserError(text)
-    logging.getLogger("distribuuuu").warning(text)

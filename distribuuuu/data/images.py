@@ -323,10 +323,9 @@ class FolderDataset(Dataset):
 
     A file that cannot be decoded (truncated, empty, not an image) stops the run naming it with
     bad_images 'fail'; with 'skip' it is logged by name and flagged (counted once however often it is
-    drawn, TRAIN.REPEATED_AUG, or tried as a stand-in), and in training (replace_bad) the
-    next readable item stands in, so that every rank keeps its batch size and DDP its step count; in
-    evaluation the item is None, left out of its batch (pipeline.collate_readable), so that n counts
-    distinct readable images.
+    drawn or tried), and in training (replace_bad) the next readable item stands in, so that every rank
+    keeps its batch size and DDP its step count; in evaluation the item is None, left out of its batch
+    (pipeline.collate_readable), so that n counts distinct readable images.
     """
 
     MAX_BAD_IN_A_ROW = 32
@@ -338,7 +337,7 @@ class FolderDataset(Dataset):
         self.loader, self.transform, self.bad_images, self.replace_bad = loader, transform, bad_images, replace_bad
         # Shared with the DataLoader's worker processes, which inherit them when they start.
         self.unreadable = multiprocessing.Array("b", len(self.samples), lock=False)  # a flag per sample
-        self._positions: dict[str, int] | None = None  # path -> index, made at this process's first bad file
+        self._positions: dict[str, int] = {}  # path -> index, made at this process's first unreadable file
         self.item_seeds = multiprocessing.Array("q", [0, 0, 0], lock=False)  # (on, seed, epoch): seed_items
 
     def __len__(self) -> int:
@@ -370,8 +369,7 @@ class FolderDataset(Dataset):
         if self.bad_images == "fail":
             raise BadImageError(f"cannot decode image {path} ({type(error).__name__}: {error}); remove it, "
                                 "or set TRAIN.BAD_IMAGES skip to skip unreadable files") from None
-        if self._positions is None:
-            self._positions = {p: i for i, (p, _) in enumerate(self.samples)}
+        self._positions = self._positions or {p: i for i, (p, _) in enumerate(self.samples)}
         index = self._positions[path]
         if not self.unreadable[index]:
             self.unreadable[index] = 1

@@ -157,23 +157,17 @@ def check_data(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path
     saved = saved or {}
     lines = [f"{names[k]} has {now[k]} samples now, {saved[k]} when the checkpoint was written"
              for k in names if k in saved and k in now and saved[k] != now[k]]
-    if saved.get("classes") and now.get("classes") and saved["classes"] != now["classes"]:
-        lines.append(class_difference(saved["classes"], now["classes"]))
+    then, classes = saved.get("classes"), now.get("classes")
+    if then and classes and len(then) == len(classes) and then != classes:  # (another count: NUM_CLASSES, shapes)
+        i = next(i for i, (a, b) in enumerate(zip(then, classes)) if a != b)  # a rename shifts every later label
+        lines.append(f"the training classes are not the checkpoint's: label {i} is {classes[i]!r} now, "
+                     f"{then[i]!r} when it was written")
     position = saved.get("samples_in_epoch", 0)
     if not lines and position > now.get("train_samples", position):  # a checkpoint without the data's sizes
         lines = [f"{names['train_samples']} has {now['train_samples']} samples now, but the checkpoint is "
                  f"{position} samples into its epoch"]
     if lines:
         raise UserError(refusal(path, cfg.OUT_DIR, lines))
-
-
-def class_difference(then: list[str], now: list[str]) -> str:
-    """The first label whose class name differs (a class renamed, reordered, added or removed shifts
-    every label after it: the model would go on learning them as other classes)."""
-    i = next((i for i, (a, b) in enumerate(zip(then, now)) if a != b), min(len(then), len(now)))
-    was, new = (repr(names[i]) if i < len(names) else "none" for names in (then, now))
-    return (f"the training classes are not the checkpoint's: label {i} is {new} now, {was} when it was "
-            f"written ({len(now)} classes now, {len(then)} then)")
 
 
 def _shape(t: Any) -> tuple:
