@@ -80,10 +80,10 @@ def _probe_writable(folder: str, what: str) -> None:
 def check_folder(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
     """The folder's checks that need no process group, in every process before any starts, so that
     every rank decides alike and none is left waiting: OUT_DIR lies outside the datasets' folders and
-    is a folder (made if needed) that takes new files; for train, so is OUT_DIR/checkpoints if it exists, CFG_DEST names a file of its
-    own, no live run holds the lock (lock.check_not_busy), TRAIN.AUTO_RESUME False finds no earlier
-    run, and a run about to resume may continue with this config (before config.yaml or any
-    checkpoint is written)."""
+    is a folder (made if needed) that takes new files; for train, so is OUT_DIR/checkpoints if it
+    exists, CFG_DEST names a file of its own, no live run holds the lock (lock.check_not_busy),
+    TRAIN.AUTO_RESUME False finds no earlier run, and a run about to resume may continue with this
+    config (before config.yaml or any checkpoint is written)."""
     out_dir = cfg.OUT_DIR
     _refuse_out_dir_in_data(cfg)
     try:
