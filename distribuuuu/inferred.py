@@ -19,7 +19,9 @@ logged once by rank 0 with the setup lines (``log_decisions``):
                          (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
   TRAIN.TOPK             clamped to MODEL.NUM_CLASSES
-  TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8
+  TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8;
+                         a value set above both the cores and 8 is clamped to the larger (warned)
+  NUM_THREADS            a value set above this process's cores is clamped to them (warned)
   OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: the schedule's warmup is a fifth of the run
                          (optim.warmup_epochs, used by the LR schedule; the key keeps its value)
   IMPORTS                entries found only from this folder, as absolute paths
@@ -83,7 +85,7 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         out.TEST.DATASET = out.TRAIN.DATASET
         split = out.TEST.SPLIT or "(itself)"
         decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}"))
-    decided += [*_num_classes(out), _eval_size(out), _workers(out, local_world_size), *_warmup(out)]
+    decided += [*_num_classes(out), _eval_size(out), _workers(out, local_world_size), *_threads(out), *_warmup(out)]
     decided += _absolute_imports(out)
     out.freeze()
     out.__dict__[_DECISIONS] = tuple(decided)
@@ -227,8 +229,16 @@ def cores_per_process(local_world_size: int) -> int:
 
 
 def _workers(cfg: CfgNode, local_world_size: int | None) -> Decision:
-    if cfg.TRAIN.WORKERS >= 0:
-        return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, "config")
+    """TRAIN.WORKERS: -1 decided from the cores; a value set is kept up to this process's cores (torch's
+    DataLoader warns beyond them) or MAX_AUTO_WORKERS (a few more may hide file latency on a small
+    machine), else clamped: each loader would start that many processes (1,000 took 100 times as long)."""
+    asked, cores = cfg.TRAIN.WORKERS, cores_per_process(1)
+    if asked > max(cores, MAX_AUTO_WORKERS):
+        cfg.TRAIN.WORKERS = max(cores, MAX_AUTO_WORKERS)
+        return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, f"clamped from {asked}: at most this process's {cores} "
+                                                            f"cores, or {MAX_AUTO_WORKERS}", warn=True)
+    if asked >= 0:
+        return Decision("TRAIN.WORKERS", asked, "config")
     if local_world_size is None:
         from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
 
@@ -237,6 +247,16 @@ def _workers(cfg: CfgNode, local_world_size: int | None) -> Decision:
     cfg.TRAIN.WORKERS = min(MAX_AUTO_WORKERS, cores - 1)
     return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, f"from the cores: {cores} per process for {local_world_size} "
                                                         "process(es) here, one left to the process itself")
+
+
+def _threads(cfg: CfgNode) -> list[Decision]:
+    """NUM_THREADS set above the cores this process may use, clamped to them (threads beyond them only
+    compete for them); 0 is decided where the launcher is known (launch/comm.py)."""
+    asked, cores = cfg.NUM_THREADS, cores_per_process(1)
+    if asked <= cores:
+        return []
+    cfg.NUM_THREADS = cores
+    return [Decision("NUM_THREADS", cores, f"clamped from {asked}: this process may use {cores} cores", warn=True)]
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:

@@ -62,7 +62,8 @@ _C.TRAIN.RESUME_ALLOW = []
 # On resume, also restore the optimizer state (False: weights, epoch and schedule only)
 _C.TRAIN.LOAD_OPT = True
 # DataLoader worker processes per training process; -1 = what this process's cores allow (its CPU
-# affinity / processes on this node, one core left to the process itself, at most 8)
+# affinity / processes on this node, one core left to the process itself, at most 8); a value above
+# both this process's cores and 8 is clamped to the larger, with a warning
 _C.TRAIN.WORKERS = -1
 # Shard sets: each loader worker reads this many consecutive samples at a time and yields them in a
 # random order (per epoch; memory: this x the mean record size per worker); 1 = stream order only
@@ -293,7 +294,8 @@ _C.CFG_DEST = "config.yaml"
 _C.RNG_SEED = None
 # Device: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'
 _C.DEVICE = "auto"
-# Intra-op CPU threads per process (0: the machine's cores / processes on this node)
+# Intra-op CPU threads per process (0: the machine's cores / processes on this node; above this
+# process's cores: clamped to them, with a warning)
 _C.NUM_THREADS = 0
 # Python modules imported in every process before the model and data are built (dotted names, or paths of
 # .py files, stored as absolute paths), e.g. ['mypkg.models'] to register a model (distribuuuu.models.register_model

@@ -9,14 +9,16 @@ the datasets use): a symlink loop, a class folder without images, a class with n
 link, the same st_dev and st_ino; readdir's inode numbers group the candidates for free and only files
 sharing one are stat'ed, so a tree without links costs no more than the listing). The training set must
 hold at least one optimizer step, TRAIN.BATCH_SIZE x processes x ACCUM_STEPS samples (an epoch drops its
-last partial step), and the part TRAIN.VAL_SPLIT holds out must leave every class a training image.
+last partial step), the part TRAIN.VAL_SPLIT holds out must leave every class a training image, and
+the TEST data's label i must be the training class i (_require_same_labels).
 
 check_overlap (TRAIN.OVERLAP) runs once the process group is up: rank 0 looks for evaluation images
 that are training images (the same file, or the same bytes: a copy) and broadcasts its verdict, so every
 rank refuses alike. Cost: one stat per file of both splits; files are read only when their byte size is
 shared with a file of the other split, each once, and grouped by a hash of their content: near-linear
 in the number of files (measured in docs/reliability.md). The TRAIN.VAL_SPLIT hold-out is cut from the
-listed training files and cannot overlap the rest; shard sets are not compared (their records have no
+listed training files and cannot overlap the rest; TEST naming the training split itself with nothing
+held out is all overlap (their count is said); shard sets are not compared (their records have no
 file identity to stat).
 """
 
@@ -46,11 +48,12 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
     """Raise UserError when the data of cfg cannot work; train=False checks TEST only (eval)."""
     if cfg.MODEL.DUMMY_INPUT:
         return  # random tensors: nothing on disk to check
+    classes = {}
     for key in ("TRAIN", "TEST") if train else ("TEST",):
         if cfg.TRAIN.DATA_PIPELINE == "memory":  # refused here, before any process starts, if impossible
             data_pipeline(cfg, key)
-        n_classes, n, counts = _scan(cfg, key)
-        _require_class_count(cfg, key, n_classes)
+        classes[key], n, counts = _scan(cfg, key)
+        _require_class_count(cfg, key, len(classes[key]))
         if key == "TRAIN":
             train_n, kept = _training_samples(cfg, n, counts, world_size)
             shards = counts is None  # (a shard set has no per-class counts)
@@ -58,21 +61,22 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
         _require_one_step(cfg, train_n, kept, world_size)
         if shards:
             _require_no_empty_step(cfg, train_n, world_size)
+        _require_same_labels(cfg, classes["TRAIN"], classes["TEST"])
 
 
-def _scan(cfg: CfgNode, key: str) -> tuple[int, int, dict[str, int] | None]:
-    """(number of classes, number of samples, {class: samples}; None for a shard set) of cfg[key].DATASET,
-    with the source's own checks."""
+def _scan(cfg: CfgNode, key: str) -> tuple[list[str], int, dict[str, int] | None]:
+    """(class names in label order, number of samples, {class: samples}; None for a shard set) of
+    cfg[key].DATASET, with the source's own checks."""
     kind = sources.source_kind(cfg[key].DATASET)
     if kind in ("folder", "cifar", "shards"):
         sources.require_image_chans(cfg, key)
     if kind != "folder":
         return _scan_source(cfg, key, kind)
     counts = _scan_folder(cfg, key)
-    return len(counts), sum(counts.values()), counts
+    return list(counts), sum(counts.values()), counts
 
 
-def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[int, int, dict[str, int] | None]:
+def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[list[str], int, dict[str, int] | None]:
     """_scan of a shard set (counts and classes from the index; every shard present at its size), CIFAR or a
     registered source (synthetic's targets are i mod NUM_CLASSES, made without images)."""
     group = cfg[key]
@@ -80,7 +84,7 @@ def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[int, int, dict[str,
         from distribuuuu.data.shards.index import load_shard_set
 
         shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
-        return len(shard_set.classes), shard_set.num_samples, None
+        return list(shard_set.classes), shard_set.num_samples, None
     if kind == "cifar":
         _, targets, names = datasets.load_cifar(*sources.find_cifar(group.DATASET), group.SPLIT, key)
     else:
@@ -88,7 +92,8 @@ def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[int, int, dict[str,
         sources.tensor_source(cfg, key, data)  # the channel checks of a TensorSource
         targets, names = data.targets, data.classes
     labels, counts = np.unique(np.asarray(targets), return_counts=True)
-    return len(names), len(targets), {(names[k] if k < len(names) else str(k)): int(n) for k, n in zip(labels, counts)}
+    names = [str(c) for c in names]
+    return names, len(targets), {(names[k] if k < len(names) else str(k)): int(n) for k, n in zip(labels, counts)}
 
 
 def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
@@ -150,6 +155,20 @@ def _require_eval_resize(cfg: CfgNode, what: str) -> None:
     if cfg.TEST.IM_SIZE < cfg.TRAIN.IM_SIZE:
         raise UserError(f"TEST.IM_SIZE ({cfg.TEST.IM_SIZE}) must be >= TRAIN.IM_SIZE ({cfg.TRAIN.IM_SIZE}): "
                         f"{what} resized to TEST.IM_SIZE, then center-cropped to TRAIN.IM_SIZE")
+
+
+def _require_same_labels(cfg: CfgNode, train: list[str], test: list[str]) -> None:
+    """The model's label i is the training data's class i. Two image folders, or two shard sets, match
+    the TEST classes to it by name (sources.eval_folder_classes, shards.loader); other TEST data is read
+    in its own numbering, which must then name the same class at each label."""
+    kinds = {sources.source_kind(cfg[key].DATASET) for key in ("TRAIN", "TEST")}
+    if (len(kinds) == 1 and kinds <= {"folder", "shards"}) or test == train[:len(test)]:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(train, test)) if a != b)
+    raise UserError(f"TEST.DATASET {cfg.TEST.DATASET!r} numbers its classes otherwise than TRAIN.DATASET "
+                    f"{cfg.TRAIN.DATASET!r}: label {i} is {test[i]!r} there, {train[i]!r} in training, so every "
+                    "evaluation would count answers against other classes; evaluate on data whose label i is the "
+                    "training class i (two image folders, or two shard sets, are matched by class name)")
 
 
 def _require_class_count(cfg: CfgNode, key: str, n_classes: int) -> None:
@@ -339,27 +358,37 @@ def overlap_message(cfg: CfgNode, found: Overlap) -> str:
     shown = "; ".join(f"{os.path.relpath(os.path.abspath(a), base)} is {os.path.relpath(os.path.abspath(b), base)} "
                       f"({how})" for a, b, how in found.pairs[:NAMED])
     return (f"{len(found.pairs)} image(s) of TRAIN.DATASET are also in TEST.DATASET ({counts}), under {base}: "
-            f"{shown}{_more(found.pairs)}. "
-            f"Evaluating on images trained on overstates accuracy: remove them from one split "
-            f"(TRAIN.OVERLAP {cfg.TRAIN.OVERLAP}; 'error' refuses such a run, 'off' skips this check)")
+            f"{shown}{_more(found.pairs)}. {_overstates(cfg, 'remove them from one split')}")
+
+
+def _overstates(cfg: CfgNode, fix: str) -> str:
+    return (f"Evaluating on images trained on overstates accuracy: {fix} (TRAIN.OVERLAP {cfg.TRAIN.OVERLAP}; "
+            "'error' refuses such a run, 'off' skips this check)")
 
 
 def check_overlap(cfg: CfgNode, is_main: bool) -> None:
     """TRAIN.OVERLAP: rank 0 compares the training and evaluation folders and every rank gets the
     verdict (one broadcast: call it on every rank); 'warn' logs it on rank 0, 'error' is a UserError
-    on every rank. Not two image folders (or OVERLAP off): nothing to compare, no collective."""
-    t = cfg.TRAIN
-    if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (cfg.TEST.DATASET, cfg.TEST.SPLIT) == (t.DATASET, t.SPLIT):
-        return  # (one folder of class folders: its val part is held out of it, TRAIN.VAL_SPLIT, no overlap)
-    if sources.source_kind(t.DATASET) != "folder" or sources.source_kind(cfg.TEST.DATASET) != "folder":
+    on every rank. TEST naming the training split itself, nothing held out: every rank counts its
+    images. Not two image folders (or OVERLAP off): nothing to compare."""
+    t, test = cfg.TRAIN, cfg.TEST
+    if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (t.VAL_SPLIT and (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT)):
+        return  # (TRAIN.VAL_SPLIT's part is held out of the training split: no overlap)
+    if (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT):
+        count = _scan(cfg, "TEST")[1]
+        text = (f"TEST.DATASET {test.DATASET!r}, split {test.SPLIT!r}, is the training split itself and TRAIN.VAL_SPLIT "
+                f"holds nothing out: all {count} evaluation images are training images. " + _overstates(
+                    cfg, "evaluate on a split of its own (TEST.SPLIT val) or hold a part out (TRAIN.VAL_SPLIT 0.1)"))
+    elif sources.source_kind(t.DATASET) != "folder" or sources.source_kind(test.DATASET) != "folder":
         return
-    from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
+    else:
+        from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
 
-    verdict: Any = None
-    if is_main:
-        found = find(_split_paths(cfg, "TRAIN"), _split_paths(cfg, "TEST"))
-        verdict = (len(found.pairs), overlap_message(cfg, found)) if found.pairs else (0, "")
-    count, text = comm.broadcast_object(verdict)
+        verdict: Any = None
+        if is_main:
+            found = find(_split_paths(cfg, "TRAIN"), _split_paths(cfg, "TEST"))
+            verdict = (len(found.pairs), overlap_message(cfg, found)) if found.pairs else (0, "")
+        count, text = comm.broadcast_object(verdict)
     if count and t.OVERLAP == "error":
         raise UserError(text)
     if count and is_main:

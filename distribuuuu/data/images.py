@@ -322,10 +322,10 @@ class FolderDataset(Dataset):
     images is allowed here (check_datasets refuses it).
 
     A file that cannot be decoded (truncated, empty, not an image) stops the run naming it with
-    bad_images 'fail'; with 'skip' it is logged by name and counted, and in training (replace_bad) the
-    next readable item stands in, so that every rank keeps its batch size and DDP its step count; in
-    evaluation the item is None, left out of its batch (pipeline.collate_readable), so that n counts
-    distinct readable images.
+    bad_images 'fail'; with 'skip' it is logged by name and flagged (counted once however often it is
+    drawn or tried), and in training (replace_bad) the next readable item stands in, so that every rank
+    keeps its batch size and DDP its step count; in evaluation the item is None, left out of its batch
+    (pipeline.collate_readable), so that n counts distinct readable images.
     """
 
     MAX_BAD_IN_A_ROW = 32
@@ -336,7 +336,8 @@ class FolderDataset(Dataset):
         self.targets = [label for _, label in self.samples]
         self.loader, self.transform, self.bad_images, self.replace_bad = loader, transform, bad_images, replace_bad
         # Shared with the DataLoader's worker processes, which inherit them when they start.
-        self.bad_count = multiprocessing.Value("i", 0)
+        self.unreadable = multiprocessing.Array("b", len(self.samples), lock=False)  # a flag per sample
+        self._positions: dict[str, int] = {}  # path -> index, made at this process's first unreadable file
         self.item_seeds = multiprocessing.Array("q", [0, 0, 0], lock=False)  # (on, seed, epoch): seed_items
 
     def __len__(self) -> int:
@@ -363,13 +364,16 @@ class FolderDataset(Dataset):
         return (image if self.transform is None else self.transform(image)), label
 
     def note_unreadable(self, path: str, error: Exception) -> None:
-        """BadImageError with TRAIN.BAD_IMAGES fail; else a warning naming the file, and one more counted."""
+        """BadImageError with TRAIN.BAD_IMAGES fail; else the file is flagged, with a warning naming it
+        the first time since the last take_unreadable."""
         if self.bad_images == "fail":
             raise BadImageError(f"cannot decode image {path} ({type(error).__name__}: {error}); remove it, "
                                 "or set TRAIN.BAD_IMAGES skip to skip unreadable files") from None
-        log.warning("skipping unreadable image %s (%s: %s)", path, type(error).__name__, error)
-        with self.bad_count.get_lock():
-            self.bad_count.value += 1
+        self._positions = self._positions or {p: i for i, (p, _) in enumerate(self.samples)}
+        index = self._positions[path]
+        if not self.unreadable[index]:
+            self.unreadable[index] = 1
+            log.warning("skipping unreadable image %s (%s: %s)", path, type(error).__name__, error)
 
     def next_readable(self, index: int) -> tuple[Any, int]:
         """The first readable item after the unreadable item index (training)."""
@@ -384,8 +388,12 @@ class FolderDataset(Dataset):
         raise BadImageError(f"{self.MAX_BAD_IN_A_ROW} unreadable images in a row in {self.root}; "
                             "is this an image folder?")
 
+    def take_unreadable(self) -> list[int]:
+        """The samples found unreadable since the last call (by any worker of this process), each once."""
+        flags = np.frombuffer(self.unreadable, dtype=np.int8)
+        found = np.flatnonzero(flags)
+        flags[found] = 0  # only these: a worker may flag another meanwhile
+        return found.tolist()
+
     def take_bad_count(self) -> int:
-        """Unreadable files met since the last call (all workers of this process)."""
-        with self.bad_count.get_lock():
-            count, self.bad_count.value = self.bad_count.value, 0
-        return count
+        return len(self.take_unreadable())

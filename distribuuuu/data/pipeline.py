@@ -344,6 +344,19 @@ def take_bad_image_count(loader: DataLoader) -> int:
     return take() if take else 0
 
 
+def unreadable_so_far(loader: Any, met: list[int]) -> list[int]:
+    """Collective: met (the epoch's unreadable training samples until now, as a checkpoint carries them)
+    and those the loader found on any rank since the last call, each once: an image folder's sample
+    indices, merged over the ranks (a file drawn on two ranks, TRAIN.REPEATED_AUG, or also tried as a
+    stand-in, is one); a shard set reads each record once an epoch: one -1 per unreadable record."""
+    from distribuuuu.launch import comm
+
+    folder = getattr(loader.dataset, "dataset", loader.dataset)  # (a TRAIN.VAL_SPLIT part: its whole folder)
+    take = getattr(folder, "take_unreadable", None)
+    found = [met, *comm.all_gather_object(take() if take else [-1] * take_bad_image_count(loader))]
+    return sorted({i for part in found for i in part if i >= 0}) + [-1] * sum(part.count(-1) for part in found)
+
+
 def shard_plan(loader: Any) -> dict[str, Any] | None:
     """What decides the batches of a shard set's epoch (shards.reader.describe_plan), kept in checkpoints;
     None for other data."""

@@ -19,8 +19,9 @@ A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoi
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step (optimizer steps of the schedule, a skipped
   one too), best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
-  engine/rng.py), world_size, train_sums (metrics of the part-done epoch), facts (what the run
-  trained on, checked on resume), seed, card (model_card: the config, class names and
+  engine/rng.py), world_size, train_sums (metrics of the part-done epoch) with its counters so far
+  (unreadable: the training samples found unreadable, epoch_skips: the steps the guard skipped), facts
+  (what the run trained on, checked on resume), seed, card (model_card: the config, class names and
   preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's own state by
   name, from ``Trainer.remember``: e.g. the tracker run ids).
 Saving is collective (every rank calls ``Trainer.save``); only rank 0 writes the .pth file.
@@ -66,8 +67,10 @@ class TrainState:
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     data_identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, checked on resume
     hooks: dict[str, Any] = field(default_factory=dict)  # hooks' own state by name (Trainer.remember)
+    unreadable: list[int] = field(default_factory=list)  # the epoch's unreadable samples so far (data.unreadable_so_far)
 
-    SAVED = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best", "hooks")
+    SAVED = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best", "hooks",
+             "unreadable")
 
 
 class Trainer:
@@ -173,7 +176,8 @@ class Trainer:
         self.build_model(bare)
         self.build_data()
         self.log_setup()
-        state.data_identity = folder.data_identity(len(self.train_loader.dataset), len(self.val_loader.dataset))
+        state.data_identity = folder.data_identity(len(self.train_loader.dataset), len(self.val_loader.dataset),
+                                                   self.card.classes)
         ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
         if ckpt is not None:
             self.resume(ckpt, path)
@@ -243,8 +247,9 @@ class Trainer:
         seconds = time.perf_counter() - epoch_start - self.first_step_s
         self.settle()
         result = counter.reduce().result()
-        bad = evaluation.bad_images(loader, ctx, f"unreadable training images skipped in epoch {state.epoch + 1} "
-                                    "(TRAIN.BAD_IMAGES skip)")
+        bad, state.unreadable = len(data.unreadable_so_far(loader, state.unreadable)), []  # each file once
+        if bad and ctx.is_main:
+            log.warning("%d unreadable training images skipped in epoch %d (TRAIN.BAD_IMAGES skip)", bad, state.epoch + 1)
         result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
                       skipped_steps=stepper.guard.take_epoch_skips(), data_frac=data_total / max(seconds, 1e-9),
                       peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
@@ -285,11 +290,13 @@ class Trainer:
         model/optimizer entries. ``train_sums``: the part-done epoch's metrics (a mid-epoch checkpoint)."""
         cfg, ctx, state = self.cfg, self.ctx, self.state
         rngs = comm.all_gather_object(rng.rng_state())  # each rank's own streams
-        if train_sums is not None:
+        if train_sums is not None:  # mid-epoch: the epoch's sums and counters so far
             train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
+            state.unreadable = data.unreadable_so_far(self.train_loader, state.unreadable)
         saved = {k: getattr(state, k) for k in TrainState.SAVED}
         record = {**self.stepper.state_dict(), **saved, "cfg": cfg.dump(), "rng": rngs, "world_size": ctx.world_size,
-                  "train_sums": train_sums, "facts": state.data_identity, "seed": self.seed,
+                  "train_sums": train_sums, "epoch_skips": self.stepper.guard.epoch_skips,
+                  "facts": state.data_identity, "seed": self.seed,
                   model_card.CARD_KEY: self.card.to_dict(), "shard_plan": data.shard_plan(self.train_loader)}
         entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.folder.shards_path(saved))
         record.update(entries)
@@ -313,7 +320,7 @@ class Trainer:
         for key in TrainState.SAVED:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
         data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
-        state.resumed_sums = ckpt.get("train_sums")
+        state.resumed_sums, self.stepper.guard.epoch_skips = ckpt.get("train_sums"), ckpt.get("epoch_skips", 0)
         # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
         self._restore_rng(ckpt)

@@ -80,12 +80,13 @@ def _probe_writable(folder: str, what: str) -> None:
 
 def check_folder(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
     """The folder's checks that need no process group, in every process before any starts, so that
-    every rank decides alike and none is left waiting: OUT_DIR is a folder (made if needed) that
-    takes new files; for train, so is OUT_DIR/checkpoints if it exists, CFG_DEST names a file of its
-    own, no live run holds the lock (lock.check_not_busy), TRAIN.AUTO_RESUME False finds no earlier
-    run, and a run about to resume may continue with this config (before config.yaml or any
-    checkpoint is written)."""
+    every rank decides alike and none is left waiting: OUT_DIR lies outside the datasets' folders and
+    is a folder (made if needed) that takes new files; for train, so is OUT_DIR/checkpoints if it
+    exists, CFG_DEST names a file of its own, no live run holds the lock (lock.check_not_busy),
+    TRAIN.AUTO_RESUME False finds no earlier run, and a run about to resume may continue with this
+    config (before config.yaml or any checkpoint is written)."""
     out_dir = cfg.OUT_DIR
+    _refuse_out_dir_in_data(cfg)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:  # a file where it, or a folder above it, would be; or no permission
@@ -106,6 +107,18 @@ def check_folder(cfg: CfgNode, command: str, all_ranks_here: bool) -> None:
         lock.refuse_existing_run(out_dir)
     elif candidates := resume_candidates(out_dir):
         resume_check.check_resumable_config(cfg, candidates)
+
+
+def _refuse_out_dir_in_data(cfg: CfgNode) -> None:
+    """OUT_DIR inside an image folder of the run would become part of the data: the next run lists its
+    folders (plots/, checkpoints/) as classes, or its files as images."""
+    out = os.path.realpath(cfg.OUT_DIR)
+    for key in ("TRAIN", "TEST"):
+        data = os.path.realpath(cfg[key].DATASET)
+        if os.path.isdir(cfg[key].DATASET) and os.path.commonpath([out, data]) == data:
+            raise UserError(f"OUT_DIR {cfg.OUT_DIR} is inside {key}.DATASET {cfg[key].DATASET}: the run's files would "
+                            "become part of the data (its folders classes, its plots images); give an OUT_DIR "
+                            f"outside it (e.g. OUT_DIR runs/{os.path.basename(out)})")
 
 
 def _refuse_cfg_dest(name: str, out_dir: str) -> None:
@@ -261,10 +274,10 @@ class RunFolder:
         resume_check.check(ckpt, path, self.cfg, data_identity, model, optimizer)
 
     @staticmethod
-    def data_identity(train_samples: int, val_samples: int) -> dict[str, Any]:
+    def data_identity(train_samples: int, val_samples: int, classes: list[str] | None = None) -> dict[str, Any]:
         """What a checkpoint records about the data beyond the config (its "facts" entry), checked
-        when the run resumes."""
-        return {"train_samples": int(train_samples), "val_samples": int(val_samples)}
+        when the run resumes: the sizes, and the training classes in label order (the model card's)."""
+        return {"train_samples": int(train_samples), "val_samples": int(val_samples), "classes": classes}
 
     # -- records ---------------------------------------------------------------------------------
     def metrics(self, is_main: bool, resumed_epoch: int | None, global_step: int) -> MetricsWriter:

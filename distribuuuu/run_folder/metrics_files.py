@@ -1,5 +1,6 @@
 """The run's records for programs: OUT_DIR/metrics.jsonl, metrics.csv and TensorBoard events in
-OUT_DIR/tb; and their repair when a run resumes from a checkpoint older than its last records.
+OUT_DIR/tb; and their repair when a run resumes from a checkpoint older than its last records: each
+epoch and step is recorded once, whenever the kill came.
 
 Only rank 0 writes. metrics.jsonl holds one record per epoch and split (train, val, test), so plot,
 bench --compare and resume's repair read it alone; ``distribuuuu eval`` appends to eval.jsonl instead
@@ -10,11 +11,13 @@ metrics.csv or metrics.jsonl goes through a temporary file (files.atomic_write).
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from distribuuuu import files
@@ -32,7 +35,7 @@ CSV_COLUMNS = ["epoch", "split", "step", "loss", "top1", "topk_acc", "topk", "n"
 # top-TRAIN.TOPK accuracy ("topk" says k); its TensorBoard tag names the real k: <split>/top<k>.
 TB_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s", "data_frac", "peak_mem_mb", "skipped_steps")
 # Every TRAIN.PRINT_FREQ iterations, against the global step: train_step/<key> (Progress's numbers).
-STEP_KEYS = ("loss", "top1", "topk_acc", "lr", "img_per_s")
+STEP_KEYS, STEP_PREFIX = ("loss", "top1", "topk_acc", "lr", "img_per_s"), "train_step"
 
 
 def clean(record: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +61,8 @@ class MetricsWriter:
         self._tb: Any = None  # the SummaryWriter, made at the first epoch record (eval runs make none)
         # On resume: the first global step the run writes again. TensorBoard drops every event of
         # the earlier files from this step on (a SessionLog START): the steps written after the
-        # checkpoint, before a crash, are not shown twice. Epoch-numbered records are safe from it
-        # (an epoch number is never above the global step); metrics.jsonl is repaired (repair()).
+        # checkpoint, before a crash, are not shown twice. The per-epoch tags, whose epoch numbers
+        # lie below it, and metrics.jsonl are repaired instead (repair()).
         self.purge_step: int | None = None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -76,7 +79,7 @@ class MetricsWriter:
         """Per-step TensorBoard scalars (train_step/loss, lr, img_per_s, top1, top<k>) against the
         global step; not flushed here (the epoch's record flushes), so a print step costs little."""
         if self.enabled and self.tensorboard:
-            self._scalars("train_step", scalars, STEP_KEYS, step)
+            self._scalars(STEP_PREFIX, scalars, STEP_KEYS, step)
 
     def _scalars(self, prefix: str, values: dict[str, Any], keys: tuple[str, ...], step: int) -> None:
         """The finite numbers of values under keys as TensorBoard scalars <prefix>/<key> (the top-k
@@ -106,15 +109,20 @@ class MetricsWriter:
             self._tb = None
 
     def repair(self, completed_epochs: int) -> list[str]:
-        """On resume (rank 0): make metrics.jsonl agree with the checkpoint the run continues from.
+        """On resume (rank 0): make metrics.jsonl and TensorBoard's per-epoch tags agree with the
+        checkpoint the run continues from.
 
         A line torn by a kill (the last one, without its newline), any other line that is not JSON,
         and every record of an epoch after ``completed_epochs`` (written before a kill stopped the
         epoch's checkpoint from landing: the run trains and records that epoch again) are MOVED to
         metrics_dropped.jsonl as {"line", "reason", "text"}; metrics.csv is rebuilt from what is
-        kept. Returns the warnings it logged (one per reason)."""
-        if not self.enabled or not os.path.isfile(self.path):
+        kept; the TensorBoard scalars of those epochs are removed (drop_epochs_after). Returns the
+        warnings it logged (one per reason)."""
+        if not self.enabled:
             return []
+        notes = drop_epochs_after(os.path.join(self.out_dir, TENSORBOARD), completed_epochs) if self.tensorboard else []
+        if not os.path.isfile(self.path):
+            return notes
         with open(self.path, "rb") as f:
             raw = f.read()
         lines = raw.split(b"\n")
@@ -129,9 +137,9 @@ class MetricsWriter:
             else:
                 kept.append(line)
         if not dropped and raw.endswith(b"\n"):
-            return []
+            return notes
         files.atomic_write(self.path, lambda f: f.writelines(ln + b"\n" for ln in kept))
-        notes = self._move_dropped(dropped)
+        notes += self._move_dropped(dropped)
         self._rebuild_csv([json.loads(ln) for ln in kept])
         return notes
 
@@ -156,6 +164,44 @@ class MetricsWriter:
         w.writeheader()
         w.writerows(records)
         files.atomic_write(self.csv_path, lambda f: f.write(text.getvalue().encode()))
+
+
+def drop_epochs_after(tb: str, completed_epochs: int) -> list[str]:
+    """Remove from the event files in tb (each rewritten atomically, its other records byte for byte)
+    the per-epoch scalars (every tag but train_step/*) of the epochs after completed_epochs; the
+    warning it logged, if any."""
+    from tensorboard.compat.proto.event_pb2 import Event  # tensorboard: torch's SummaryWriter needs it
+
+    def later(data: bytes) -> bool:
+        event = Event.FromString(data)
+        return event.step > completed_epochs and any(not v.tag.startswith(f"{STEP_PREFIX}/")
+                                                     for v in event.summary.value)
+    removed = 0
+    for path in glob.glob(os.path.join(tb, "events.out.tfevents.*")):
+        with open(path, "rb") as f:
+            records = list(_tf_records(f.read()))
+        kept = [whole for whole, data in records if not later(data)]
+        if len(kept) < len(records):
+            files.atomic_write(path, lambda f, kept=kept: f.writelines(kept))
+            removed += len(records) - len(kept)
+    if not removed:
+        return []
+    note = (f"{tb}: {removed} per-epoch scalars of epochs after {completed_epochs} removed (written before the "
+            "checkpoint the run resumes from; those epochs are trained and recorded again)")
+    log.warning("%s", note)
+    return [note]
+
+
+def _tf_records(raw: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(the whole record, its data) of each complete record of an event file (TFRecord: the data's length
+    in 8 bytes, 4 of checksum, the data, 4 of checksum); a record torn by a kill ends the file."""
+    pos = 0
+    while pos + 12 <= len(raw):
+        end = pos + 16 + int.from_bytes(raw[pos:pos + 8], "little")
+        if end > len(raw):
+            return
+        yield raw[pos:end], raw[pos + 12:end - 4]
+        pos = end
 
 
 def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:

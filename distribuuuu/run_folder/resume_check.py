@@ -1,9 +1,9 @@
 """Resume checks what it resumes, before it touches anything of the run.
 
 A checkpoint holds ``cfg`` (the YAML it was written under) and, under the key ``facts``, its data
-identity (RunFolder.data_identity: what the config alone does not prove, the sizes of the training
-and validation sets). Auto-resume compares them with the new
-run's, flattened to keys such as ``OPTIM.BASE_LR``:
+identity (RunFolder.data_identity: what the config alone does not prove: the sizes of the training
+and validation sets, and the training classes in label order). Auto-resume compares them with the new
+run's, the config flattened to keys such as ``OPTIM.BASE_LR``:
 
   IDENTITY_KEYS  change WHAT is trained (model, data, optimizer type, strategy, seed): refused,
                  with each key ``KEY: old -> new`` and how to start a fresh run (another OUT_DIR)
@@ -15,8 +15,9 @@ run's, flattened to keys such as ``OPTIM.BASE_LR``:
                  mix. RESUME_ALLOW may also name an identity key (a dataset that moved to another
                  path); the data identity and the shapes of the saved state are checked all the same.
 
-A differing dataset size, a model whose state dict does not fit, and an optimizer state of another
-optimizer are refused with one message each (never a traceback from deep inside torch). Every rank
+A differing dataset size, a class renamed, reordered or relabelled (the first label that differs), a
+model whose state dict does not fit, and an optimizer state of another optimizer are refused with one
+message each (never a traceback from deep inside torch). Every rank
 reads the same file and takes the same decision. ``check_resumable_config`` runs the config
 comparison in the launching process (run_folder.check_folder, when there is a checkpoint to resume),
 before config.yaml or any checkpoint is written; ``check`` runs it again inside
@@ -149,12 +150,19 @@ def check_resumable_config(cfg: Any, candidates: list[str]) -> None:
 
 def check_data(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path: str) -> None:
     """Refuse a checkpoint whose data identity (RunFolder.data_identity) is not this run's, or whose
-    position in its epoch lies beyond the training set."""
+    position in its epoch lies beyond the training set. A checkpoint without an entry (an older
+    version's) is not checked on it."""
     names = {"train_samples": f"the training set ({cfg.TRAIN.DATASET}, split {cfg.TRAIN.SPLIT!r})",
              "val_samples": f"the validation set ({cfg.TEST.DATASET}, split {cfg.TEST.SPLIT!r})"}
-    lines = [f"{names.get(k, k)} has {now[k]} samples now, {saved[k]} when the checkpoint was written"
-             for k in now if saved and k in saved and saved[k] != now[k]]
-    position = (saved or {}).get("samples_in_epoch", 0)
+    saved = saved or {}
+    lines = [f"{names[k]} has {now[k]} samples now, {saved[k]} when the checkpoint was written"
+             for k in names if k in saved and k in now and saved[k] != now[k]]
+    then, classes = saved.get("classes"), now.get("classes")
+    if then and classes and len(then) == len(classes) and then != classes:  # (another count: NUM_CLASSES, shapes)
+        i = next(i for i, (a, b) in enumerate(zip(then, classes)) if a != b)  # a rename shifts every later label
+        lines.append(f"the training classes are not the checkpoint's: label {i} is {classes[i]!r} now, "
+                     f"{then[i]!r} when it was written")
+    position = saved.get("samples_in_epoch", 0)
     if not lines and position > now.get("train_samples", position):  # a checkpoint without the data's sizes
         lines = [f"{names['train_samples']} has {now['train_samples']} samples now, but the checkpoint is "
                  f"{position} samples into its epoch"]
