@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import signal
 import sys
@@ -142,14 +143,23 @@ def _guarded(fn: Callable[[], int]) -> int:
         rank = rank_label()
         report_line(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}")
         return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (launch.signals.Terminated): see handle_stop_signals
-        signum = int(getattr(e, "signum", signal.SIGINT))
-        rank = rank_label()
-        who = "" if rank == "0" else f" (rank {rank})"
-        peer = getattr(e, "peer", None)  # launch.signals.PeerStopped: the signal reached another rank
-        who += "" if peer is None else f": rank {peer} got it, and this process ended with it"
-        report_line(f"stopped by {signal.Signals(signum).name}{who}")
-        return 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (launch.signals.Terminated): see handle_stop_signals
+        # launch.signals.PeerStopped names the rank the signal reached
+        return _stopped(int(getattr(e, "signum", signal.SIGINT)), getattr(e, "peer", None))
+
+
+def _stopped(signum: int, peer: int | None = None, after: str = "") -> int:
+    """A process that a stop signal ended: its one line (in log.txt too, which outlives a closed
+    terminal), and its status, 128 + the signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    rank = rank_label()
+    who = "" if rank == "0" else f" (rank {rank})"
+    who += "" if peer is None else f": rank {peer} got it, and this process ended with it"
+    line = f"stopped by {signal.Signals(signum).name}{who}{after}"
+    log = logging.getLogger("distribuuuu")
+    if log.handlers:  # set up (logger.setup_logging): its file only, the console gets report_line's
+        log.warning(line, extra={"console": False})
+    report_line(line)
+    return 128 + signum
 
 
 def _flags_as_overrides(args: argparse.Namespace) -> None:
@@ -189,7 +199,7 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     """Run train or eval in this process (any launcher); returns the exit status.
 
     The work is api.run_command's (the Python API runs the same); here only the statuses: 0, or
-    128 + signal after a preemption checkpoint. UserError and stop signals: see _guarded.
+    128 + signal after a preemption checkpoint, with one line. UserError and stop signals: see _guarded.
     """
     from distribuuuu.launch.signals import Preempted
 
@@ -199,7 +209,7 @@ def run(command: str, cfg_file: str | None, opts: list[str]) -> int:
     try:
         api.run_command(command, cfg)
     except Preempted as stop:
-        return 128 + stop.signum  # "ended by this signal", after the checkpoint
+        return _stopped(stop.signum, after=" after a checkpoint")  # "ended by this signal", 128 + signal
     return 0
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from yacs.config import CfgNode
 
+from distribuuuu import files
+
 LOGGER_NAME = "distribuuuu"
 PROGRESS_ENV = "DISTRIBUUUU_PROGRESS"  # auto (default) | bar | lines
 LOG_FILE = "log.txt"  # in OUT_DIR: every rank's warnings and errors, rank 0's lines
@@ -35,6 +37,26 @@ class _HeldFile(MemoryHandler):
         if self.target is not None:
             self.target.close()
         super().close()
+
+
+class _LogFile(logging.FileHandler):
+    """log.txt. A line it cannot take for a cause the user must fix ends the run, once
+    (files.write_failure: exit 2, one line naming the file and the cause), unless an error that ends
+    the run already is being handled; the later lines go to the console only. Logging's own handling
+    printed a traceback for every line and went on."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        failure = None if self.failed else files.write_failure(self.baseFilename, error)
+        if failure is None:
+            if not self.failed:
+                super().handleError(record)
+            return
+        self.failed = True
+        if error.__context__ is None:
+            raise failure
 
 
 def release_log() -> None:
@@ -72,7 +94,7 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
     log.addHandler(console)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        file = logging.FileHandler(os.path.join(out_dir, LOG_FILE), delay=True)  # made at its first line
+        file = _LogFile(os.path.join(out_dir, LOG_FILE), delay=True)  # made at its first line
         tag = "" if is_main else f"[rank {rank}] "
         file.setFormatter(logging.Formatter(f"[%(asctime)s] {tag}%(message)s", datefmt="%H:%M:%S"))
         held = _HeldFile(sys.maxsize, flushLevel=logging.CRITICAL + 1, target=file, flushOnClose=False) if hold else None

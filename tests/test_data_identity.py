@@ -1,6 +1,5 @@
-"""Issue 35 item 1: a run knows what it trains on. Each case is done for real, through the command: a
-class folder renamed between two runs, TEST data numbering its classes otherwise than the training
-data, evaluation on the training split itself, an OUT_DIR inside the dataset."""
+"""A run knows what it trains on. Each case is done for real, through the command: a class folder
+renamed between two runs, TEST data numbering its classes otherwise than the training data, evaluation on the training split itself, an OUT_DIR inside the dataset."""
 
 from __future__ import annotations
 

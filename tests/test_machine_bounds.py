@@ -1,4 +1,4 @@
-"""Issue 35 item 2: numeric settings bounded by what the machine has. TRAIN.WORKERS and NUM_THREADS set
+"""Numeric settings bounded by what the machine has. TRAIN.WORKERS and NUM_THREADS set
 above the cores this process may use are clamped, with one warning each (inferred.py); the run started
 with TRAIN.WORKERS 1000 is watched process by process."""
 

@@ -1,4 +1,4 @@
-"""Issue 35 item 5: the records are exact across resumes. Real runs of the command, stopped by real
+"""The records are exact across resumes. Real runs of the command, stopped by real
 signals at chosen moments (the Faults hook below, named by TRAIN.HOOKS and armed by environment
 variables, so that the re-run of the same command runs clean), then the same command again."""
 

@@ -1,4 +1,4 @@
-"""Issue 37: TRAIN.TRACKERS, MLflow and W&B runs written by rank 0, one per job, continued across resumes.
+"""TRAIN.TRACKERS: MLflow and W&B runs written by rank 0, one per job, continued across resumes.
 
 Real clients, offline: MLflow's sqlite store in OUT_DIR is read with the mlflow client, W&B's offline
 run folders (OUT_DIR/wandb/offline-run-*) from disk. Real processes and real signals: SIGTERM mid-epoch

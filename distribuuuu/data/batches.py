@@ -5,10 +5,12 @@ attribute (dataset, sampler) through."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.util
 import os
 import random
 import signal
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,19 +22,32 @@ from torch.utils.data import DataLoader, default_collate
 from distribuuuu.data.transforms import BatchRandomErasing, Stats
 
 # Signals a loader worker never acts on: a stop or preemption sent to the whole process group (Slurm,
-# systemd, Kubernetes, a terminal) reaches the workers too. Had they died of it, the main process would
-# fail reading its next batch and could not write its step checkpoint. The main process stops,
-# checkpoints, then ends its workers (stop_workers); a worker whose main process is gone ends by itself
-# (torch's watchdog checks the parent every 5 s).
-WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# systemd, Kubernetes, a terminal, the shell's SIGHUP when it closes) reaches the workers too. Had they
+# died of it, the main process would fail reading its next batch and could not write its step
+# checkpoint. The main process stops, checkpoints, then ends its workers (stop_workers); a worker
+# whose main process is gone, even by SIGKILL, is killed by the kernel (_die_with_parent).
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders with worker processes
 _exit_hooks: list[multiprocessing.util.Finalize] = []
 
 
 def quiet_worker(worker_id: int) -> None:
-    """worker_init_fn of every loader with workers: the stop signals are the main process's business."""
+    """worker_init_fn of every loader with workers: the stop signals are the main process's business,
+    and the worker dies with it."""
     for signum in WORKER_IGNORED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker (SIGKILL) when the process that started it ends, however
+    it ends (SIGKILL, the OOM killer). torch's watchdog notices a dead parent only within 5 s, and a
+    worker blocked elsewhere (a full queue) not at all: after kill -9, workers lived on for minutes.
+    The signal comes when the thread that started the worker ends: the loops start theirs in the main
+    thread."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def seed_worker(worker_id: int) -> None:

@@ -285,14 +285,13 @@ class CheckpointHook(HookBase):
     """Checkpoints by step (TRAIN.CKPT_PERIOD_STEPS), by time (CKPT_PERIOD_MIN), at each epoch's end
     (best.pth too), and the stop signals (preemption): one vote decides both, so they live together.
 
-    A signal mid-epoch: a step checkpoint, then Preempted; at an epoch's last step: the epoch ends,
-    its checkpoint is written, then Preempted.
+    A signal mid-epoch: a step checkpoint, then Preempted; at an epoch's last steps or during its
+    evaluation: the epoch ends, its checkpoint is written, then Preempted.
     """
 
     def __init__(self, cfg: CfgNode, world_size: int) -> None:
         self.every_steps, self.every_s = cfg.TRAIN.CKPT_PERIOD_STEPS, cfg.TRAIN.CKPT_PERIOD_MIN * 60.0
         self.vote_every, self.last_save = vote_period(cfg, world_size), time.monotonic()
-        self.stop_signal = 0  # a preemption signal agreed at an epoch's last step: stop after its checkpoint
 
     def before_fit(self, trainer: Trainer) -> None:
         self.last_save = time.monotonic()  # CKPT_PERIOD_MIN counts from the start of training, after setup
@@ -302,27 +301,25 @@ class CheckpointHook(HookBase):
         trainer.save(**kwargs)
 
     def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
-        if not step.last:  # not an optimizer-step boundary
-            return
-        state, stop, by_time = trainer.state, 0, 0
-        epoch_done = state.samples_in_epoch >= trainer.epoch_samples
+        state = trainer.state
+        if not step.last or state.samples_in_epoch >= trainer.epoch_samples:
+            return  # not an optimizer-step boundary, or the epoch's last: after_epoch checkpoints and votes
+        stop, by_time = 0, 0
         # One small all-reduce: all ranks must take the same decision (and stop for the same signal: the
         # highest number any rank got), or a collective would hang. Its latency grows with the ranks, so
-        # they vote every vote_period() steps and at the epoch's end: a signal or a due time-based
-        # checkpoint (rank 0's clock) is acted on at the next vote.
-        if state.global_step % self.vote_every == 0 or epoch_done:
+        # they vote every vote_period() steps: a signal or a due time-based checkpoint (rank 0's clock)
+        # is acted on at the next vote.
+        if state.global_step % self.vote_every == 0:
             due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
             stop, by_time = comm.max_over_ranks([signals.received or 0, trainer.ctx.rank == 0 and due])
-        by_steps = self.every_steps and state.global_step % self.every_steps == 0
-        if (stop or by_steps or by_time) and not epoch_done:
+        if stop or by_time or (self.every_steps and state.global_step % self.every_steps == 0):
             trainer.settle()  # a run past TRAIN.NONFINITE's limits ends before it is saved
             self.save(trainer, train_sums=trainer.counter.sums_with_n())
-        if stop and epoch_done:
-            self.stop_signal = stop  # the epoch is complete: end it, then stop
-        elif stop:
+        if stop:
             raise Preempted(stop)
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         self.save(trainer, is_best=trainer.state.best_epoch == trainer.state.epoch)  # this epoch's eval: a new best
-        if self.stop_signal:  # a preemption signal came at the epoch's last step
-            raise Preempted(self.stop_signal)
+        stop = comm.max_over_ranks([signals.received or 0])[0]  # since the last vote, or during the evaluation
+        if stop:
+            raise Preempted(stop)

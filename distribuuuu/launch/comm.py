@@ -18,8 +18,8 @@ this room imports nothing above it):
   only with more than one process, and under nccl a gloo side group for ``max_over_ranks``; under
   gloo on CUDA, a check that gloo serves the collectives the strategy runs on CUDA tensors
   (launch.gloo_cuda), before any work.
-- stop signals: from then on, SIGINT (Ctrl-C) and SIGTERM unwind the process cleanly and exit
-  with 130 / 143 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
+- stop signals: from then on, SIGINT (Ctrl-C), SIGTERM and SIGHUP unwind the process cleanly and
+  exit with 130 / 143 / 129 (launch.signals.handle_stop_signals); ``teardown()`` puts the old handlers back.
 
 Collectives: every rank must call them, in the same order; with nccl, tensors must be on this rank's
 GPU. ``max_over_ranks`` runs on the gloo side group under nccl, so a per-step vote costs no
@@ -255,7 +255,7 @@ def teardown() -> None:
 
 @contextmanager
 def session(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Iterator[DistContext]:
-    """``with session(cfg) as ctx:`` setup (same arguments), and teardown on any exit (error, Ctrl-C, SIGTERM too)."""
+    """``with session(cfg) as ctx:`` setup (same arguments), and teardown on any exit (an error, a stop signal too)."""
     ctx = setup(cfg, info, strategy)
     try:
         yield ctx

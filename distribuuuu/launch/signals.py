@@ -1,21 +1,25 @@
-"""Signals, in one place: how a process stops (Ctrl-C, SIGTERM) and how a run is preempted.
+"""Signals, in one place: how a process stops (Ctrl-C, SIGTERM, a hang-up) and how a run is preempted.
 
 Two policies, both here:
 
-- Stop signals (``handle_stop_signals``): SIGINT and SIGTERM unwind the process cleanly and end
-  it with 130 / 143. Installed by ``launch.comm.setup`` and ``launch.spawn.spawn``.
+- Stop signals (``handle_stop_signals``): SIGINT, SIGTERM and SIGHUP (a closed terminal, a dropped
+  ssh) unwind the process cleanly and end it with 128 + the signal: 130 / 143 / 129. Installed by
+  ``launch.comm.setup`` and ``launch.spawn.spawn``.
 - Preemption (``preemption_signals``): a cluster that is about to take the machines back sends a
   signal (Slurm: ``--signal=USR1@90`` sends SIGUSR1 90 s before the end; most schedulers send
-  SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS only record themselves
-  (``received``); the loop agrees with the other ranks (``launch.comm.max_over_ranks``), writes a step
-  checkpoint, and raises ``Preempted``; the run ends with 128 + signal number, after
-  ``slurm_requeue`` when TRAIN.REQUEUE asks for it. The same signal a second time runs the
-  handler that was there before (usually: stop at once), as a way out of a stuck save.
+  SIGTERM). While it is active, the signals named in TRAIN.PREEMPT_SIGNALS (and SIGHUP with SIGTERM)
+  only record themselves (``received``); the loop agrees with the other ranks
+  (``launch.comm.max_over_ranks``), writes a checkpoint, and raises ``Preempted``; the run ends with
+  128 + signal number, after ``slurm_requeue`` when TRAIN.REQUEUE asks for it. A second preemption
+  signal is held (the checkpoint comes first); a third stops at once, the way out of a stuck save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import stat
 import subprocess
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,14 +32,16 @@ __all__ = ["STOP_SIGNALS", "Terminated", "PeerStopped", "follow_peer", "interrup
            "stop_status", "held_stop_signals", "preemption_signals", "received", "Preempted", "slurm_requeue"]
 
 # ---------------------------------------------------------------------------------------------
-# Stop signals: Ctrl-C (SIGINT) and SIGTERM end a process the same, clean way
+# Stop signals: Ctrl-C (SIGINT), SIGTERM and a hang-up (SIGHUP) end a process the same, clean way
 # ---------------------------------------------------------------------------------------------
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM as an exception. A KeyboardInterrupt, so it unwinds exactly like Ctrl-C."""
+    """SIGTERM (or SIGHUP) as an exception. A KeyboardInterrupt, so it unwinds exactly like Ctrl-C."""
 
-    signum = signal.SIGTERM
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
 
 
 class PeerStopped(KeyboardInterrupt):
@@ -47,7 +53,7 @@ class PeerStopped(KeyboardInterrupt):
         self.signum, self.peer = signum, peer
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _stopping: int | None = None  # the stop signal this process is ending for, if any
 _saved_handlers: dict[int, Any] = {}
 
@@ -84,34 +90,49 @@ def interruption(error: BaseException) -> KeyboardInterrupt | None:
     return next((e for e in chain(error) if isinstance(e, KeyboardInterrupt)), None)
 
 
+def _leave_a_closed_terminal() -> None:
+    """After a hang-up: stdout and stderr on the terminal that closed fail every write (EIO), which
+    would turn the orderly ending into tracebacks and status 1; they go to /dev/null instead (log.txt
+    keeps the lines). A terminal that hung up is a character device that is no longer a tty."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
+                os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def _on_stop_signal(signum: int, frame: Any) -> None:
     global _stopping
+    if signum == signal.SIGHUP:
+        _leave_a_closed_terminal()
     if _stopping is not None:
         return  # already on the way out: a second exception would cut the cleanup short
     _stopping = signum
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
 def handle_stop_signals() -> None:
-    """Make SIGINT and SIGTERM stop this process cleanly. Called by comm.setup() and spawn.spawn().
+    """Make SIGINT, SIGTERM and SIGHUP stop this process cleanly. Called by comm.setup() and spawn.spawn().
 
     The policy, in one place:
 
-    - The first SIGINT or SIGTERM raises in the main thread: KeyboardInterrupt for SIGINT (what
-      Python does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM. Both unwind through
+    - The first stop signal raises in the main thread: KeyboardInterrupt for SIGINT (what Python
+      does anyway), ``Terminated`` (a KeyboardInterrupt) for SIGTERM and SIGHUP. All unwind through
       the same code: ``comm.session()`` destroys the process group, the CLI prints one line and
-      exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM. The spawner first passes
-      the same signal to its children and waits for them (``STOP_GRACE_S``); its children run
-      in sessions of their own (as torchrun's do), so a signal to the job's process group
-      reaches them once, through the spawner, exactly like a signal to the spawner's pid.
-    - Later SIGINT/SIGTERM are ignored while the process winds down: under other launchers a
+      exits with 128 + the signal number: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP. The
+      spawner first passes the same signal to its children and waits for them (``STOP_GRACE_S``);
+      its children run in sessions of their own (as torchrun's do), so a signal to the job's process
+      group (a terminal's Ctrl-C, the shell's SIGHUP when the terminal closes) reaches them once,
+      through the spawner, exactly like a signal to the spawner's pid.
+    - Later stop signals are ignored while the process winds down: under other launchers a
       terminal's Ctrl-C may reach every process and the launcher then forwards its own. Launchers
       follow up with SIGKILL when a process does not exit in time (torchrun and spawn: 30 s).
     - A signal that was already ignored (``nohup``, ``cmd &`` in a script) stays ignored.
 
     During training, ``preemption_signals`` (below) takes over the signals named in
-    TRAIN.PREEMPT_SIGNALS (SIGTERM by default): they first write a checkpoint at the next step,
-    then end the run with the same status; a second one comes back here.
+    TRAIN.PREEMPT_SIGNALS (SIGTERM by default, and SIGHUP with it): they first write a checkpoint at
+    the next step, then end the run with the same status; a third one comes back here.
     """
     global _stopping
     if threading.current_thread() is not threading.main_thread():
@@ -167,32 +188,49 @@ def held_stop_signals(act_after: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 received: int | None = None  # the preemption signal this process received (the handler sets it; the loop reads it)
+_repeats = 0  # preemption signals that came after it
 _previous: dict[int, Any] = {}
 
 
-def _record(signum: int, frame: object) -> None:
-    global received
-    if received == signum:  # asked twice: stop now, the old way
-        previous = _previous.get(signum, signal.SIG_DFL)
-        signal.signal(signum, previous)
-        signal.raise_signal(signum)
+def _record(signum: int, frame: Any) -> None:
+    """The first preemption signal is recorded: the loop checkpoints at its next step boundary. A
+    second is held: the same stop delivered twice (srun and torchrun both pass a scancel on, a person
+    presses twice) must not cost the checkpoint. A third stops at once, as a stop signal does: the
+    way out of a stuck save."""
+    global received, _repeats
+    if signum == signal.SIGHUP:
+        _leave_a_closed_terminal()
+    if received is None:
+        received = signum
         return
-    received = signum
+    _repeats += 1
+    if _repeats >= 2:
+        _on_stop_signal(signum, frame)
 
 
 @contextmanager
 def preemption_signals(names: Sequence[str]) -> Iterator[None]:
-    """Record the named signals (e.g. ["SIGTERM", "SIGUSR1"]) instead of acting on them."""
-    global received
-    received = None
-    nums = [getattr(signal, name) for name in names]
+    """Record the named signals (e.g. ["SIGTERM", "SIGUSR1"]) instead of acting on them; SIGHUP goes
+    with SIGTERM (a hang-up stops a job from outside, as SIGTERM does); one already ignored stays
+    ignored. Once one was received the process is ending for it: its handlers stay until teardown
+    (restore_signal_handlers), so a repeat during the wind-down is held too, not a default action."""
+    global received, _repeats
+    received, _repeats = None, 0
+    nums = {getattr(signal, name) for name in names}
+    if signal.SIGTERM in nums:
+        nums.add(signal.SIGHUP)
     for num in nums:
-        _previous[num] = signal.signal(num, _record)
+        if signal.getsignal(num) is not signal.SIG_IGN:
+            _previous[num] = signal.signal(num, _record)
     try:
         yield
     finally:
-        for num in nums:
-            signal.signal(num, _previous.pop(num))
+        for num, previous in _previous.items():
+            if received is None:
+                signal.signal(num, previous)
+            else:
+                _saved_handlers.setdefault(num, previous)
+        _previous.clear()
 
 
 class Preempted(Exception):

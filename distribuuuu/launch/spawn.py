@@ -79,7 +79,7 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
     except UserError as e:  # the CLI normally reports these itself; this is the safety net
         report_line(f"error: {e}")
         sys.exit(USER_ERROR_EXIT)
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP (Terminated)
         sys.exit(signals.stop_status(e))
     except Exception:  # noqa: BLE001 -- any crash: its traceback here, then exit 1 for the spawner
         traceback.print_exc()
@@ -98,7 +98,7 @@ def _signal_children(processes: Sequence[Any], signum: int) -> None:
 
 
 def _relay_to(children: list[Any], names: Sequence[str]) -> dict[int, Any]:
-    """Handlers that pass each named signal (not SIGINT/SIGTERM: those stop the spawner, _stopped) on
+    """Handlers that pass each named signal (not a stop signal: those stop the spawner, _stopped) on
     to the children, the ones started so far; returns the handlers they replace."""
     nums = {getattr(signal, name) for name in names} - set(signals.STOP_SIGNALS)
     return {num: signal.signal(num, lambda n, _f: _signal_children(children, n)) for num in sorted(nums)}
@@ -106,11 +106,10 @@ def _relay_to(children: list[Any], names: Sequence[str]) -> dict[int, Any]:
 
 @contextmanager
 def _relaying(processes: Sequence[Any]) -> Iterator[None]:
-    """While the children wind down, pass every further SIGINT/SIGTERM on to them.
+    """While the children wind down, pass every further stop signal (SIGINT, SIGTERM, SIGHUP) on to them.
 
-    A second Ctrl-C or SIGTERM then does in the children what it does when they receive it
-    directly: it cuts a stuck step checkpoint short (launch/signals.py). The spawner itself keeps
-    waiting.
+    Repeated signals then do in the children what they do when received directly: a third cuts a
+    stuck step checkpoint short (launch/signals.py). The spawner itself keeps waiting.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -187,7 +186,7 @@ def _exited(e: mp.ProcessExitedException, relayed: Collection[int]) -> int:
 
 
 def _stopped(processes: Sequence[Any], exc: KeyboardInterrupt) -> int:
-    """The spawner was stopped (Ctrl-C or SIGTERM): the same signal, once, to every child."""
+    """The spawner was stopped (Ctrl-C, SIGTERM, SIGHUP): the same signal, once, to every child."""
     status = signals.stop_status(exc)
     _stop(processes, signum=status - 128)
     print(f"[spawn] stopped by {signal.Signals(status - 128).name}; all processes stopped",
@@ -212,12 +211,12 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     Returns 0 when all children exit 0, else the status of the first child that failed: its own
     exit code (2 for a UserError), 1 for an exception (its traceback is printed by the child),
     128+N for a signal. The other children get FAILURE_GRACE_S seconds to end by themselves, then
-    are stopped; none is left behind. SIGINT (Ctrl-C) or SIGTERM to the spawner, whether sent to
-    its pid or to its process group (the children run in sessions of their own, so only the
-    spawner receives either): every child gets the same signal once, and STOP_GRACE_S seconds to
-    exit (then SIGKILL); a further signal is relayed too; the status is 130 or 143. A spawner
-    killed outright (SIGKILL) takes the children with it: torch.multiprocessing asks Linux to
-    send them SIGINT then (PR_SET_PDEATHSIG).
+    are stopped; none is left behind. SIGINT (Ctrl-C), SIGTERM or SIGHUP (the terminal closed) to
+    the spawner, whether sent to its pid or to its process group (the children run in sessions of
+    their own, so only the spawner receives it): every child gets the same signal once, and
+    STOP_GRACE_S seconds to exit (then SIGKILL); a further signal is relayed too; the status is 130,
+    143 or 129. A spawner killed outright (SIGKILL) takes the children with it: torch.multiprocessing
+    asks Linux to send them SIGINT then (PR_SET_PDEATHSIG), and their loader workers die with them.
 
     relay: more signals, by name (a training's TRAIN.PREEMPT_SIGNALS, e.g. SIGUSR1), that the spawner
     passes on to every child as they come and then keeps waiting: the children write their preemption
@@ -244,7 +243,7 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     except mp.ProcessRaisedException as e:  # only if a worker bypassed _spawn_entry's handler
         print(e, file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM to the spawner (signals.handle_stop_signals)
+    except KeyboardInterrupt as e:  # a stop signal to the spawner (signals.handle_stop_signals)
         return _stopped(context.processes if context is not None else [], e)
     finally:
         # Belt and braces for any other way out: no child may outlive the parent's return.

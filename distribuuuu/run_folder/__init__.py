@@ -21,7 +21,6 @@ that resumes. The order of the calls in one training run (api.run_command, engin
 
 from __future__ import annotations
 
-import errno
 import glob
 import json
 import logging
@@ -191,27 +190,18 @@ def _newest_intact(out_dir: str, candidates: list[str]) -> tuple[dict[str, Any],
                     f"move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give another OUT_DIR")
 
 
-class DiskFull(UserError, OSError):
-    """A checkpoint could not be written for lack of space: one line, exit 2 (docs/reliability.md).
-    An OSError too, for callers that catch failed writes."""
-
-
 def _failed_save(path: str, error: Exception) -> BaseException:
     """What a failed checkpoint write raises: the stop signal that interrupted it (torch's zip writer
-    then failed closing), DiskFull (ENOSPC anywhere in the chain: torch reports it as a RuntimeError),
-    or an OSError; the last two say what the run can go on from."""
+    then failed closing), files.WriteFailed (exit 2) for a cause the user must fix, or an OSError;
+    the last two say what the run can go on from."""
     interrupt = signals.interruption(error)
     if interrupt is not None:
         return interrupt
-    folder = os.path.dirname(path)
-    kept = resume_candidates(os.path.dirname(folder))
+    kept = resume_candidates(os.path.dirname(os.path.dirname(path)))
     kept_line = (f"{os.path.basename(kept[0])}, the previous checkpoint, is intact" if kept else
                  "no checkpoint of this run is kept yet (a re-run starts from the beginning)")
-    if any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
-           for e in signals.chain(error)):
-        return DiskFull(f"No space left on device writing checkpoint {os.path.basename(path)} in {folder}; "
-                        f"{kept_line}; free space there (or give another OUT_DIR) and run the same command again")
-    return OSError(f"writing checkpoint {path} failed ({type(error).__name__}: {error}); {kept_line}")
+    return files.write_failure(path, error, kept_line) or OSError(
+        f"writing checkpoint {path} failed ({type(error).__name__}: {error}); {kept_line}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,9 +324,10 @@ class RunFolder:
         """Rank 0: the checkpoint file (weights.save_checkpoint: atomic, with its digest), last.pth and
         best.pth pointed at it, then the oldest files of its kind beyond TRAIN.CKPT_KEEP pruned (with
         their .dcp shard folders). A failed write leaves the previous checkpoint and says so."""
-        os.makedirs(self.checkpoints, exist_ok=True)
         path = self._path(record)
         try:
+            if not os.path.isdir(self.checkpoints):  # in OUT_DIR, which must still be there
+                os.mkdir(self.checkpoints)
             weights.save_checkpoint(record, path)
         except Exception as e:  # a stop signal, a full disk or another failure
             raise _failed_save(path, e) from e

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,8 +73,8 @@ class MetricsWriter:
         files.append(self.path, json.dumps(record) + "\n")
         self._write_csv({k: v for k, v in record.items() if not isinstance(v, list)})  # per-class lists: jsonl only
         if self.tensorboard and isinstance(record.get("epoch"), int):
-            self._scalars(record.get("split", "train"), record, TB_KEYS, record["epoch"])
-            self._tb.flush()  # one flush per epoch: TensorBoard sees the run live, a crash loses nothing
+            # flushed once per epoch: TensorBoard sees the run live, a crash loses nothing
+            self._scalars(record.get("split", "train"), record, TB_KEYS, record["epoch"], flush=True)
 
     def write_step(self, step: int, scalars: dict[str, float]) -> None:
         """Per-step TensorBoard scalars (train_step/loss, lr, img_per_s, top1, top<k>) against the
@@ -81,25 +82,30 @@ class MetricsWriter:
         if self.enabled and self.tensorboard:
             self._scalars(STEP_PREFIX, scalars, STEP_KEYS, step)
 
-    def _scalars(self, prefix: str, values: dict[str, Any], keys: tuple[str, ...], step: int) -> None:
+    def _scalars(self, prefix: str, values: dict[str, Any], keys: tuple[str, ...], step: int, flush: bool = False) -> None:
         """The finite numbers of values under keys as TensorBoard scalars <prefix>/<key> (the top-k
-        field named by its real k: <prefix>/top<k>); the SummaryWriter is made on first use."""
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(self.out_dir, TENSORBOARD), purge_step=self.purge_step)
-        for key in keys:
-            value = values.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self._tb.add_scalar(f"{prefix}/top{self.topk}" if key == "topk_acc" else f"{prefix}/{key}", value, step)
+        field named by its real k: <prefix>/top<k>); the SummaryWriter is made on first use. Its
+        thread's failed write comes back here, at the next scalar or flush (files.writing)."""
+        folder = os.path.join(self.out_dir, TENSORBOARD)
+        with files.writing(folder):
+            if self._tb is None:
+                self._tb = _summary_writer(folder, self.purge_step)
+            for key in keys:
+                value = values.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tb.add_scalar(f"{prefix}/top{self.topk}" if key == "topk_acc" else f"{prefix}/{key}",
+                                        value, step)
+            if flush:
+                self._tb.flush()
 
     def _write_csv(self, record: dict[str, Any]) -> None:
         if self.csv_header is None and os.path.isfile(self.csv_path):  # the columns of an earlier start
             with open(self.csv_path, newline="") as f:
                 self.csv_header = next(csv.reader(f), None)
         if self.csv_header is not None and record.keys() <= set(self.csv_header):
-            with open(self.csv_path, "a", newline="") as f:  # one row, one write
-                csv.DictWriter(f, fieldnames=self.csv_header).writerow(record)
+            row = io.StringIO(newline="")
+            csv.DictWriter(row, fieldnames=self.csv_header).writerow(record)
+            files.append(self.csv_path, row.getvalue())  # one row, one write
         else:  # a first record, or a key never seen before: a new column, older rows get empty cells
             self._rebuild_csv([*_csv_rows(self.csv_path), record])
 
@@ -202,6 +208,23 @@ def _tf_records(raw: bytes) -> Iterator[tuple[bytes, bytes]]:
             return
         yield raw[pos:end], raw[pos + 12:end - 4]
         pos = end
+
+
+def _summary_writer(folder: str, purge_step: int | None) -> Any:
+    """TensorBoard's SummaryWriter. Its writer thread re-raises a write that failed, which threading
+    prints as a traceback; the same error comes back to MetricsWriter as one line (_scalars), so the
+    thread's own report is left out (every other thread's goes to the hook that was there)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    previous = threading.excepthook
+    if not getattr(previous, "quiet_tensorboard", False):
+        def hook(args: Any) -> None:
+            if not type(args.thread).__module__.startswith("tensorboard."):
+                previous(args)
+
+        hook.quiet_tensorboard = True  # type: ignore[attr-defined]
+        threading.excepthook = hook
+    return SummaryWriter(folder, purge_step=purge_step)
 
 
 def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
