@@ -48,7 +48,7 @@ def test_a_class_without_samples_is_none_and_the_csv_names_every_class():
     rows = list(csv.reader(text.splitlines()))
     assert rows[0] == ["true \\ predicted", "a,1", 'b"2', "c"] and rows[1] == ["a,1", "1", "1", "0"]
     assert worst_classes(["a", "b", "c"], result["per_class_top1"], result["confusion"]) == \
-        "a 50.0% (1/2, most often as b 1)"
+        "a 50.0% (1/2; 1 taken for b)"
 
 
 @pytest.fixture(scope="module")

@@ -176,12 +176,12 @@ def _csv_cell(text: str) -> str:
 
 
 def worst_classes(classes: list[str], per_class: list[float | None], matrix: list[list[int]], n: int = 5) -> str:
-    """'cat 61.2% (49/80, most often as dog 21), ...': the n classes with the lowest top-1, for the log."""
+    """'cat 61.2% (49/80; 21 taken for dog), ...': the n classes with the lowest top-1, for the log."""
     scored = sorted((acc, i) for i, acc in enumerate(per_class) if acc is not None)[:n]
     parts = []
     for acc, i in scored:
         row = matrix[i]
         wrong = max((c for c in range(len(row)) if c != i), key=row.__getitem__, default=None)
-        as_what = f", most often as {classes[wrong]} {row[wrong]}" if wrong is not None and row[wrong] else ""
+        as_what = f"; {row[wrong]} taken for {classes[wrong]}" if wrong is not None and row[wrong] else ""
         parts.append(f"{classes[i]} {acc:.1f}% ({row[i]}/{sum(row)}{as_what})")
     return ", ".join(parts)
