@@ -16,6 +16,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -371,6 +372,15 @@ def test_every_test_that_starts_a_process_is_marked_e2e():
     stale = [t for t in IN_PROCESS_ALTHOUGH if t.split("::")[0] not in files or t.split("::")[1] not in {
         n.name for n in files[t.split("::")[0]].body if isinstance(n, ast.FunctionDef)}]
     assert not stale, f"IN_PROCESS_ALTHOUGH names tests that are gone: {stale}"
+
+
+def test_every_test_module_opens_with_its_subject():
+    """A module introduced by the issue that added it ("Issue 35 item 2: ...") says when, not what:
+    the docstring's first words name the subject; the issue belongs in the history."""
+    opening = re.compile(r"^\W*(issue\b|#\d)", re.I)
+    bad = [name for name, tree in _test_files().items()
+           if opening.match((ast.get_docstring(tree) or "").lstrip())]
+    assert not bad, f"these test modules open with an issue number, not their subject: {bad}"
 
 
 CONFLICT_MARKERS = ("<<<<<<< ", "=======\n", ">>>>>>> ")
