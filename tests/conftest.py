@@ -27,6 +27,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -255,26 +257,37 @@ def wait_gone(procs: dict[int, str] | list[int], timeout: float) -> list[int]:
     return alive(procs)
 
 
-def start_until_training(argv: list[str], out) -> tuple[subprocess.Popen, dict[int, str], object]:
+def start_until(argv: list[str], out, until: Callable[[Any], bool], timeout: float = 180
+                ) -> tuple[subprocess.Popen, dict[int, str], Any]:
     """argv (a train command writing into out) in a session of its own, its output in <out>.console.txt,
-    returned once log.txt shows the first training step: (the launcher, every process seen, console)."""
+    returned once until(out) holds: (the launcher, every process seen, the console file)."""
     console = out.parent / f"{out.name}.console.txt"
     with open(console, "w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     job: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 180
-        while "[train] epoch 1/1 iter" not in read_text_or_empty(out / "log.txt"):
+        deadline = time.monotonic() + timeout
+        while not until(out):
             assert proc.poll() is None, f"exited {proc.returncode} early:\n{console.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no training step after 180 s\n{console.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not there after {timeout} s\n{console.read_text()[-4000:]}"
             job.update(process_tree(proc.pid))
-            time.sleep(0.1)
+            time.sleep(0.05)
     except BaseException:
         kill_tree(proc, job)
         raise
     job.update(process_tree(proc.pid))
     return proc, job, console
+
+
+def logged(text: str) -> Callable[[Any], bool]:
+    """until for start_until: log.txt in out holds text."""
+    return lambda out: text in read_text_or_empty(out / "log.txt")
+
+
+def start_until_training(argv: list[str], out) -> tuple[subprocess.Popen, dict[int, str], Any]:
+    """start_until the first training step of a one-epoch run shows in log.txt."""
+    return start_until(argv, out, logged("[train] epoch 1/1 iter"))
 
 
 def kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:

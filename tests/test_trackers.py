@@ -14,7 +14,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -28,10 +27,11 @@ from tests.conftest import (
     env,
     free_port,
     kill_tree,
+    logged,
     make_cfg,
-    process_tree,
     read_metrics,
     read_text_or_empty,
+    start_until,
     wait_gone,
 )
 
@@ -43,26 +43,6 @@ LONG = ["TRAIN.SYNTHETIC_SAMPLES", "2048", "TEST.SYNTHETIC_SAMPLES", "16", "TRAI
 def _train(out, *opts: str) -> list[str]:
     return [sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "--nproc-per-node", "2", *BOTH, *LONG,
             "OUT_DIR", str(out), *opts]
-
-
-def _start(argv: list[str], out, until) -> tuple[subprocess.Popen, dict[int, str], str]:
-    """argv in a session of its own, returned once until(out) holds: (launcher, its processes, console path)."""
-    console = f"{out}.console.txt"
-    with open(console, "w") as f:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    job: dict[int, str] = {}
-    deadline = time.monotonic() + 240
-    try:
-        while not until(out):
-            assert proc.poll() is None, f"exited {proc.returncode} early:\n{open(console).read()[-4000:]}"
-            assert time.monotonic() < deadline, f"not there after 240 s:\n{open(console).read()[-4000:]}"
-            job.update(process_tree(proc.pid))
-            time.sleep(0.02)
-    except BaseException:
-        kill_tree(proc, job)
-        raise
-    job.update(process_tree(proc.pid))
-    return proc, job, console
 
 
 def _checkpoint(out) -> dict:
@@ -150,10 +130,10 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     TRAIN.TRACKER_CHECKPOINTS the finished run gets best.pth and last.pth as files too."""
     out = tmp_path / "run"
     argv = _train(out, "TRAIN.TRACKER_CHECKPOINTS", "True")
-    proc, job, console = _start(argv, out, lambda o: "epoch 2/2 iter" in read_text_or_empty(o / "log.txt"))
+    proc, job, console = start_until(argv, out, logged("epoch 2/2 iter"), timeout=240)
     try:
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=90) == 128 + signal.SIGTERM, open(console).read()[-4000:]
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM, console.read_text()[-4000:]
         assert not wait_gone(job, 15)
     finally:
         kill_tree(proc, job)
@@ -206,10 +186,11 @@ def test_after_a_sigkill_the_resumed_job_logs_no_step_twice(tmp_path):
 
     def past_checkpoint(o) -> bool:
         marks = json.loads(read_text_or_empty(o / "trackers.json") or "{}")
-        logged = max((s for m in marks.values() for s in m.values()), default=0)
-        return (o / "checkpoints" / "step_00000020.pth").exists() and logged > 20
+        last = max((s for m in marks.values() for s in m.values()), default=0)
+        return (o / "checkpoints" / "step_00000020.pth").exists() and last > 20
 
-    proc, job, _ = _start(_train(out, "OPTIM.MAX_EPOCH", "1", "TRAIN.CKPT_PERIOD_STEPS", "20"), out, past_checkpoint)
+    proc, job, _ = start_until(_train(out, "OPTIM.MAX_EPOCH", "1", "TRAIN.CKPT_PERIOD_STEPS", "20"), out, past_checkpoint,
+                               timeout=240)
     kill_tree(proc, job)  # SIGKILL, every process of the job
     stopped = _checkpoint(out)
     marks = json.loads((out / "trackers.json").read_text())

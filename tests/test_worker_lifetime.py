@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import ROOT, TINY, env, kill_tree, process_tree, read_text_or_empty, wait_gone
+from tests.conftest import TINY, kill_tree, logged, start_until, wait_gone
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -27,30 +25,11 @@ WITH_WORKERS = ["--cfg", TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.SYNTHETIC_SAMPLES"
                 "64", "TRAIN.WORKERS", "2"]
 
 
-def _until_epoch_2(argv: list[str], out) -> tuple[subprocess.Popen, dict[int, str], object]:
-    """argv started in a session of its own, returned once rank 0 logs a step of epoch 2: (the
-    launcher, every process seen, the console file)."""
-    console = out.parent / f"{out.name}.console.txt"
-    with open(console, "w") as f:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    job: dict[int, str] = {}
-    try:
-        deadline = time.monotonic() + 180
-        while "[train] epoch 2/2 iter" not in read_text_or_empty(out / "log.txt"):
-            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()[-3000:]
-            job.update(process_tree(proc.pid))
-            time.sleep(0.05)
-    except BaseException:
-        kill_tree(proc, job)
-        raise
-    job.update(process_tree(proc.pid))
-    return proc, job, console
-
-
 def test_loader_workers_die_with_a_main_process_killed_outright(tmp_path):
     """kill -9 of a training process with 2 workers per loader: every worker is gone within 3 s."""
     out = tmp_path / "run"
-    proc, job, _ = _until_epoch_2([COMMAND, "train", "OUT_DIR", str(out), *WITH_WORKERS], out)
+    proc, job, _ = start_until([COMMAND, "train", "OUT_DIR", str(out), *WITH_WORKERS], out,
+                               logged("[train] epoch 2/2 iter"))
     try:
         assert len(job) >= 5, job  # the main process, 2 training and 2 validation workers
         os.kill(proc.pid, signal.SIGKILL)
@@ -65,8 +44,8 @@ def test_a_spawner_killed_outright_leaves_no_rank_and_no_worker(tmp_path):
     """kill -9 of the spawner: its ranks get SIGINT from the kernel (torch sets their parent-death
     signal) and end, and their loader workers end with them: nothing is left within 15 s."""
     out = tmp_path / "run"
-    proc, job, console = _until_epoch_2([COMMAND, "train", "--nproc-per-node", "2", "OUT_DIR", str(out),
-                                         *WITH_WORKERS, "TRAIN.WORKERS", "1"], out)
+    proc, job, console = start_until([COMMAND, "train", "--nproc-per-node", "2", "OUT_DIR", str(out),
+                                         *WITH_WORKERS, "TRAIN.WORKERS", "1"], out, logged("[train] epoch 2/2 iter"))
     try:
         assert len(job) >= 7, job  # the spawner, 2 ranks, and a training and a validation worker each
         os.kill(proc.pid, signal.SIGKILL)
