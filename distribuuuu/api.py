@@ -64,13 +64,13 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
                 f"of memory before any activation; lower {key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE")
 
 
-def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> None:
+def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: bool = True) -> list[str]:
     """Checks that need no process group, run before any starts so no rank is left waiting (a user
     error here ends every rank alike, at once). Run by ``run_command`` in each process, and once more
     by the CLI before the spawner starts its children, so a bad config fails once, not once per rank.
 
     command: "train" or "eval". all_ranks_here: every rank runs on this host (plain, spawner,
-    one-node torchrun/srun).
+    one-node torchrun/srun). Returns the data's notes (data.check_datasets) for rank 0's setup lines.
     """
     if command == "eval":  # the weights run_eval will use, before anything about the data: what eval misses first
         inference.chosen_weights(cfg, "eval")
@@ -83,8 +83,9 @@ def check_before_start(command: str, cfg: Any, world_size: int, all_ranks_here: 
     if isinstance(pretrained, str) and not cfg.MODEL.WEIGHTS and not os.path.isfile(pretrained):
         raise UserError(f"MODEL.PRETRAINED {pretrained!r} does not exist; give the path of a weights file, or "
                         "True for MODEL.ARCH's file in torch hub's cache")
-    data.check_datasets(cfg, world_size, train=(command == "train"))
+    notes = data.check_datasets(cfg, world_size, train=(command == "train"))
     run_folder.check_folder(cfg, command, all_ranks_here)  # OUT_DIR usable, not another run's, resumable
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def run_command(command: str, cfg: CfgNode, hooks: Sequence[HookBase] = ()) -> d
 def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[str, Any]:
     info = launcher.detect()  # once per process: the process group takes it
     cfg = inferred.resolve(cfg, info.local_world_size)  # the keys left unset, decided from the data once
-    check_before_start(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
+    data_notes = check_before_start(command, cfg, info.world_size, all_ranks_here=info.local_world_size == info.world_size)
     strategy = strategies.strategy_class(cfg.DIST.STRATEGY)  # what its process group needs
     with comm.session(cfg, info, strategy) as ctx, run_folder.owned(cfg, ctx, lock=command == "train") as notes:
         # log.txt and the run record (config.yaml, env.json, ...) wait for every check to pass
@@ -153,6 +154,8 @@ def _run_checked(command: str, cfg: CfgNode, hooks: Sequence[HookBase]) -> dict[
         try:
             if ctx.is_main:
                 inferred.log_decisions(cfg)  # the values decided from the data, with their origins
+                for note in data_notes:  # what the data's checks want said (a small evaluation set)
+                    log.info("setup: %s", note)
             if command == "eval":
                 return run_eval(cfg, ctx)
             return _fit(cfg, ctx, hooks)
@@ -177,8 +180,9 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
         log.info("[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g held out",
                  cfg.TRAIN.VAL_SPLIT)
         loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-    else:
-        loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # never the held-out split
+    else:  # never the held-out split; e.g. TEST.DATASET the whole training folder: the overlap is counted
+        data.check_overlap(cfg, ctx.is_main)
+        loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
     start = time.perf_counter()
     result = engine.evaluate(model, loader, cfg, ctx)
     confusion, classes = result.pop("confusion"), model_card.describe(cfg, loader.dataset).classes

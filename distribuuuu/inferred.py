@@ -18,13 +18,14 @@ logged once by rank 0 with the setup lines (``log_decisions``):
                          unset a stratified, seeded tenth of it is held out as the val set
                          (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
-  TRAIN.TOPK             clamped to MODEL.NUM_CLASSES
+  TRAIN.TOPK             clamped below MODEL.NUM_CLASSES (top-k of k classes is always 100%)
   TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8;
                          a value set above both the cores and 8 is clamped to the larger (warned)
   NUM_THREADS            a value set above this process's cores is clamped to them (warned)
   OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: the schedule's warmup is a fifth of the run
                          (optim.warmup_epochs, used by the LR schedule; the key keeps its value)
   IMPORTS                entries found only from this folder, as absolute paths
+  TRAIN/TEST.DATASET     a path that exists here, as an absolute path (no line: config.yaml shows it)
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         return cfg
     out = cfg.clone()
     out.defrost()
-    decided = _flat_folder(out) if _is_flat_folder(out) else []
+    decided = _followed(out) + (_flat_folder(out) if _is_flat_folder(out) else [])
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
         split = out.TEST.SPLIT or "(itself)"
         decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}"))
     decided += [*_num_classes(out), _eval_size(out), _workers(out, local_world_size), *_threads(out), *_warmup(out)]
     decided += _absolute_imports(out)
+    _absolute_datasets(out)  # last: the lines above name the data as the user wrote it
     out.freeze()
     out.__dict__[_DECISIONS] = tuple(decided)
     return out
@@ -134,6 +136,17 @@ def _flat_folder(cfg: CfgNode) -> list[Decision]:
             t.VAL_SPLIT = HOLDOUT_FRACTION
             decided.append(Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, _holdout_origin(t.DATASET, classes)))
     return decided
+
+
+def _followed(cfg: CfgNode) -> list[Decision]:
+    """The line of a config file's TEST.DATASET that load_config dropped (config/reading.py: _test_follows_train)."""
+    from distribuuuu.config.reading import TEST_FOLLOWED
+
+    if TEST_FOLLOWED not in cfg.__dict__:
+        return []
+    test, train = cfg.__dict__[TEST_FOLLOWED]
+    return [Decision("TEST.DATASET", "follows TRAIN.DATASET", f"the config file's {test!r} goes with its TRAIN.DATASET "
+                     f"{train!r}, which the command line replaced")]
 
 
 def _holdout_origin(dataset: str, classes: list[str]) -> str:
@@ -197,9 +210,12 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
         classes, origin = train_classes(cfg)
         cfg.MODEL.NUM_CLASSES = len(classes) if classes else FALLBACK_CLASSES
         origin = origin if classes else f"{origin}: the former default"
-    topk, origin_topk = min(cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES), "config"
+    classes = cfg.MODEL.NUM_CLASSES  # top-k of k classes or fewer is always 100%: k stays below them
+    topk, origin_topk = min(cfg.TRAIN.TOPK, max(1, classes - 1)), "config"
     if topk < cfg.TRAIN.TOPK:
-        origin_topk, cfg.TRAIN.TOPK = f"clamped from {cfg.TRAIN.TOPK} to MODEL.NUM_CLASSES", topk
+        origin_topk = (f"clamped from {cfg.TRAIN.TOPK}: top-{cfg.TRAIN.TOPK} of {classes} classes would always be "
+                       "100%, saying nothing")
+        cfg.TRAIN.TOPK = topk
     return [Decision("MODEL.NUM_CLASSES", cfg.MODEL.NUM_CLASSES, origin), Decision("TRAIN.TOPK", topk, origin_topk)]
 
 
@@ -277,6 +293,15 @@ def _absolute_imports(cfg: CfgNode) -> list[Decision]:
     models = sys.modules.get("distribuuuu.models")  # not imported: nothing was registered with it
     model_file = models.user_model_file(cfg.MODEL.ARCH) if models is not None else None
     return _imports_as_paths(cfg, model_file) if cfg.IMPORTS or model_file else []
+
+
+def _absolute_datasets(cfg: CfgNode) -> None:
+    """TRAIN.DATASET and TEST.DATASET that name a path here (not a registered source) as absolute paths:
+    config.yaml and the checkpoints' cards then find the data, and its held-out part, from any folder."""
+    for group in (cfg.TRAIN, cfg.TEST):
+        kind = _kind(group.DATASET) if os.path.exists(group.DATASET) or "{" in group.DATASET else ""
+        if kind in ("folder", "cifar", "shards"):  # (a shard set's brace pattern names no file itself)
+            group.DATASET = os.path.abspath(group.DATASET)
 
 
 def _imports_as_paths(cfg: CfgNode, model_file: str | None) -> list[Decision]:

@@ -25,6 +25,7 @@ from distribuuuu.config.validate import validate
 from distribuuuu.errors import UserError
 
 CONFIG_DIFF = "config_diff.yaml"  # in OUT_DIR: the keys a run sets that differ from the defaults
+TEST_FOLLOWED = "_test_followed_train"  # set on a config whose file's TEST.DATASET load_config dropped (inferred.py)
 
 
 def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> CN:
@@ -33,12 +34,26 @@ def load_config(cfg_file: str | None = None, opts: list[str] | None = None) -> C
     cfg = get_defaults()
     if cfg_file:
         merge_file(cfg, cfg_file)
+    file_data = (cfg.TRAIN.DATASET, cfg.TEST.DATASET)
     merge_opts(cfg, list(opts or []))
+    if cfg.TEST.DATASET and cfg.TRAIN.DATASET != file_data[0] and "TEST.DATASET" not in (opts or [])[0::2]:
+        _test_follows_train(cfg, *file_data, opts or [])
     validate(cfg)
     cfg.freeze()
     if cfg.IMPORTS:
         import_user_modules(cfg.IMPORTS)
     return cfg
+
+
+def _test_follows_train(cfg: CN, file_train: str, file_test: str, opts: list[str]) -> None:
+    """The command line replaced the config file's TRAIN.DATASET and left its TEST.DATASET: that one was
+    chosen for the file's own data (mnist5k_fast's mnist5k), and a model of the user's classes would be
+    scored on it without a word. TEST.DATASET follows TRAIN.DATASET instead ('': its TEST.SPLIT, or the
+    part TRAIN.VAL_SPLIT holds out of a folder of class folders), with a setup line (inferred.py)."""
+    cfg.TEST.DATASET = ""
+    if "TEST.SPLIT" not in opts[0::2]:
+        cfg.TEST.SPLIT = _C.TEST.SPLIT
+    cfg.__dict__[TEST_FOLLOWED] = (file_test, file_train)
 
 
 def get_defaults() -> CN:

@@ -44,24 +44,45 @@ NAMED = images.NAMED  # how many offenders a message names
 # ---------------------------------------------------------------------------------------------
 # The preflight
 # ---------------------------------------------------------------------------------------------
-def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> None:
-    """Raise UserError when the data of cfg cannot work; train=False checks TEST only (eval)."""
+def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> list[str]:
+    """Raise UserError when the data of cfg cannot work; train=False checks TEST only (eval). Returns the
+    notes for rank 0's setup lines (an evaluation set too small to tell models apart)."""
     if cfg.MODEL.DUMMY_INPUT:
-        return  # random tensors: nothing on disk to check
-    classes = {}
+        return []  # random tensors: nothing on disk to check
+    classes, counts = {}, {}
     for key in ("TRAIN", "TEST") if train else ("TEST",):
         if cfg.TRAIN.DATA_PIPELINE == "memory":  # refused here, before any process starts, if impossible
             data_pipeline(cfg, key)
-        classes[key], n, counts = _scan(cfg, key)
+        classes[key], n, counts[key] = _scan(cfg, key)
         _require_class_count(cfg, key, len(classes[key]))
         if key == "TRAIN":
-            train_n, kept = _training_samples(cfg, n, counts, world_size)
-            shards = counts is None  # (a shard set has no per-class counts)
+            train_n, kept = _training_samples(cfg, n, counts[key], world_size)
+            shards = counts[key] is None  # (a shard set has no per-class counts)
     if train:  # after TEST's checks: a wrong path or layout is the first thing to hear about
         _require_one_step(cfg, train_n, kept, world_size)
         if shards:
             _require_no_empty_step(cfg, train_n, world_size)
         _require_same_labels(cfg, classes["TRAIN"], classes["TEST"])
+    return _small_eval_set(cfg, counts["TRAIN" if train else "TEST"], n, train)
+
+
+SMALL_EVAL_SET = 50  # fewer images scored than this: a line on how little their top-1 can tell
+
+
+def _small_eval_set(cfg: CfgNode, counts: dict[str, int] | None, test_n: int, train: bool) -> list[str]:
+    """The note of an evaluation set under SMALL_EVAL_SET images: top-1 on n images has a 95% interval of
+    up to +-98/sqrt(n) points (1.96 standard errors at 50%), so two runs' top-1 may differ by chance alone.
+    Training is validated on the part TRAIN.VAL_SPLIT holds out (counts: the TRAIN data's), else on TEST;
+    eval scores that part when TEST is the training data, else TEST (test_n: its size)."""
+    t, test = cfg.TRAIN, cfg.TEST
+    held_out = t.VAL_SPLIT and counts is not None and (train or (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT))
+    n = datasets.check_holdout(counts, t.VAL_SPLIT) if held_out else test_n
+    if n >= SMALL_EVAL_SET:
+        return []
+    what = "the part TRAIN.VAL_SPLIT holds out" if held_out else f"TEST.DATASET {test.DATASET}"
+    return [f"evaluation set {n} images ({what}): each image moves top-1 by {100 / n:.1f} points and its 95% "
+            f"interval is up to +-{98 / n ** 0.5:.0f} points; {4 * SMALL_EVAL_SET} images would make it "
+            f"+-{98 / (4 * SMALL_EVAL_SET) ** 0.5:.0f}"]
 
 
 def _scan(cfg: CfgNode, key: str) -> tuple[list[str], int, dict[str, int] | None]:
@@ -346,8 +367,13 @@ def find(train_paths: list[str], test_paths: list[str]) -> Overlap:
 
 
 def _split_paths(cfg: CfgNode, key: str) -> list[str]:
+    """The image files of cfg[key]'s split; of TRAIN, only those trained on (TRAIN.VAL_SPLIT's part is not)."""
     split_dir = sources.folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
-    return [path for path, _ in images.list_split(split_dir, sources.folder_classes(split_dir)).samples()]
+    samples = images.list_split(split_dir, sources.folder_classes(split_dir)).samples()
+    if key == "TRAIN" and cfg.TRAIN.VAL_SPLIT:  # the loaders' own split of the same listing (datasets.part_of)
+        kept = datasets.holdout_indices(np.asarray([label for _, label in samples]), cfg.TRAIN.VAL_SPLIT)[0]
+        samples = [samples[i] for i in kept]
+    return [path for path, _ in samples]
 
 
 def overlap_message(cfg: CfgNode, found: Overlap) -> str:
@@ -370,7 +396,8 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
     """TRAIN.OVERLAP: rank 0 compares the training and evaluation folders and every rank gets the
     verdict (one broadcast: call it on every rank); 'warn' logs it on rank 0, 'error' is a UserError
     on every rank. TEST naming the training split itself, nothing held out: every rank counts its
-    images. Not two image folders (or OVERLAP off): nothing to compare."""
+    images. Not two image folders (or OVERLAP off): nothing to compare. Training calls it, and eval
+    of a TEST.DATASET other than the training data (api.run_eval)."""
     t, test = cfg.TRAIN, cfg.TEST
     if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (t.VAL_SPLIT and (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT)):
         return  # (TRAIN.VAL_SPLIT's part is held out of the training split: no overlap)
@@ -381,6 +408,9 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
                     cfg, "evaluate on a split of its own (TEST.SPLIT val) or hold a part out (TRAIN.VAL_SPLIT 0.1)"))
     elif sources.source_kind(t.DATASET) != "folder" or sources.source_kind(test.DATASET) != "folder":
         return
+    elif not os.path.isdir(os.path.join(t.DATASET, t.SPLIT)):  # eval of a checkpoint whose data is elsewhere
+        count, text = 1, (f"TRAIN.DATASET {t.DATASET!r} is not here, so whether TEST.DATASET {test.DATASET!r} holds "
+                          "training images is not checked")
     else:
         from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
 
