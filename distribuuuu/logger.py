@@ -124,10 +124,15 @@ def _terminal_columns() -> int:
         return 0
 
 
+PRINT_SECONDS = 10.0  # a progress line at least this often, whatever TRAIN.PRINT_FREQ
+
+
 class Progress:
     """Rank 0's view of one training epoch.
 
-    Lines mode: a line every TRAIN.PRINT_FREQ iterations and at the end. Bar mode: a tqdm bar moved
+    Lines mode: a line every TRAIN.PRINT_FREQ iterations and at the end, and also after the run's first
+    step and whenever PRINT_SECONDS passed without one (30 iterations of a slow model were minutes of
+    silence). Bar mode: a tqdm bar moved
     every iteration (tqdm redraws at most a few times a second), its loss / acc / img/s refreshed
     on the same print steps, log lines printed above it, and the periodic lines written to log.txt
     only. ``step`` is called every iteration and costs next to nothing; only on print steps does
@@ -163,7 +168,8 @@ class Progress:
         self.window_data += data_s
         if self.bar is not None:
             self.bar.update(1)
-        if self.enabled and ((it + 1) % self.freq == 0 or it + 1 == self.iters):
+        if self.enabled and ((it + 1) % self.freq == 0 or it + 1 == self.iters or (it, self.epoch) == (0, 0)
+                             or time.perf_counter() - self.window_start >= PRINT_SECONDS):
             return self._print(it, batch, lr, running())
         return None
 

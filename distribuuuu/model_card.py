@@ -37,8 +37,8 @@ from distribuuuu.data import images, sources
 from distribuuuu.data.shards.reader import ShardDataset
 from distribuuuu.data.transforms import image_stats, recipe_of, stats_for_channels
 from distribuuuu.errors import UserError
+from distribuuuu.weights import CARD_KEY  # the checkpoint entry (weights.py: the checkpoint format)
 
-CARD_KEY = "card"  # the checkpoint entry
 CARD_VERSION = 1  # bumped when a field changes meaning; from_dict reads this version
 
 

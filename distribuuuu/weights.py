@@ -57,6 +57,7 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP/DataParallel, torch.compile
 # ---------------------------------------------------------------------------------------------
 # Checkpoint files (see the module docstring)
 # ---------------------------------------------------------------------------------------------
+CARD_KEY = "card"  # the checkpoint entry holding the model card (model_card.py)
 INTEGRITY_KEY = "integrity"  # {"algorithm": "sha256", "parts": {top-level key: hex digest}}
 
 
@@ -263,7 +264,21 @@ def _head_classes(keys: list[str], state: dict, own: dict) -> tuple[str, int, in
     return k, state[k].shape[0], own[k].shape[0]
 
 
-def _check_shapes(model: nn.Module, where: str, state: dict, own: dict, mismatched: list[str]) -> None:
+def trained_as(path: str) -> str:
+    """What a checkpoint's model card says its model is, as the keys that build it ('' when the file has
+    no card): a fine-tune whose model does not fit the file names them instead of leaving them to guess."""
+    try:
+        card = load_checkpoint(path).get(CARD_KEY) if path.endswith(".pth") else None
+    except (UserError, AttributeError):
+        return ""
+    if not isinstance(card, dict) or not {"arch", "in_chans", "num_classes"} <= set(card):
+        return ""
+    keys = f"MODEL.ARCH {card['arch']} MODEL.IN_CHANS {card['in_chans']} MODEL.NUM_CLASSES {card['num_classes']}"
+    keys += " MODEL.SMALL_STEM True" if card.get("small_stem") else ""
+    return f"; its model card says it was trained as {keys} (give those keys to build that model)"
+
+
+def _check_shapes(model: nn.Module, path: str, where: str, state: dict, own: dict, mismatched: list[str]) -> None:
     """Refuse shape mismatches outside the classifier (UserError naming the first)."""
     head = heads.head_state_keys(model)
     others = [k for k in mismatched if k not in head]
@@ -273,7 +288,7 @@ def _check_shapes(model: nn.Module, where: str, state: dict, own: dict, mismatch
         raise UserError(
             f"{where}: layer {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} in the model"
             f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
-            "MODEL.SMALL_STEM or TRAIN.IM_SIZE settings")
+            f"MODEL.SMALL_STEM or TRAIN.IM_SIZE settings{trained_as(path)}")
 
 
 def _drop_head(model: nn.Module, where: str, state: dict, own: dict, mismatched: list[str],
@@ -314,7 +329,7 @@ def load_file(model: nn.Module, path: str, label: str, new_head: bool = False, a
     fresh = set()
     if mismatched and (adapt_stem or new_head):  # training: the stem takes the data's channels (1 <-> 3)
         fresh = _adapt_stem(model, state, own, mismatched, notes, keep_other_kernels=adapt_stem)
-    _check_shapes(model, where, state, own, mismatched)
+    _check_shapes(model, path, where, state, own, mismatched)
     new, head_line = _drop_head(model, where, state, own, mismatched, new_head, fresh_head)
     fresh |= new
     # Counters such as BatchNorm's num_batches_tracked are not weights; old files lack them. A file
@@ -327,7 +342,7 @@ def load_file(model: nn.Module, path: str, label: str, new_head: bool = False, a
         parts = ([f"missing from the file: {_few(missing)}"] if missing else []) + \
                 ([f"not in the model: {_few(unexpected)}"] if unexpected else [])
         raise UserError(f"{where} does not fit the {type(model).__name__} built from MODEL.ARCH; tensors "
-                        + "; tensors ".join(parts))
+                        + "; tensors ".join(parts) + trained_as(path))
     model.load_state_dict(state, strict=False)  # every difference was checked above
     if head_line:
         log.warning(head_line)

@@ -70,7 +70,7 @@ _C.TRAIN.WORKERS = -1
 _C.TRAIN.SHARD_SHUFFLE = 1000
 # Pin host memory of batches (only has an effect with CUDA)
 _C.TRAIN.PIN_MEMORY = True
-# Print a progress line every PRINT_FREQ iterations (rank 0 only)
+# Print a progress line every PRINT_FREQ iterations (rank 0 only; also after the first step and every 10 s)
 _C.TRAIN.PRINT_FREQ = 30
 # The k of the top-k accuracy reported next to top-1 (clamped to MODEL.NUM_CLASSES)
 _C.TRAIN.TOPK = 5
