@@ -181,7 +181,7 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
                  cfg.TRAIN.VAL_SPLIT)
         loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
     else:  # never the held-out split; e.g. TEST.DATASET the whole training folder: the overlap is counted
-        data.check_overlap(cfg, ctx.is_main)
+        data.check_eval_overlap(cfg, ctx.is_main)
         loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
     start = time.perf_counter()
     result = engine.evaluate(model, loader, cfg, ctx)

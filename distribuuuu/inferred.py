@@ -39,6 +39,7 @@ from typing import Any
 
 from yacs.config import CfgNode
 
+from distribuuuu.config.reading import TEST_FOLLOWED
 from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
@@ -81,7 +82,8 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         return cfg
     out = cfg.clone()
     out.defrost()
-    decided = _followed(out) + (_flat_folder(out) if _is_flat_folder(out) else [])
+    decided = _followed(out) if TEST_FOLLOWED in out.__dict__ else []  # a config file's TEST.DATASET dropped
+    decided += _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
         split = out.TEST.SPLIT or "(itself)"
@@ -140,10 +142,6 @@ def _flat_folder(cfg: CfgNode) -> list[Decision]:
 
 def _followed(cfg: CfgNode) -> list[Decision]:
     """The line of a config file's TEST.DATASET that load_config dropped (config/reading.py: _test_follows_train)."""
-    from distribuuuu.config.reading import TEST_FOLLOWED
-
-    if TEST_FOLLOWED not in cfg.__dict__:
-        return []
     test, train = cfg.__dict__[TEST_FOLLOWED]
     return [Decision("TEST.DATASET", "follows TRAIN.DATASET", f"the config file's {test!r} goes with its TRAIN.DATASET "
                      f"{train!r}, which the command line replaced")]
@@ -210,12 +208,10 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
         classes, origin = train_classes(cfg)
         cfg.MODEL.NUM_CLASSES = len(classes) if classes else FALLBACK_CLASSES
         origin = origin if classes else f"{origin}: the former default"
-    classes = cfg.MODEL.NUM_CLASSES  # top-k of k classes or fewer is always 100%: k stays below them
-    topk, origin_topk = min(cfg.TRAIN.TOPK, max(1, classes - 1)), "config"
+    topk, origin_topk = min(cfg.TRAIN.TOPK, max(1, cfg.MODEL.NUM_CLASSES - 1)), "config"  # top-k of k classes: 100%
     if topk < cfg.TRAIN.TOPK:
-        origin_topk = (f"clamped from {cfg.TRAIN.TOPK}: top-{cfg.TRAIN.TOPK} of {classes} classes would always be "
-                       "100%, saying nothing")
-        cfg.TRAIN.TOPK = topk
+        origin_topk, cfg.TRAIN.TOPK = (f"clamped from {cfg.TRAIN.TOPK}: top-{cfg.TRAIN.TOPK} of {cfg.MODEL.NUM_CLASSES} "
+                                       "classes would always be 100%, saying nothing"), topk
     return [Decision("MODEL.NUM_CLASSES", cfg.MODEL.NUM_CLASSES, origin), Decision("TRAIN.TOPK", topk, origin_topk)]
 
 
@@ -298,9 +294,8 @@ def _absolute_imports(cfg: CfgNode) -> list[Decision]:
 def _absolute_datasets(cfg: CfgNode) -> None:
     """TRAIN.DATASET and TEST.DATASET that name a path here (not a registered source) as absolute paths:
     config.yaml and the checkpoints' cards then find the data, and its held-out part, from any folder."""
-    for group in (cfg.TRAIN, cfg.TEST):
-        kind = _kind(group.DATASET) if os.path.exists(group.DATASET) or "{" in group.DATASET else ""
-        if kind in ("folder", "cifar", "shards"):  # (a shard set's brace pattern names no file itself)
+    for group in (cfg.TRAIN, cfg.TEST):  # (a shard set's brace pattern names no file itself)
+        if (os.path.exists(group.DATASET) or "{" in group.DATASET) and _kind(group.DATASET) in ("folder", "cifar", "shards"):
             group.DATASET = os.path.abspath(group.DATASET)
 
 

@@ -130,9 +130,9 @@ PRINT_SECONDS = 10.0  # a progress line at least this often, whatever TRAIN.PRIN
 class Progress:
     """Rank 0's view of one training epoch.
 
-    Lines mode: a line every TRAIN.PRINT_FREQ iterations and at the end, and also after the run's first
-    step and whenever PRINT_SECONDS passed without one (30 iterations of a slow model were minutes of
-    silence). Bar mode: a tqdm bar moved
+    Lines mode: a line every TRAIN.PRINT_FREQ iterations and at the end, also after the run's first step,
+    and, whenever PRINT_SECONDS pass without one, a shorter line (where the run is and its eta: the metrics
+    would cost a host sync; 30 iterations of a slow model were minutes of silence). Bar mode: a tqdm bar moved
     every iteration (tqdm redraws at most a few times a second), its loss / acc / img/s refreshed
     on the same print steps, log lines printed above it, and the periodic lines written to log.txt
     only. ``step`` is called every iteration and costs next to nothing; only on print steps does
@@ -144,6 +144,7 @@ class Progress:
         self.max_epoch, self.freq, self.topk = cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PRINT_FREQ, cfg.TRAIN.TOPK
         self.bar: Any = self._open_bar() if enabled and progress_mode() == "bar" else None
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
+        self.last_line = self.window_start  # a line at least every PRINT_SECONDS (lines mode)
 
     def _open_bar(self) -> Any:
         """The tqdm bar, and the console log lines printed above it (tqdm.write) until close()."""
@@ -168,15 +169,22 @@ class Progress:
         self.window_data += data_s
         if self.bar is not None:
             self.bar.update(1)
-        if self.enabled and ((it + 1) % self.freq == 0 or it + 1 == self.iters or (it, self.epoch) == (0, 0)
-                             or time.perf_counter() - self.window_start >= PRINT_SECONDS):
+        if self.enabled and ((it + 1) % self.freq == 0 or it + 1 == self.iters or (it, self.epoch) == (0, 0)):
             return self._print(it, batch, lr, running())
+        if self.enabled and self.bar is None and (now := time.perf_counter()) - self.last_line >= PRINT_SECONDS:
+            self.last_line, step_s = now, (now - self.window_start) / self.window_iters  # no metrics: no host sync
+            logging.getLogger(LOGGER_NAME).info("[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs", self.epoch + 1,
+                                                self.max_epoch, it + 1, self.iters, format_seconds(self._left(it) * step_s), step_s)
         return None
+
+    def _left(self, it: int) -> int:
+        """The run's iterations after iteration it (this epoch's iteration count for the epochs to come)."""
+        return (self.iters - it - 1) + (self.max_epoch - self.epoch - 1) * self.iters
 
     def _print(self, it: int, batch: int, lr: float, stats: dict[str, float]) -> dict[str, float]:
         """A print step: the line (log.txt only under a bar, which shows the numbers), a new window."""
         step_s = (time.perf_counter() - self.window_start) / self.window_iters
-        eta = format_seconds(((self.iters - it - 1) + (self.max_epoch - self.epoch - 1) * self.iters) * step_s)
+        eta = format_seconds(self._left(it) * step_s)
         img_s = batch * self.world_size / step_s
         loss, top1, topk = stats["loss"], stats["top1"], stats["topk_acc"]
         if self.bar is not None:
@@ -187,6 +195,7 @@ class Progress:
             self.window_data / self.window_iters, loss, top1, self.topk, topk, lr, img_s,
             extra={"console": self.bar is None})
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
+        self.last_line = self.window_start
         return {"loss": loss, "top1": top1, "topk_acc": topk, "lr": lr, "img_per_s": img_s}
 
     def _show_on_bar(self, loss: float, top1: float, topk: float, img_s: float, eta: str) -> None:

@@ -63,7 +63,7 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> list[st
         if shards:
             _require_no_empty_step(cfg, train_n, world_size)
         _require_same_labels(cfg, classes["TRAIN"], classes["TEST"])
-    return _small_eval_set(cfg, counts["TRAIN" if train else "TEST"], n, train)
+    return _small_eval_set(cfg, counts["TRAIN" if train else "TEST"], n, train) if cfg.TRAIN.VAL_SPLIT or n < SMALL_EVAL_SET else []
 
 
 SMALL_EVAL_SET = 50  # fewer images scored than this: a line on how little their top-1 can tell
@@ -370,10 +370,9 @@ def _split_paths(cfg: CfgNode, key: str) -> list[str]:
     """The image files of cfg[key]'s split; of TRAIN, only those trained on (TRAIN.VAL_SPLIT's part is not)."""
     split_dir = sources.folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
     samples = images.list_split(split_dir, sources.folder_classes(split_dir)).samples()
-    if key == "TRAIN" and cfg.TRAIN.VAL_SPLIT:  # the loaders' own split of the same listing (datasets.part_of)
-        kept = datasets.holdout_indices(np.asarray([label for _, label in samples]), cfg.TRAIN.VAL_SPLIT)[0]
-        samples = [samples[i] for i in kept]
-    return [path for path, _ in samples]
+    kept = datasets.holdout_indices(np.asarray([label for _, label in samples]), cfg.TRAIN.VAL_SPLIT)[0] if (
+        key == "TRAIN" and cfg.TRAIN.VAL_SPLIT) else range(len(samples))  # the loaders' split of it (datasets.part_of)
+    return [samples[i][0] for i in kept]
 
 
 def overlap_message(cfg: CfgNode, found: Overlap) -> str:
@@ -396,8 +395,7 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
     """TRAIN.OVERLAP: rank 0 compares the training and evaluation folders and every rank gets the
     verdict (one broadcast: call it on every rank); 'warn' logs it on rank 0, 'error' is a UserError
     on every rank. TEST naming the training split itself, nothing held out: every rank counts its
-    images. Not two image folders (or OVERLAP off): nothing to compare. Training calls it, and eval
-    of a TEST.DATASET other than the training data (api.run_eval)."""
+    images. Not two image folders (or OVERLAP off): nothing to compare. Training calls it; eval, check_eval_overlap."""
     t, test = cfg.TRAIN, cfg.TEST
     if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (t.VAL_SPLIT and (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT)):
         return  # (TRAIN.VAL_SPLIT's part is held out of the training split: no overlap)
@@ -408,9 +406,6 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
                     cfg, "evaluate on a split of its own (TEST.SPLIT val) or hold a part out (TRAIN.VAL_SPLIT 0.1)"))
     elif sources.source_kind(t.DATASET) != "folder" or sources.source_kind(test.DATASET) != "folder":
         return
-    elif not os.path.isdir(os.path.join(t.DATASET, t.SPLIT)):  # eval of a checkpoint whose data is elsewhere
-        count, text = 1, (f"TRAIN.DATASET {t.DATASET!r} is not here, so whether TEST.DATASET {test.DATASET!r} holds "
-                          "training images is not checked")
     else:
         from distribuuuu.launch import comm  # torch.distributed: only once there is something to compare
 
@@ -423,3 +418,15 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
         raise UserError(text)
     if count and is_main:
         logging.getLogger("distribuuuu").warning(text)
+
+
+def check_eval_overlap(cfg: CfgNode, is_main: bool) -> None:
+    """check_overlap for eval of a TEST.DATASET that is not the training data itself (e.g. the whole training
+    folder, or a copy of it: its training images would be scored without a word), when the training folder
+    is here to compare; a checkpoint's training folder that is not here is said instead."""
+    t = cfg.TRAIN
+    if sources.source_kind(t.DATASET) != "folder" or os.path.isdir(os.path.join(t.DATASET, t.SPLIT)):
+        return check_overlap(cfg, is_main)
+    if is_main and t.OVERLAP != "off":
+        logging.getLogger("distribuuuu").warning(f"TRAIN.DATASET {t.DATASET!r} is not here, so whether TEST.DATASET "
+                                                 f"{cfg.TEST.DATASET!r} holds training images is not checked")
