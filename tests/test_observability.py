@@ -356,7 +356,7 @@ def test_progress_mode_can_be_forced(mode, monkeypatch, tmp_path):
     logger.setup_logging(None, is_main=True)  # close log.txt
     text = stream.getvalue()
     log = (tmp_path / "log.txt").read_text()
-    assert log.count("[train] epoch 1/3 iter") == 2  # iterations 2 and 4, in log.txt in both modes
+    assert log.count("[train] epoch 1/3 iter") == 3  # iterations 1 (the run's first), 2 and 4, in log.txt in both modes
     assert "a warning in mid-epoch" in log and "a warning in mid-epoch\n" in text
     if mode == "bar":
         assert "epoch 1/3: 100%|" in text and "loss 1.2500, acc@1 50.00, acc@5 75.00" in text
@@ -364,7 +364,7 @@ def test_progress_mode_can_be_forced(mode, monkeypatch, tmp_path):
         # printed above the bar (tqdm.write), on a line of its own
         assert any(line.startswith("[") and line.endswith("a warning in mid-epoch\n") for line in text.split("\r"))
     else:
-        assert "%|" not in text and text.count("[train] epoch 1/3 iter") == 2
+        assert "%|" not in text and text.count("[train] epoch 1/3 iter") == 3
 
 
 def test_progress_of_other_ranks_prints_nothing(monkeypatch):

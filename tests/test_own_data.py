@@ -40,11 +40,11 @@ def three_classes(root, ext: str = "png", size=(12, 10)) -> str:
 def test_unset_keys_follow_a_folder_of_train_and_val(tmp_path):
     root = three_classes(tmp_path)
     cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.BATCH_SIZE", "4")
-    assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.TOPK) == (3, root, "val", 3)
+    assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.TOPK) == (3, root, "val", 2)
     f = decisions(cfg)
     assert f["MODEL.NUM_CLASSES"].line() == "MODEL.NUM_CLASSES 3 (from the folder)"
     assert f["TEST.DATASET"].line() == f"TEST.DATASET {root} (TRAIN.DATASET, split 'val')"
-    assert f["TRAIN.TOPK"].line() == "TRAIN.TOPK 3 (clamped from 5 to MODEL.NUM_CLASSES)"
+    assert f["TRAIN.TOPK"].line() == "TRAIN.TOPK 2 (clamped from 5: top-5 of 3 classes would always be 100%, saying nothing)"
     data.check_datasets(cfg, 1)  # the data agrees
     assert models.build_model(cfg).fc.out_features == 3
 
