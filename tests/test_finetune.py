@@ -213,7 +213,7 @@ def test_a_1_channel_checkpoint_fine_tunes_onto_3_rgb_classes_and_back(tmp_path,
     state, card, cfg = _trained(tmp_path / "rgb")
     assert state["conv1.0.weight"].shape[1] == 3 and state["fc.weight"].shape[0] == 3  # 3-channel stem, 3-way head
     assert card.classes == ["cat", "dog", "owl"] and card.in_chans == 3
-    assert (cfg.MODEL.NUM_CLASSES, cfg.TRAIN.TOPK) == (3, 3)  # followed the folder; TOPK 5 clamped
+    assert (cfg.MODEL.NUM_CLASSES, cfg.TRAIN.TOPK) == (3, 2)  # followed the folder; TOPK 5 clamped below 3
     # And back: the RGB run's weights onto the gray images, a 1-channel stem and a 4-way head again.
     digits = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(gray_ckpt))), "digits")
     proc = check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", digits, "MODEL.IN_CHANS", "1",

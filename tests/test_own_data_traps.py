@@ -8,6 +8,7 @@ architecture the checkpoint's card records."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -67,20 +68,26 @@ def test_a_folder_with_a_val_folder_follows_with_its_val_split(tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run on ./faces (a relative path), trained from its parent folder: (that folder, best.pth)."""
+    """A run of the shipped mnist5k_fast (resnet_tiny, 1 channel) on ./faces (a relative path), trained
+    from its parent folder: (that folder, best.pth)."""
     work = tmp_path_factory.mktemp("user")
     own_folder(work / "faces")
     before = os.getcwd()
     os.chdir(work)
     try:
-        cfg = make_cfg("TRAIN.DATASET", "faces", "MODEL.NUM_CLASSES", 0, "MODEL.ARCH", "resnet_tiny",
-                       "MODEL.IN_CHANS", 1, "TRAIN.IM_SIZE", 8, "TEST.IM_SIZE", 8, "TRAIN.BATCH_SIZE", 18,
-                       "TEST.BATCH_SIZE", 18, "TRAIN.WORKERS", 0, "OPTIM.MAX_EPOCH", 1, "OUT_DIR", "runs/faces",
-                       "DEVICE", "cpu", "NUM_THREADS", 1, "RNG_SEED", 0)
+        cfg = make_cfg("TRAIN.DATASET", "faces", "MODEL.NUM_CLASSES", 0, "TRAIN.DATA_PIPELINE", "auto",
+                       "TRAIN.IM_SIZE", 8, "TEST.IM_SIZE", 8, "TRAIN.BATCH_SIZE", 18, "TEST.BATCH_SIZE", 18,
+                       "OPTIM.MAX_EPOCH", 1, "OUT_DIR", "runs/faces", base="mnist5k_fast")
         api.train(cfg)
     finally:
         os.chdir(before)
     return work, str(work / "runs" / "faces" / "checkpoints" / "best.pth")
+
+
+def test_a_shipped_configs_run_on_ones_own_folder_validates_on_its_held_out_part(trained):
+    work, _ = trained
+    rows = [json.loads(line) for line in open(work / "runs" / "faces" / "metrics.jsonl")]
+    assert [r["n"] for r in rows if r.get("split") == "val"] == [HELD]  # not mnist5k's 1,000 digits
 
 
 def test_dataset_paths_are_stored_absolute_and_eval_finds_the_held_out_part_from_elsewhere(trained, tmp_path,
@@ -171,3 +178,12 @@ def test_the_first_step_prints_a_line_and_then_the_clock_does(monkeypatch, tmp_p
     assert len(_lines(monkeypatch, tmp_path / "b", epoch=1)) == 1  # a later epoch: the end only
     monkeypatch.setattr(logger, "PRINT_SECONDS", 0.05)
     assert len(_lines(monkeypatch, tmp_path / "c", epoch=1, sleep=0.06)) == 4  # each step past the interval
+
+
+def test_eval_says_when_the_training_folder_is_not_here_to_compare(tmp_path, caplog):
+    test = own_folder(tmp_path / "faces")
+    cfg = make_cfg("TRAIN.DATASET", "faces_of_another_machine", "TRAIN.SPLIT", "", "TEST.DATASET", test,
+                   "TEST.SPLIT", "", resolve=False)
+    with caplog.at_level(logging.WARNING, logger="distribuuuu"):
+        data.check_eval_overlap(cfg, is_main=True)
+    assert "TRAIN.DATASET 'faces_of_another_machine' is not here, so whether TEST.DATASET" in caplog.text
