@@ -72,7 +72,7 @@ _C.TRAIN.SHARD_SHUFFLE = 1000
 _C.TRAIN.PIN_MEMORY = True
 # Print a progress line every PRINT_FREQ iterations (rank 0 only; also after the first step and every 10 s)
 _C.TRAIN.PRINT_FREQ = 30
-# The k of the top-k accuracy reported next to top-1 (clamped to MODEL.NUM_CLASSES)
+# The k of the top-k accuracy reported next to top-1 (clamped below MODEL.NUM_CLASSES: top-k of k is always 100%)
 _C.TRAIN.TOPK = 5
 # Unreadable image files: 'skip' (log, count, use the next readable one) or 'fail' (stop the run)
 _C.TRAIN.BAD_IMAGES = "skip"
@@ -183,7 +183,8 @@ _C.TRAIN.STD = []
 # ---------------------------------------------------------------------------------------------
 _C.TEST = CN()
 # Validation data: a folder path, a CIFAR folder, a shard set, or mnist5k / synthetic; '' = TRAIN.DATASET (its
-# TEST.SPLIT; for a folder of class folders, the part TRAIN.VAL_SPLIT holds out)
+# TEST.SPLIT; for a folder of class folders, the part TRAIN.VAL_SPLIT holds out). A --cfg file's value is dropped
+# (so it follows) when the command line gives another TRAIN.DATASET and no TEST.DATASET
 _C.TEST.DATASET = ""
 # Sub-folder (or split name) of DATASET used for validation
 _C.TEST.SPLIT = "val"
