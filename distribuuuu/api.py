@@ -181,7 +181,7 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
                  cfg.TRAIN.VAL_SPLIT)
         loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
     else:  # never the held-out split; e.g. TEST.DATASET the whole training folder: the overlap is counted
-        data.check_eval_overlap(cfg, ctx.is_main)
+        _check_eval_overlap(cfg, ctx.is_main)
         loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
     start = time.perf_counter()
     result = engine.evaluate(model, loader, cfg, ctx)
@@ -195,6 +195,18 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     if cfg.TEST.OUT_DIR and ctx.is_main:
         log.info("[eval] wrote %s", run.write_confusion(evaluation.confusion_csv(classes, confusion), cfg.TEST.OUT_DIR))
     return record
+
+
+def _check_eval_overlap(cfg: CfgNode, is_main: bool) -> None:
+    """data.check_overlap for eval of a TEST.DATASET other than the training data (the whole training folder,
+    or a copy of it: its training images would be scored without a word), when the training data is here;
+    a checkpoint's training folder that is not here is said instead."""
+    t = cfg.TRAIN
+    if os.path.exists(t.DATASET) or t.DATASET in data.source_names() or "{" in t.DATASET:
+        return data.check_overlap(cfg, is_main)
+    if is_main and t.OVERLAP != "off":
+        log.warning("TRAIN.DATASET %r is not here, so whether TEST.DATASET %r holds training images is not checked",
+                    t.DATASET, cfg.TEST.DATASET)
 
 
 def train(cfg: ConfigLike, hooks: Sequence[HookBase] = ()) -> dict[str, Any]:

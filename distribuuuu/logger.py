@@ -143,8 +143,7 @@ class Progress:
         self.enabled, self.world_size, self.epoch, self.iters = enabled, world_size, epoch, iters
         self.max_epoch, self.freq, self.topk = cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PRINT_FREQ, cfg.TRAIN.TOPK
         self.bar: Any = self._open_bar() if enabled and progress_mode() == "bar" else None
-        self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
-        self.last_line = self.window_start  # a line at least every PRINT_SECONDS (lines mode)
+        self.window_start, self.window_data, self.window_iters, self.last_beat = time.perf_counter(), 0.0, 0, 0.0
 
     def _open_bar(self) -> Any:
         """The tqdm bar, and the console log lines printed above it (tqdm.write) until close()."""
@@ -171,8 +170,9 @@ class Progress:
             self.bar.update(1)
         if self.enabled and ((it + 1) % self.freq == 0 or it + 1 == self.iters or (it, self.epoch) == (0, 0)):
             return self._print(it, batch, lr, running())
-        if self.enabled and self.bar is None and (now := time.perf_counter()) - self.last_line >= PRINT_SECONDS:
-            self.last_line, step_s = now, (now - self.window_start) / self.window_iters  # no metrics: no host sync
+        if self.enabled and self.bar is None and (now := time.perf_counter()) - max(self.window_start, self.last_beat) \
+                >= PRINT_SECONDS:  # PRINT_SECONDS since the last line: a short one (no metrics: no host sync)
+            self.last_beat, step_s = now, (now - self.window_start) / self.window_iters
             logging.getLogger(LOGGER_NAME).info("[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs", self.epoch + 1,
                                                 self.max_epoch, it + 1, self.iters, format_seconds(self._left(it) * step_s), step_s)
         return None
@@ -195,7 +195,6 @@ class Progress:
             self.window_data / self.window_iters, loss, top1, self.topk, topk, lr, img_s,
             extra={"console": self.bar is None})
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
-        self.last_line = self.window_start
         return {"loss": loss, "top1": top1, "topk_acc": topk, "lr": lr, "img_per_s": img_s}
 
     def _show_on_bar(self, loss: float, top1: float, topk: float, img_s: float, eta: str) -> None:

@@ -180,10 +180,10 @@ def test_the_first_step_prints_a_line_and_then_the_clock_does(monkeypatch, tmp_p
     assert len(_lines(monkeypatch, tmp_path / "c", epoch=1, sleep=0.06)) == 4  # each step past the interval
 
 
-def test_eval_says_when_the_training_folder_is_not_here_to_compare(tmp_path, caplog):
-    test = own_folder(tmp_path / "faces")
-    cfg = make_cfg("TRAIN.DATASET", "faces_of_another_machine", "TRAIN.SPLIT", "", "TEST.DATASET", test,
-                   "TEST.SPLIT", "", resolve=False)
-    with caplog.at_level(logging.WARNING, logger="distribuuuu"):
-        data.check_eval_overlap(cfg, is_main=True)
-    assert "TRAIN.DATASET 'faces_of_another_machine' is not here, so whether TEST.DATASET" in caplog.text
+def test_eval_says_when_the_training_folder_is_not_here_to_compare(trained, tmp_path):
+    work, best = trained  # a checkpoint of another machine: its TRAIN.DATASET is not on this one
+    cfg = inference.load_config(None, ["MODEL.WEIGHTS", best, "OUT_DIR", str(tmp_path / "ev"), "TRAIN.DATASET",
+                                       str(tmp_path / "gone"), "TEST.DATASET", str(work / "faces")])
+    assert api.evaluate(cfg)["n"] == sum(CLASSES.values())
+    log = (tmp_path / "ev" / "log.txt").read_text()
+    assert f"TRAIN.DATASET '{tmp_path / 'gone'}' is not here, so whether TEST.DATASET" in log, log

@@ -63,26 +63,7 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> list[st
         if shards:
             _require_no_empty_step(cfg, train_n, world_size)
         _require_same_labels(cfg, classes["TRAIN"], classes["TEST"])
-    return _small_eval_set(cfg, counts["TRAIN" if train else "TEST"], n, train) if cfg.TRAIN.VAL_SPLIT or n < SMALL_EVAL_SET else []
-
-
-SMALL_EVAL_SET = 50  # fewer images scored than this: a line on how little their top-1 can tell
-
-
-def _small_eval_set(cfg: CfgNode, counts: dict[str, int] | None, test_n: int, train: bool) -> list[str]:
-    """The note of an evaluation set under SMALL_EVAL_SET images: top-1 on n images has a 95% interval of
-    up to +-98/sqrt(n) points (1.96 standard errors at 50%), so two runs' top-1 may differ by chance alone.
-    Training is validated on the part TRAIN.VAL_SPLIT holds out (counts: the TRAIN data's), else on TEST;
-    eval scores that part when TEST is the training data, else TEST (test_n: its size)."""
-    t, test = cfg.TRAIN, cfg.TEST
-    held_out = t.VAL_SPLIT and counts is not None and (train or (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT))
-    n = datasets.check_holdout(counts, t.VAL_SPLIT) if held_out else test_n
-    if n >= SMALL_EVAL_SET:
-        return []
-    what = "the part TRAIN.VAL_SPLIT holds out" if held_out else f"TEST.DATASET {test.DATASET}"
-    return [f"evaluation set {n} images ({what}): each image moves top-1 by {100 / n:.1f} points and its 95% "
-            f"interval is up to +-{98 / n ** 0.5:.0f} points; {4 * SMALL_EVAL_SET} images would make it "
-            f"+-{98 / (4 * SMALL_EVAL_SET) ** 0.5:.0f}"]
+    return datasets.small_eval_set(cfg, counts, n, train) if cfg.TRAIN.VAL_SPLIT or n < datasets.SMALL_EVAL_SET else []
 
 
 def _scan(cfg: CfgNode, key: str) -> tuple[list[str], int, dict[str, int] | None]:
@@ -367,11 +348,10 @@ def find(train_paths: list[str], test_paths: list[str]) -> Overlap:
 
 
 def _split_paths(cfg: CfgNode, key: str) -> list[str]:
-    """The image files of cfg[key]'s split; of TRAIN, only those trained on (TRAIN.VAL_SPLIT's part is not)."""
     split_dir = sources.folder_split_dir(cfg[key].DATASET, cfg[key].SPLIT, key)
     samples = images.list_split(split_dir, sources.folder_classes(split_dir)).samples()
     kept = datasets.holdout_indices(np.asarray([label for _, label in samples]), cfg.TRAIN.VAL_SPLIT)[0] if (
-        key == "TRAIN" and cfg.TRAIN.VAL_SPLIT) else range(len(samples))  # the loaders' split of it (datasets.part_of)
+        key == "TRAIN" and cfg.TRAIN.VAL_SPLIT) else range(len(samples))  # TRAIN: only what is trained on
     return [samples[i][0] for i in kept]
 
 
@@ -395,7 +375,7 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
     """TRAIN.OVERLAP: rank 0 compares the training and evaluation folders and every rank gets the
     verdict (one broadcast: call it on every rank); 'warn' logs it on rank 0, 'error' is a UserError
     on every rank. TEST naming the training split itself, nothing held out: every rank counts its
-    images. Not two image folders (or OVERLAP off): nothing to compare. Training calls it; eval, check_eval_overlap."""
+    images. Not two image folders (or OVERLAP off): nothing to compare."""
     t, test = cfg.TRAIN, cfg.TEST
     if t.OVERLAP == "off" or cfg.MODEL.DUMMY_INPUT or (t.VAL_SPLIT and (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT)):
         return  # (TRAIN.VAL_SPLIT's part is held out of the training split: no overlap)
@@ -418,15 +398,3 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
         raise UserError(text)
     if count and is_main:
         logging.getLogger("distribuuuu").warning(text)
-
-
-def check_eval_overlap(cfg: CfgNode, is_main: bool) -> None:
-    """check_overlap for eval of a TEST.DATASET that is not the training data itself (e.g. the whole training
-    folder, or a copy of it: its training images would be scored without a word), when the training folder
-    is here to compare; a checkpoint's training folder that is not here is said instead."""
-    t = cfg.TRAIN
-    if sources.source_kind(t.DATASET) != "folder" or os.path.isdir(os.path.join(t.DATASET, t.SPLIT)):
-        return check_overlap(cfg, is_main)
-    if is_main and t.OVERLAP != "off":
-        logging.getLogger("distribuuuu").warning(f"TRAIN.DATASET {t.DATASET!r} is not here, so whether TEST.DATASET "
-                                                 f"{cfg.TEST.DATASET!r} holds training images is not checked")

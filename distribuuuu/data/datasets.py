@@ -107,6 +107,25 @@ def check_holdout(class_counts: dict[str, int], val_split: float) -> int:
     return sum(held.values())
 
 
+SMALL_EVAL_SET = 50  # fewer images scored than this: a line on how little their top-1 can tell
+
+
+def small_eval_set(cfg: CfgNode, counts: dict[str, dict[str, int] | None], test_n: int, train: bool) -> list[str]:
+    """The note of an evaluation set under SMALL_EVAL_SET images (checks.check_datasets): top-1 on n images has
+    a 95% interval of up to +-98/sqrt(n) points (1.96 standard errors at 50%), so two runs' top-1 may differ by
+    chance alone. Training validates on the part TRAIN.VAL_SPLIT holds out, else on TEST; eval scores that part
+    when TEST is the training data, else TEST (test_n: its size). counts: {"TRAIN"/"TEST": {class: samples}}."""
+    t, test, counts = cfg.TRAIN, cfg.TEST, counts["TRAIN" if train else "TEST"]
+    held_out = t.VAL_SPLIT and counts is not None and (train or (test.DATASET, test.SPLIT) == (t.DATASET, t.SPLIT))
+    n = check_holdout(counts, t.VAL_SPLIT) if held_out else test_n
+    if n >= SMALL_EVAL_SET:
+        return []
+    what = "the part TRAIN.VAL_SPLIT holds out" if held_out else f"TEST.DATASET {test.DATASET}"
+    return [f"evaluation set {n} images ({what}): each image moves top-1 by {100 / n:.1f} points and its 95% "
+            f"interval is up to +-{98 / n ** 0.5:.0f} points; {4 * SMALL_EVAL_SET} images would make it "
+            f"+-{98 / (4 * SMALL_EVAL_SET) ** 0.5:.0f}"]
+
+
 def holdout_indices(labels: np.ndarray, val_split: float) -> tuple[np.ndarray, np.ndarray]:
     """(training, validation) indices of TRAIN.VAL_SPLIT carved from a training set with these labels
     (UserError as check_holdout)."""
