@@ -187,3 +187,19 @@ def test_eval_says_when_the_training_folder_is_not_here_to_compare(trained, tmp_
     assert api.evaluate(cfg)["n"] == sum(CLASSES.values())
     log = (tmp_path / "ev" / "log.txt").read_text()
     assert f"TRAIN.DATASET '{tmp_path / 'gone'}' is not here, so whether TEST.DATASET" in log, log
+
+
+def test_a_run_stored_with_a_relative_dataset_path_still_resumes(tmp_path, monkeypatch):
+    from distribuuuu.run_folder import resume_check
+
+    monkeypatch.chdir(tmp_path)
+    own_folder(tmp_path / "faces")
+    write_image_tree(str(tmp_path / "other"), "", CLASSES, mode="L", size=(8, 8))
+    cfg = make_cfg("TRAIN.DATASET", "faces", "MODEL.NUM_CLASSES", 0)
+    assert cfg.TRAIN.DATASET == str(tmp_path / "faces")
+    older = cfg.clone()
+    older.defrost()
+    older.TRAIN.DATASET = older.TEST.DATASET = "faces"  # as a version before absolute paths stored it
+    assert resume_check.config_changes(older.dump(), cfg) == []
+    older.TRAIN.DATASET = older.TEST.DATASET = "other"  # another folder is still another folder
+    assert {k for k, *_ in resume_check.config_changes(older.dump(), cfg)} == {"TRAIN.DATASET", "TEST.DATASET"}

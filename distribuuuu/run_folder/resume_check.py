@@ -27,6 +27,7 @@ before config.yaml or any checkpoint is written; ``check`` runs it again inside
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -100,6 +101,9 @@ def config_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
     an older version) counts as its default, a key the new one lacks (since removed) is skipped."""
     old, new = flatten_yaml(old_yaml), flatten_yaml(cfg.dump())
     defaults = flatten_yaml(config.get_defaults().dump())
+    for key in ("TRAIN.DATASET", "TEST.DATASET"):  # stored as typed before they were stored absolute (inferred.py)
+        if isinstance(old.get(key), str) and os.path.abspath(old[key]) == new.get(key):
+            old[key] = new[key]
     return [(k, old.get(k, defaults.get(k)), v) for k, v in new.items()
             if k not in IGNORED_KEYS and old.get(k, defaults.get(k)) != v]
 
