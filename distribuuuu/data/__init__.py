@@ -35,6 +35,7 @@ Typical use (the engine): ``check_datasets`` before the process group starts, ``
 is up, then the loaders on each rank; ``stop_workers`` when the run ends.
 """
 
+from distribuuuu.data import balance
 from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.checks import check_datasets, check_overlap
 from distribuuuu.data.datasets import TensorSource, export_mnist5k
@@ -54,4 +55,4 @@ from distribuuuu.data.sources import register_source, source_names, unregister_s
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
            "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan",
-           "unreadable_so_far"]
+           "unreadable_so_far", "balance"]

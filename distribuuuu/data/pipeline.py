@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from yacs.config import CfgNode
 
-from distribuuuu.data import datasets, images, sources, transforms
+from distribuuuu.data import balance, datasets, images, sources, transforms
 from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker, track_workers
 from distribuuuu.errors import UserError
 
@@ -80,8 +80,10 @@ class Pipeline:
         the shuffle; a tool without one gets 0. Evaluation: exact."""
         if not train:
             return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
-        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
-                                           repeats=self.cfg.TRAIN.REPEATED_AUG)
+        balance.note_spread(self.cfg, dataset)  # the classes' sizes, when they spread widely
+        kind = BalancedSampler if self.cfg.TRAIN.CLASS_BALANCE == "sampler" else ResumableDistributedSampler
+        return kind(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
+                    repeats=self.cfg.TRAIN.REPEATED_AUG)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ class ResumableDistributedSampler(Sampler[int]):
             self.on_epoch(self.seed, epoch)
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = self.draw(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         if self.repeats > 1:  # each index written `repeats` times in a row: the copies land on different ranks
             order = order.repeat_interleave(self.repeats)[:self.size]
         rest = order[self.start:]
@@ -140,6 +142,34 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.size - self.start) // self.num_replicas
+
+    # The epoch's indices, all ranks' together, before the repeats and the skip: a permutation.
+    draw = staticmethod(torch.randperm)
+
+
+class BalancedSampler(ResumableDistributedSampler):
+    """TRAIN.CLASS_BALANCE sampler: every class drawn equally often. An epoch is as many draws as the data
+    has samples, with replacement: a class chosen uniformly among those present, then one of its samples
+    uniformly, so a sample is drawn with probability 1 / (classes x its class's size), a small class's
+    samples several times, a large class's some not at all. The draw is the same on every rank (seed,
+    epoch); then it is sharded and skipped exactly as ResumableDistributedSampler's permutation (exact-once
+    over the draw's positions, step-exact resume). torch has no distributed weighted sampler
+    (pytorch/pytorch#77154). Two stages rather than one torch.multinomial over the samples' weights,
+    which takes at most 2**24 categories (samples, here). An image folder's items are seeded by (seed,
+    epoch, index) in loader workers (exact resume), so a sample drawn twice in an epoch gets the same
+    crop and flip both times; new ones the next epoch."""
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1) -> None:
+        super().__init__(dataset, num_replicas, rank, seed, repeats)
+        labels, counts = balance.class_counts(dataset, "sampler")
+        self.members = torch.from_numpy(np.argsort(labels, kind="stable"))  # the samples grouped by class
+        self.counts = torch.from_numpy(counts)
+        self.starts = torch.cumsum(self.counts, 0) - self.counts  # where each class's group begins in members
+
+    def draw(self, size: int, generator: torch.Generator) -> torch.Tensor:
+        cls = torch.multinomial((self.counts > 0).double(), size, replacement=True, generator=generator)
+        pick = (torch.rand(size, generator=generator, dtype=torch.float64) * self.counts[cls]).long()
+        return self.members[self.starts[cls] + torch.minimum(pick, self.counts[cls] - 1)]
 
 
 def _check_shard(num_replicas: int, rank: int, repeats: int = 1) -> None:
