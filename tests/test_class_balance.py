@@ -173,7 +173,7 @@ def test_the_weighted_soft_target_loss_is_the_weighted_sum_over_classes():
 def test_the_spread_line_names_the_sizes_and_the_way_out():
     counts = np.array(SIZES)
     line = balance.spread_line("none", counts, ["cat", "dog", "eel", "fox"])
-    assert line.startswith("the training classes' sizes spread 20.0x: 10 samples of eel to 200 of cat")
+    assert line.startswith("the training classes' sizes spread 20.0x: class eel has 10 samples, class cat 200;")
     assert "TRAIN.CLASS_BALANCE sampler" in line and "or loss" in line
     assert balance.spread_line("sampler", counts, ["cat", "dog", "eel", "fox"]).endswith(
         "evened out by TRAIN.CLASS_BALANCE sampler")
@@ -216,7 +216,7 @@ def test_a_balanced_run_stopped_by_sigterm_mid_epoch_resumes_to_the_straight_run
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     check(run([*train, "OUT_DIR", str(straight)], timeout=300))
     log = read_text_or_empty(straight / "log.txt")
-    assert "setup: the training classes' sizes spread 12.0x: 18 samples of c to 216 of a; evened out by " \
+    assert "setup: the training classes' sizes spread 12.0x: class c has 18 samples, class a 216; evened out by " \
            "TRAIN.CLASS_BALANCE sampler" in log, log[-3000:]
 
     # SIGTERM once a step checkpoint is due: the ranks write one where they are and exit 143

@@ -47,12 +47,12 @@ def note_spread(cfg: CfgNode, dataset: Dataset) -> None:
 
 
 def spread_line(mode: str, counts: np.ndarray, classes: list[Any]) -> str:
-    """'the training classes' sizes spread 40x: 12 images of cat to 480 of dog; ...' and the way out."""
+    """'the training classes' sizes spread 40.0x: class cat has 12 samples, class dog 480; ...' and the way out."""
     present = np.flatnonzero(counts)
     small, large = present[counts[present].argmin()], counts.argmax()
     name = lambda c: classes[c] if c < len(classes) else c  # noqa: E731
-    what = (f"the training classes' sizes spread {counts[large] / counts[small]:.1f}x: {counts[small]} samples of "
-            f"{name(small)} to {counts[large]} of {name(large)}")
+    what = (f"the training classes' sizes spread {counts[large] / counts[small]:.1f}x: class {name(small)} has "
+            f"{counts[small]} samples, class {name(large)} {counts[large]}")
     if mode != "none":
         return f"{what}; evened out by TRAIN.CLASS_BALANCE {mode}"
     return (f"{what}; TRAIN.CLASS_BALANCE sampler (draws every class equally often) or loss (weighs the loss "
