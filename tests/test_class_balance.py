@@ -17,7 +17,7 @@ import torch
 from distribuuuu import data, engine
 from distribuuuu.data import balance
 from distribuuuu.data.datasets import TensorImageDataset
-from distribuuuu.data.pipeline import BalancedSampler
+from distribuuuu.data.pipeline import ResumableDistributedSampler
 from distribuuuu.launch import comm
 from tests.conftest import (
     TINY,
@@ -52,7 +52,12 @@ def _own(folder, classes: int) -> dict:
             "TEST.IM_SIZE": 8, "TRAIN.BATCH_SIZE": 4}
 
 
-def _drawn(sampler: BalancedSampler, epoch: int, start: int = 0) -> list[int]:
+def _balanced(dataset, num_replicas: int, rank: int, seed: int) -> ResumableDistributedSampler:
+    """The training sampler that TRAIN.CLASS_BALANCE sampler builds (pipeline.Pipeline.sampler)."""
+    return ResumableDistributedSampler(dataset, num_replicas, rank, seed=seed, draw=balance.BalancedDraw(dataset))
+
+
+def _drawn(sampler: ResumableDistributedSampler, epoch: int, start: int = 0) -> list[int]:
     sampler.set_epoch(epoch, start)
     return list(sampler)
 
@@ -67,7 +72,7 @@ def test_the_balanced_sampler_draws_every_class_equally_often():
     shuffle would draw the classes 2000 / 400 / 100 / 1500 times."""
     dataset = _labelled(SIZES)
     labels = dataset.targets.numpy()
-    sampler = BalancedSampler(dataset, num_replicas=1, rank=0, seed=7)
+    sampler = _balanced(dataset, num_replicas=1, rank=0, seed=7)
     drawn = np.concatenate([_drawn(sampler, epoch) for epoch in range(10)])
     assert len(drawn) == 10 * len(dataset)  # as many samples an epoch as the plain shuffle
     per_class = np.bincount(labels[drawn], minlength=4)
@@ -86,13 +91,13 @@ def test_ranks_take_disjoint_shares_of_one_seeded_draw_and_a_resume_skips_its_pr
     again for the same (seed, epoch), another draw for another epoch or seed; set_epoch(e, s) goes on
     with position s, as the checkpoint's samples_in_epoch says."""
     dataset = _labelled([7, 3, 1])  # 11 samples: one position left over on 2 ranks
-    whole = _drawn(BalancedSampler(dataset, 1, 0, seed=5), 3)
-    ranks = [BalancedSampler(dataset, 2, r, seed=5) for r in range(2)]
+    whole = _drawn(_balanced(dataset, 1, 0, seed=5), 3)
+    ranks = [_balanced(dataset, 2, r, seed=5) for r in range(2)]
     shares = [_drawn(s, 3) for s in ranks]
     assert shares[0] == whole[0:10:2] and shares[1] == whole[1:10:2]
     assert [len(s) for s in ranks] == [5, 5]
-    assert shares == [_drawn(BalancedSampler(dataset, 2, r, seed=5), 3) for r in range(2)]  # deterministic
-    assert _drawn(ranks[0], 4) != shares[0] and _drawn(BalancedSampler(dataset, 2, 0, seed=6), 3) != shares[0]
+    assert shares == [_drawn(_balanced(dataset, 2, r, seed=5), 3) for r in range(2)]  # deterministic
+    assert _drawn(ranks[0], 4) != shares[0] and _drawn(_balanced(dataset, 2, 0, seed=6), 3) != shares[0]
     assert [_drawn(s, 3, start=4) for s in ranks] == [whole[4:10:2], whole[5:10:2]]
     assert [len(s) for s in ranks] == [3, 3]
 
@@ -103,7 +108,7 @@ def test_the_train_loader_of_a_held_out_folder_uses_it_and_evaluation_does_not(t
     write_image_tree(str(tmp_path / "imgs"), "", {"a": 30, "b": 6, "c": 4}, size=(8, 8))
     cfg = make_cfg(_own(tmp_path / "imgs", 3), {"TRAIN.CLASS_BALANCE": "sampler"}, base=TINY)
     train = data.build_train_loader(cfg, 0, 1, CPU)
-    assert isinstance(train.sampler, BalancedSampler)
+    assert isinstance(train.sampler.draw, balance.BalancedDraw)
     labels = np.asarray(train.dataset.targets)
     assert len(labels) == len(train.dataset) == 36  # 40 less the 10% held out
     drawn = np.concatenate([labels[_drawn(train.sampler, e)] for e in range(20)])

@@ -2,8 +2,9 @@
 TRAIN.CLASS_BALANCE needs from the data.
 
   none     the data as it is (default); with a wide spread, one setup line says so and names the way out
-  sampler  pipeline.BalancedSampler: every class drawn equally often (a sample with probability
-           1 / (classes x its class's size), with replacement), as many samples an epoch as now
+  sampler  BalancedDraw, the epoch's order of the training sampler (pipeline.ResumableDistributedSampler):
+           every class drawn equally often (a sample with probability 1 / (classes x its class's size),
+           with replacement), as many samples an epoch as now
   loss     the training cross-entropy weighs class c by N / (K x n_c): inverse to its size, mean 1 over
            the training samples (scikit-learn's 'balanced'), so the loss keeps its scale
 Evaluation stays on the real distribution: no sampler there, and its loss is unweighted.
@@ -79,3 +80,26 @@ def loss_weights(dataset: Dataset, num_classes: int) -> torch.Tensor:
     weights = np.ones(len(counts))
     weights[present] = counts.sum() / (present.sum() * counts[present])
     return torch.tensor(weights, dtype=torch.float32)
+
+
+class BalancedDraw:
+    """TRAIN.CLASS_BALANCE sampler's order of an epoch: ``draw(size, generator=)`` -> ``size`` sample indices,
+    drawn with replacement: a class uniformly among those present, then one of its samples uniformly, so a
+    sample comes with probability 1 / (classes x its class's size), a small class's samples several times,
+    a large class's some not at all. ResumableDistributedSampler seeds it by (seed, epoch), the same on
+    every rank, then shards and skips it exactly as its permutation: exact-once over the draw's positions,
+    step-exact resume. torch has no distributed weighted sampler (pytorch/pytorch#77154). Two stages
+    rather than one torch.multinomial over the samples' weights, which takes at most 2**24 categories.
+    An image folder's items are seeded by (seed, epoch, index) in loader workers (exact resume), so a
+    sample drawn twice in an epoch gets the same crop and flip both times; new ones the next epoch."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        labels, counts = class_counts(dataset, "sampler")
+        self.members = torch.from_numpy(np.argsort(labels, kind="stable"))  # the samples grouped by class
+        self.counts = torch.from_numpy(counts)
+        self.starts = torch.cumsum(self.counts, 0) - self.counts  # where each class's group begins in members
+
+    def __call__(self, size: int, generator: torch.Generator) -> torch.Tensor:
+        cls = torch.multinomial((self.counts > 0).double(), size, replacement=True, generator=generator)
+        pick = (torch.rand(size, generator=generator, dtype=torch.float64) * self.counts[cls]).long()
+        return self.members[self.starts[cls] + torch.minimum(pick, self.counts[cls] - 1)]

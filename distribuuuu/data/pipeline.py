@@ -81,9 +81,9 @@ class Pipeline:
         if not train:
             return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
         balance.note_spread(self.cfg, dataset)  # the classes' sizes, when they spread widely
-        kind = BalancedSampler if self.cfg.TRAIN.CLASS_BALANCE == "sampler" else ResumableDistributedSampler
-        return kind(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
-                    repeats=self.cfg.TRAIN.REPEATED_AUG)
+        draw = balance.BalancedDraw(dataset) if self.cfg.TRAIN.CLASS_BALANCE == "sampler" else torch.randperm
+        return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
+                                           repeats=self.cfg.TRAIN.REPEATED_AUG, draw=draw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,14 +113,16 @@ class ResumableDistributedSampler(Sampler[int]):
 
     The position is counted in samples (all ranks together), so a resume, even with another world size,
     goes on with the next unseen sample; the fewer than W left-over samples are dropped, never repeated.
-    ``repeats`` k > 1 is repeated augmentation: the k copies of an index land on different ranks.
+    ``repeats`` k > 1 is repeated augmentation: the k copies of an index land on different ranks. ``draw``
+    makes the epoch's order: a permutation, or TRAIN.CLASS_BALANCE sampler's draw (balance.BalancedDraw).
     Why not torch's DistributedSampler: docs/reliability.md; repeated augmentation: docs/recipes.md.
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1) -> None:
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1,
+                 draw: Callable[..., torch.Tensor] = torch.randperm) -> None:
         _check_shard(num_replicas, rank, repeats)
         self.size, self.num_replicas, self.rank, self.seed = len(dataset), num_replicas, rank, seed
-        self.repeats = repeats
+        self.repeats, self.draw = repeats, draw  # draw(size, generator=): the epoch's indices, all ranks' together
         self.epoch, self.start = 0, 0
         self.on_epoch: Callable[[int, int], None] | None = None  # called with (seed, epoch) by set_epoch
 
@@ -142,34 +144,6 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.size - self.start) // self.num_replicas
-
-    # The epoch's indices, all ranks' together, before the repeats and the skip: a permutation.
-    draw = staticmethod(torch.randperm)
-
-
-class BalancedSampler(ResumableDistributedSampler):
-    """TRAIN.CLASS_BALANCE sampler: every class drawn equally often. An epoch is as many draws as the data
-    has samples, with replacement: a class chosen uniformly among those present, then one of its samples
-    uniformly, so a sample is drawn with probability 1 / (classes x its class's size), a small class's
-    samples several times, a large class's some not at all. The draw is the same on every rank (seed,
-    epoch); then it is sharded and skipped exactly as ResumableDistributedSampler's permutation (exact-once
-    over the draw's positions, step-exact resume). torch has no distributed weighted sampler
-    (pytorch/pytorch#77154). Two stages rather than one torch.multinomial over the samples' weights,
-    which takes at most 2**24 categories (samples, here). An image folder's items are seeded by (seed,
-    epoch, index) in loader workers (exact resume), so a sample drawn twice in an epoch gets the same
-    crop and flip both times; new ones the next epoch."""
-
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1) -> None:
-        super().__init__(dataset, num_replicas, rank, seed, repeats)
-        labels, counts = balance.class_counts(dataset, "sampler")
-        self.members = torch.from_numpy(np.argsort(labels, kind="stable"))  # the samples grouped by class
-        self.counts = torch.from_numpy(counts)
-        self.starts = torch.cumsum(self.counts, 0) - self.counts  # where each class's group begins in members
-
-    def draw(self, size: int, generator: torch.Generator) -> torch.Tensor:
-        cls = torch.multinomial((self.counts > 0).double(), size, replacement=True, generator=generator)
-        pick = (torch.rand(size, generator=generator, dtype=torch.float64) * self.counts[cls]).long()
-        return self.members[self.starts[cls] + torch.minimum(pick, self.counts[cls] - 1)]
 
 
 def _check_shard(num_replicas: int, rank: int, repeats: int = 1) -> None:
