@@ -238,4 +238,5 @@ def test_a_balanced_run_stopped_by_sigterm_mid_epoch_resumes_to_the_straight_run
     check(run([*train, "OUT_DIR", str(stopped)], timeout=300))
     assert f"{ckpt['samples_in_epoch']} samples into epoch 1" in read_text_or_empty(stopped / "log.txt")
     assert _numbers(stopped) == _numbers(straight)
-    assert [(r["epoch"], r["split"]) for r in _numbers(straight)] == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]
+    rows = [(r["epoch"], r["split"]) for r in _numbers(straight)]
+    assert rows == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]

@@ -7,11 +7,12 @@ TRAIN.CLASS_BALANCE needs from the data.
            with replacement), as many samples an epoch as now
   loss     the training cross-entropy weighs class c by N / (K x n_c): inverse to its size, mean 1 over
            the training samples (scikit-learn's 'balanced'), so the loss keeps its scale
-Evaluation stays on the real distribution: no sampler there, and its loss is unweighted.
+Evaluation stays on the real distribution: its exact sampler, and an unweighted loss.
 
 Both need every training sample's label before any image is read: the dataset's ``targets`` (an image
-folder's listing, CIFAR's, mnist5k's and a TensorSource's labels, synthetic data's, a TRAIN.VAL_SPLIT part's). A shard set's index holds no labels (they are
-inside the tars): check_datasets refuses the two there (SHARDS_REFUSAL).
+folder's listing, CIFAR's, mnist5k's and a TensorSource's labels, synthetic data's, a TRAIN.VAL_SPLIT
+part's). A shard set's index holds no labels (they are inside the tars): check_datasets refuses the two
+there (SHARDS_REFUSAL).
 """
 
 from __future__ import annotations
