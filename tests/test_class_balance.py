@@ -18,6 +18,7 @@ from distribuuuu import data, engine
 from distribuuuu.data import balance
 from distribuuuu.data.datasets import TensorImageDataset
 from distribuuuu.data.pipeline import ResumableDistributedSampler
+from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from tests.conftest import (
     TINY,
@@ -182,6 +183,20 @@ def test_the_spread_line_names_the_sizes_and_the_way_out():
     assert "TRAIN.CLASS_BALANCE sampler" in line and "or loss" in line
     assert balance.spread_line("sampler", counts, ["cat", "dog", "eel", "fox"]).endswith(
         "evened out by TRAIN.CLASS_BALANCE sampler")
+
+
+def test_changing_it_on_resume_changes_the_recipe_and_needs_resume_allow():
+    """Sampler or weights change what the rest of the run trains on, as a recipe key: refused unless named
+    in TRAIN.RESUME_ALLOW; a checkpoint from before the key counts as 'none'."""
+    from distribuuuu.run_folder import resume_check
+
+    old = make_cfg(base=TINY)
+    with pytest.raises(UserError, match=r"TRAIN.CLASS_BALANCE: 'none' -> 'sampler'   \(changes the recipe mid-run"):
+        resume_check.compare_configs(old.dump(), make_cfg({"TRAIN.CLASS_BALANCE": "sampler"}, base=TINY), "last.pth")
+    allowed = make_cfg({"TRAIN.CLASS_BALANCE": "loss", "TRAIN.RESUME_ALLOW": ["TRAIN.CLASS_BALANCE"]}, base=TINY)
+    assert ("TRAIN.CLASS_BALANCE", "none", "loss") in resume_check.compare_configs(old.dump(), allowed, "last.pth")
+    before = old.dump().replace("  CLASS_BALANCE: none\n", "")
+    assert "CLASS_BALANCE" not in before and resume_check.compare_configs(before, old, "last.pth") == []
 
 
 def test_a_bad_value_is_refused_naming_the_values(tmp_path):
