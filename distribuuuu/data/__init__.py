@@ -27,6 +27,9 @@ from TRAIN.DATA_PIPELINE, the source and the memory budget): memory.MemoryPipeli
 pipeline.LoaderPipeline, shards.loader.ShardPipeline. TRAIN.VAL_SPLIT holds out a fixed, stratified part
 of the TRAIN data (datasets.holdout_indices); len(loader.dataset) is the size of each part.
 
+TRAIN.CLASS_BALANCE (balance.py): a setup line when the training classes' sizes spread widely; 'sampler'
+draws every class equally often (the training sampler's draw), 'loss' weighs the training loss.
+
 Augmentation (training only): the crops and flips of each source, then TRAIN.AUTO_AUGMENT on the
 uint8 image and TRAIN.RANDOM_ERASE after normalization, drawn per image in every pipeline
 (transforms.py); synthetic data and dummy input are not augmented.
