@@ -13,8 +13,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from distribuuuu import data, engine
+from distribuuuu import data, engine, models
 from distribuuuu.data import balance
 from distribuuuu.data.datasets import TensorImageDataset
 from distribuuuu.data.pipeline import ResumableDistributedSampler
@@ -134,7 +135,7 @@ def test_loss_weights_are_inverse_to_the_class_sizes_with_mean_one_over_the_samp
 def test_a_loss_balanced_run_weighs_its_training_loss_and_not_the_val_loss(tmp_path, mixup):
     """A run with TRAIN.CLASS_BALANCE loss: the Stepper's criterion holds the training set's weights (with
     label smoothing, or under mixup, whose soft targets torch's cross-entropy weighs too) and trains;
-    evaluation's loss is the plain mean (its row's loss is the same as with TRAIN.CLASS_BALANCE none)."""
+    evaluation's loss is the plain mean cross-entropy of the val images (the real distribution)."""
     write_image_tree(str(tmp_path / "imgs"), "", {"a": 24, "b": 8, "c": 4}, size=(8, 8))
     opts = {**_own(tmp_path / "imgs", 3), "OPTIM.MAX_EPOCH": 1, "TRAIN.LABEL_SMOOTHING": 0.1}
     if mixup:
@@ -150,6 +151,12 @@ def test_a_loss_balanced_run_weighs_its_training_loss_and_not_the_val_loss(tmp_p
             counts = np.bincount(np.asarray(trainer.train_loader.dataset.targets), minlength=3)
             assert torch.allclose(weight, torch.tensor(counts.sum() / (3 * counts), dtype=torch.float32))
             assert isinstance(trainer.stepper.criterion, torch.nn.CrossEntropyLoss)
+            net, total, n = models.unwrap(trainer.model).eval(), 0.0, 0
+            with torch.no_grad():
+                for images, target in trainer.val_loader:
+                    total, n = total + F.cross_entropy(net(images), target, reduction="sum").item(), n + len(target)
+            val = [r for r in read_metrics(str(tmp_path / mode)) if r["split"] == "val"][-1]
+            assert n == val["n"] and math.isclose(val["loss"], total / n, rel_tol=1e-5), (val["loss"], total / n)
         assert summary["epochs"] == 1
         rows[mode] = read_metrics(str(tmp_path / mode))
     train = {mode: [r for r in rows[mode] if r["split"] == "train"][0] for mode in rows}
