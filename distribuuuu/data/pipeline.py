@@ -77,7 +77,9 @@ class Pipeline:
     def sampler(self, dataset: Sized, train: bool, rank: int, world_size: int) -> Sampler:
         """Training: resumable even for one process, so set_epoch(epoch, start) always works; its seed is the
         engine's cfg's (engine.trainer.seeded_cfg draws one for RNG_SEED None), so the logged seed repeats
-        the shuffle; a tool without one gets 0. Evaluation: exact."""
+        the shuffle; a tool without one gets 0; TRAIN.CLASS_BALANCE sampler: its order is balance.BalancedDraw's
+        (every class equally often), and every rank says (at INFO: rank 0 prints) when the class sizes spread.
+        Evaluation: exact."""
         if not train:
             return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
         balance.note_spread(self.cfg, dataset)  # the classes' sizes, when they spread widely
