@@ -190,6 +190,11 @@ class Stepper:
         # The kernels built here (fused or multi-tensor): a checkpoint's param groups bring theirs back.
         self.kernels = [(g.get("fused"), g.get("foreach")) for g in _groups(optimizer)]
 
+    def weigh_classes(self, cfg: CfgNode, weight: torch.Tensor) -> None:
+        """TRAIN.CLASS_BALANCE loss: the training loss weighs class c by weight[c] (data.balance.loss_weights,
+        known once the data is built, after the Stepper). Evaluation's loss stays unweighted."""
+        self.mixup, self.criterion = _mixup_and_criterion(cfg, weight.to(self.device))
+
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
@@ -244,11 +249,13 @@ def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [g for opt in nonfinite.optimizers_of(optimizer) for g in opt.param_groups]
 
 
-def _mixup_and_criterion(cfg: CfgNode) -> tuple[Mixup | None, torch.nn.Module]:
-    """timm's Mixup/CutMix with a soft-target loss (mixed targets are soft), or plain cross-entropy."""
+def _mixup_and_criterion(cfg: CfgNode, weight: torch.Tensor | None = None) -> tuple[Mixup | None, torch.nn.Module]:
+    """timm's Mixup/CutMix with a soft-target loss (mixed targets are soft, label smoothing is Mixup's), or
+    plain cross-entropy. weight: TRAIN.CLASS_BALANCE loss's per-class weights (torch's cross-entropy takes
+    them with soft targets too: sum over c of -weight[c] target[c] log p[c], timm's has no weights)."""
     t = cfg.TRAIN
     if t.MIXUP_ALPHA > 0 or t.CUTMIX_ALPHA > 0:
         mixup = Mixup(mixup_alpha=t.MIXUP_ALPHA, cutmix_alpha=t.CUTMIX_ALPHA,
                       label_smoothing=t.LABEL_SMOOTHING, num_classes=cfg.MODEL.NUM_CLASSES)
-        return mixup, SoftTargetCrossEntropy()
-    return None, torch.nn.CrossEntropyLoss(label_smoothing=t.LABEL_SMOOTHING)
+        return mixup, SoftTargetCrossEntropy() if weight is None else torch.nn.CrossEntropyLoss(weight=weight)
+    return None, torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=t.LABEL_SMOOTHING)

@@ -129,6 +129,8 @@ _C.TRAIN.RANDAUG_MAGNITUDE = 9
 _C.TRAIN.RANDOM_ERASE = 0.0
 # Repeated augmentation: each image is drawn this many times per epoch, on different ranks (1: off; 3 in DeiT)
 _C.TRAIN.REPEATED_AUG = 1
+# Imbalanced classes: 'none', 'sampler' (every class drawn equally often) or 'loss' (inverse-size class weights)
+_C.TRAIN.CLASS_BALANCE = "none"
 # Recompute each block's activations in the backward pass instead of storing them (less memory, more compute)
 _C.TRAIN.ACTIVATION_CHECKPOINTING = False
 # Hold out this fraction (< 1) or number (>= 1) of the training set, stratified by class, as the validation

@@ -28,6 +28,7 @@ STRATEGIES = ("ddp", "zero1", "fsdp", "dp")  # strategies.strategy_class's names
 DATA_PIPELINES = ("auto", "memory", "loader")  # 'auto', then the names of data.pipeline.PIPELINES
 IMAGE_DECODERS = ("fast", "pil", "gpu", "auto")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
+CLASS_BALANCES = ("none", "sampler", "loss")  # data/balance.py
 FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
@@ -135,6 +136,7 @@ RULES: list[Rule] = [
      "use TRAIN.IMAGE_DECODE fast (or auto), or TRAIN.AUTO_AUGMENT none"),
     ("TRAIN.BEST_METRIC", *_one_of(BEST_METRICS)),
     ("TRAIN.AUTO_AUGMENT", *_one_of(AUTO_AUGMENTS)),
+    ("TRAIN.CLASS_BALANCE", *_one_of(CLASS_BALANCES)),
     ("DIST.FSDP_STATE_DICT", *_one_of(FSDP_STATE_DICTS)),
     ("TRAIN.RESUME_ALLOW", lambda v, c: all(_is_key(k) for k in v), _not_a_key),
     # Training

@@ -27,6 +27,9 @@ from TRAIN.DATA_PIPELINE, the source and the memory budget): memory.MemoryPipeli
 pipeline.LoaderPipeline, shards.loader.ShardPipeline. TRAIN.VAL_SPLIT holds out a fixed, stratified part
 of the TRAIN data (datasets.holdout_indices); len(loader.dataset) is the size of each part.
 
+TRAIN.CLASS_BALANCE (balance.py): a setup line when the training classes' sizes spread widely; 'sampler'
+draws every class equally often (the training sampler's draw), 'loss' weighs the training loss.
+
 Augmentation (training only): the crops and flips of each source, then TRAIN.AUTO_AUGMENT on the
 uint8 image and TRAIN.RANDOM_ERASE after normalization, drawn per image in every pipeline
 (transforms.py); synthetic data and dummy input are not augmented.
@@ -35,6 +38,7 @@ Typical use (the engine): ``check_datasets`` before the process group starts, ``
 is up, then the loaders on each rank; ``stop_workers`` when the run ends.
 """
 
+from distribuuuu.data import balance
 from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.checks import check_datasets, check_overlap
 from distribuuuu.data.datasets import TensorSource, export_mnist5k
@@ -54,4 +58,4 @@ from distribuuuu.data.sources import register_source, source_names, unregister_s
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
            "export_mnist5k", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
            "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan",
-           "unreadable_so_far"]
+           "unreadable_so_far", "balance"]

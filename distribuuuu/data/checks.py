@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 from yacs.config import CfgNode
 
-from distribuuuu.data import datasets, images, sources
+from distribuuuu.data import balance, datasets, images, sources
 from distribuuuu.data.pipeline import data_pipeline
 from distribuuuu.errors import UserError
 
@@ -86,6 +86,8 @@ def _scan_source(cfg: CfgNode, key: str, kind: str) -> tuple[list[str], int, dic
         from distribuuuu.data.shards.index import load_shard_set
 
         shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
+        if key == "TRAIN" and cfg.TRAIN.CLASS_BALANCE != "none":
+            raise UserError(balance.SHARDS_REFUSAL.format(mode=cfg.TRAIN.CLASS_BALANCE))
         return list(shard_set.classes), shard_set.num_samples, None
     if kind == "cifar":
         _, targets, names = datasets.load_cifar(*sources.find_cifar(group.DATASET), group.SPLIT, key)

@@ -136,11 +136,12 @@ def holdout_indices(labels: np.ndarray, val_split: float) -> tuple[np.ndarray, n
 
 class SplitPart(Subset):
     """The part of a dataset that TRAIN.VAL_SPLIT keeps for training or holds out: item i is
-    dataset[indices[i]]. Keeps the dataset's classes and its count of unreadable images."""
+    dataset[indices[i]]. Keeps the dataset's classes, its labels (targets, of these rows) and its count of
+    unreadable images."""
 
     def __init__(self, dataset: Dataset, indices: np.ndarray) -> None:
         super().__init__(dataset, indices.tolist())
-        self.classes = dataset.classes
+        self.classes, self.targets = dataset.classes, np.asarray(dataset.targets)[indices]
 
     def take_bad_count(self) -> int:
         take = getattr(self.dataset, "take_bad_count", None)

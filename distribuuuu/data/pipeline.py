@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from yacs.config import CfgNode
 
-from distribuuuu.data import datasets, images, sources, transforms
+from distribuuuu.data import balance, datasets, images, sources, transforms
 from distribuuuu.data.batches import NormalizedBatches, ReadableBatches, collate_readable, seed_worker, track_workers
 from distribuuuu.errors import UserError
 
@@ -77,11 +77,15 @@ class Pipeline:
     def sampler(self, dataset: Sized, train: bool, rank: int, world_size: int) -> Sampler:
         """Training: resumable even for one process, so set_epoch(epoch, start) always works; its seed is the
         engine's cfg's (engine.trainer.seeded_cfg draws one for RNG_SEED None), so the logged seed repeats
-        the shuffle; a tool without one gets 0. Evaluation: exact."""
+        the shuffle; a tool without one gets 0; TRAIN.CLASS_BALANCE sampler: its order is balance.BalancedDraw's
+        (every class equally often), and every rank says (at INFO: rank 0 prints) when the class sizes spread.
+        Evaluation: exact."""
         if not train:
             return ShardedEvalSampler(dataset, num_replicas=world_size, rank=rank)
+        balance.note_spread(self.cfg, dataset)  # the classes' sizes, when they spread widely
+        draw = balance.BalancedDraw(dataset) if self.cfg.TRAIN.CLASS_BALANCE == "sampler" else torch.randperm
         return ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.cfg.RNG_SEED or 0,
-                                           repeats=self.cfg.TRAIN.REPEATED_AUG)
+                                           repeats=self.cfg.TRAIN.REPEATED_AUG, draw=draw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,14 +115,16 @@ class ResumableDistributedSampler(Sampler[int]):
 
     The position is counted in samples (all ranks together), so a resume, even with another world size,
     goes on with the next unseen sample; the fewer than W left-over samples are dropped, never repeated.
-    ``repeats`` k > 1 is repeated augmentation: the k copies of an index land on different ranks.
+    ``repeats`` k > 1 is repeated augmentation: the k copies of an index land on different ranks. ``draw``
+    makes the epoch's order: a permutation, or TRAIN.CLASS_BALANCE sampler's draw (balance.BalancedDraw).
     Why not torch's DistributedSampler: docs/reliability.md; repeated augmentation: docs/recipes.md.
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1) -> None:
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, repeats: int = 1,
+                 draw: Callable[..., torch.Tensor] = torch.randperm) -> None:
         _check_shard(num_replicas, rank, repeats)
         self.size, self.num_replicas, self.rank, self.seed = len(dataset), num_replicas, rank, seed
-        self.repeats = repeats
+        self.repeats, self.draw = repeats, draw  # draw(size, generator=): the epoch's indices, all ranks' together
         self.epoch, self.start = 0, 0
         self.on_epoch: Callable[[int, int], None] | None = None  # called with (seed, epoch) by set_epoch
 
@@ -131,7 +137,7 @@ class ResumableDistributedSampler(Sampler[int]):
             self.on_epoch(self.seed, epoch)
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = self.draw(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         if self.repeats > 1:  # each index written `repeats` times in a row: the copies land on different ranks
             order = order.repeat_interleave(self.repeats)[:self.size]
         rest = order[self.start:]

@@ -141,6 +141,8 @@ class Trainer:
         self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
         if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set
             self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+        if cfg.TRAIN.CLASS_BALANCE == "loss":  # weights from the labels trained on, known only now
+            self.stepper.weigh_classes(cfg, data.balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES))
         # What every checkpoint says about the model: class names of the data trained on, preprocessing
         self.card = model_card.describe(self.cfg, self.train_loader.dataset)
 

@@ -10,7 +10,7 @@ run's, the config flattened to keys such as ``OPTIM.BASE_LR``:
                  or a new run from these weights (MODEL.WEIGHTS path/to/checkpoint.pth)
   SAFE_KEYS      change how long, how often, how fast or where, not what: the run goes on and logs
                  ``resume: KEY changed old -> new`` once per key
-  any other key  (learning rate, weight decay, augmentation, ...) changes the recipe in the middle of
+  any other key  (learning rate, weight decay, augmentation, class balance, ...) changes the recipe in the middle of
                  the run: refused too, unless named in TRAIN.RESUME_ALLOW, the explicit request to
                  mix. RESUME_ALLOW may also name an identity key (a dataset that moved to another
                  path); the data identity and the shapes of the saved state are checked all the same.
