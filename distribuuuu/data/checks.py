@@ -14,12 +14,9 @@ the TEST data's label i must be the training class i (_require_same_labels).
 
 check_overlap (TRAIN.OVERLAP) runs once the process group is up: rank 0 looks for evaluation images
 that are training images (the same file, or the same bytes: a copy) and broadcasts its verdict, so every
-rank refuses alike. Cost: one stat per file of both splits; files are read only when their byte size is
-shared with a file of the other split, each once, and grouped by a hash of their content: near-linear
-in the number of files (measured in docs/reliability.md). The TRAIN.VAL_SPLIT hold-out is cut from the
-listed training files and cannot overlap the rest; TEST naming the training split itself with nothing
-held out is all overlap (their count is said); shard sets are not compared (their records have no
-file identity to stat).
+rank refuses alike; near-linear in the number of files (docs/reliability.md). The TRAIN.VAL_SPLIT
+hold-out cannot overlap the rest; TEST naming the training split itself with nothing held out is all
+overlap (its count is said); shard sets are not compared (their records have no file identity).
 """
 
 from __future__ import annotations
