@@ -283,7 +283,7 @@ def _recipe(cfg: CfgNode, files: list[str], small: bool, why: str) -> list[Decis
 
         mean, std = _mean_std(files, cfg.MODEL.IN_CHANS) if small else transforms.stats_for_channels(
             transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
-        t.MEAN, t.STD = [round(x, 4) for x in mean], [round(x, 4) for x in std]
+        t.MEAN, t.STD = [round(float(x), 4) for x in mean], [round(float(x), 4) for x in std]
         decided.append(Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}", f"{why}: their own, of {len(files)} sampled "
                                 "(a fixed seed)" if small else photos))
     return decided
