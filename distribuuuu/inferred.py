@@ -17,19 +17,15 @@ logged once by rank 0 with the setup lines (``log_decisions``):
   folders                folder itself is the training split (TRAIN.SPLIT ''), and with TEST.DATASET
                          unset a stratified, seeded tenth of it is held out as the val set
                          (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
-  MODEL.ARCH auto,       a fine-tune's (MODEL.WEIGHTS a checkpoint) model card first; then a folder's images, from
-  MODEL.IN_CHANS 0,      a seeded sample of SAMPLE_IMAGES training files: resnet_tiny for images of 64 px or less
-  TRAIN.IM_SIZE 0,       on a CPU, else resnet18; 1 channel when most are grayscale; their median shorter side,
-  the recipe (TRAIN.     at least 32 and at most the model's default size; images smaller than that get the
-  CROP_SCALE [],         small-image recipe (crop 0.8-1, no flip, their own mean/std), the others ImageNet's
-  FLIP_PROB -1, MEAN []) (0.08-1, flip 0.5, ImageNet's mean/std). Other data: resnet18, 3 channels, 224 px, the
-                         source's own recipe (the former defaults)
+  MODEL.ARCH, IN_CHANS,  a fine-tune's model card (MODEL.WEIGHTS), then a folder's images (data/image_sample.py):
+  TRAIN.IM_SIZE and      resnet_tiny for 64 px or less on a CPU, else resnet18; 1 channel when most are gray; the
+  the recipe (CROP_SCALE median side in [32, the model's default size]; smaller images: crop 0.8-1, no flip, their
+  FLIP_PROB, MEAN/STD)   own mean/std, else ImageNet's recipe. Other data: the former resnet18, 3, 224, own recipe
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
   TRAIN.TOPK             clamped to MODEL.NUM_CLASSES
   TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8;
                          a value set above both the cores and 8 is clamped to the larger (warned)
-  NUM_THREADS 0          OMP_NUM_THREADS when set (torchrun: 1 for several processes), else the cores free to this
-                         process: its affinity less the load average's share, split between this node's processes;
+  NUM_THREADS 0          OMP_NUM_THREADS when set, else the cores free to this process (launch/comm.free_threads);
                          a value set above this process's cores is clamped to them (warned)
   OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: the schedule's warmup is a fifth of the run
                          (optim.warmup_epochs, used by the LR schedule; the key keeps its value)
@@ -41,8 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -222,13 +216,9 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
 # ---------------------------------------------------------------------------------------------
 # The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's recipe
 # ---------------------------------------------------------------------------------------------
-AUTO_ARCH = "auto"  # MODEL.ARCH's unset value
-FORMER_ARCH, SMALL_ARCH = "resnet18", "resnet_tiny"
+AUTO_ARCH, FORMER_ARCH, SMALL_ARCH, FORMER_SIZE = "auto", "resnet18", "resnet_tiny", 224  # AUTO: MODEL.ARCH unset
 SMALL_IMAGES = 64  # images up to this side train SMALL_ARCH on a CPU (resnet18 is 4x wider in every layer)
-FORMER_SIZE = 224
 STRIDE, SMALL_STEM_STRIDE = 32, 8  # a ResNet's input side per side of its last map: the least input leaving 1x1
-SAMPLE_IMAGES, SAMPLE_SEED = 256, 0  # the training files read for sizes, channels and mean/std
-GRAY_MODES = ("1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N")
 SMALL_CROP, PHOTO_CROP = [0.8, 1.0], [0.08, 1.0]  # docs/recipes.md, Data recipe
 
 
@@ -236,21 +226,25 @@ def _images(cfg: CfgNode) -> list[Decision]:
     """The unset model and recipe keys (module docstring): a fine-tune's card, then a folder's images."""
     m, t = cfg.MODEL, cfg.TRAIN
     decided = _from_card(cfg) if m.WEIGHTS and os.path.isfile(m.WEIGHTS) else []
-    unset = m.ARCH == AUTO_ARCH or not m.IN_CHANS or not t.IM_SIZE or not t.CROP_SCALE or t.FLIP_PROB < 0 or not t.MEAN
-    if not unset:
+    if m.ARCH != AUTO_ARCH and m.IN_CHANS and t.IM_SIZE and t.CROP_SCALE and t.FLIP_PROB >= 0 and t.MEAN:
         return decided
-    files = _sample(cfg) if not m.DUMMY_INPUT and _kind(t.DATASET) == "folder" else []
-    side, gray, seen = _looks(files)
+    from distribuuuu.data import image_sample
+
+    files = image_sample.sample(os.path.join(t.DATASET, t.SPLIT)) if (
+        not m.DUMMY_INPUT and _kind(t.DATASET) == "folder") else []
+    side, gray, seen = image_sample.looks(files)
     if not side:  # not a folder, or none readable here: the former defaults, the source's own recipe
         m.ARCH, m.IN_CHANS = FORMER_ARCH if m.ARCH == AUTO_ARCH else m.ARCH, m.IN_CHANS or len(t.MEAN) or 3
         t.IM_SIZE = t.IM_SIZE or FORMER_SIZE
         return decided
     looks = f"from the images: {seen} sampled, median shorter side {side} px"
     if m.ARCH == AUTO_ARCH:
-        small = side <= SMALL_IMAGES and _on_cpu(cfg)
+        from torch import cuda
+
+        small = side <= SMALL_IMAGES and (cfg.DEVICE == "cpu" or cfg.DEVICE == "auto" and not cuda.is_available())
         m.ARCH = SMALL_ARCH if small else FORMER_ARCH
-        decided.append(Decision("MODEL.ARCH", m.ARCH, f"{looks}, {'' if small else 'not '}64 px or less on a CPU"
-                                + (": a ResNet sized for them, 0.3M parameters" if small else "")))
+        decided.append(Decision("MODEL.ARCH", m.ARCH, f"{looks}: 64 px or less on a CPU, a ResNet sized for them "
+                                "(0.3M parameters)" if small else f"{looks}: over 64 px or on a GPU, the default"))
     if not m.IN_CHANS:
         m.IN_CHANS = 1 if gray * 2 > seen else 3
         decided.append(Decision("MODEL.IN_CHANS", m.IN_CHANS, f"from the images: {gray} of {seen} sampled are gray"))
@@ -268,108 +262,38 @@ def _images(cfg: CfgNode) -> list[Decision]:
 def _recipe(cfg: CfgNode, files: list[str], small: bool, why: str) -> list[Decision]:
     """A folder's crop scale, flip and mean/std left unset: the small-image recipe for images smaller than the
     model's default size, ImageNet's otherwise (docs/recipes.md, Data recipe)."""
-    t, decided = cfg.TRAIN, []
-    photos = "images at the model's default size: ImageNet's"
+    t, decided, photos = cfg.TRAIN, [], "images at the model's default size: ImageNet's"
     if not t.CROP_SCALE:
         t.CROP_SCALE = SMALL_CROP if small else PHOTO_CROP
-        decided.append(Decision("TRAIN.CROP_SCALE", t.CROP_SCALE, f"{why}: a small crop would cut their object"
-                                if small else photos))
+        decided.append(Decision("TRAIN.CROP_SCALE", t.CROP_SCALE,
+                                f"{why}: a small crop would cut their object" if small else photos))
     if t.FLIP_PROB < 0:
         t.FLIP_PROB = 0.0 if small else 0.5
         decided.append(Decision("TRAIN.FLIP_PROB", t.FLIP_PROB, f"{why}: small images are often glyphs (digits, "
                                 "letters, signs) that a mirror changes; 0.5 for photos" if small else photos))
     if not t.MEAN and not cfg.MODEL.PRETRAINED:  # pretrained weights keep their own (data/transforms.recipe_of)
-        from distribuuuu.data import transforms
+        from distribuuuu.data import image_sample, transforms
 
-        mean, std = _mean_std(files, cfg.MODEL.IN_CHANS) if small else transforms.stats_for_channels(
-            transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS)
-        t.MEAN, t.STD = [round(float(x), 4) for x in mean], [round(float(x), 4) for x in std]
-        decided.append(Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}", f"{why}: their own, of {len(files)} sampled "
-                                "(a fixed seed)" if small else photos))
+        t.MEAN, t.STD = image_sample.mean_std(files, cfg.MODEL.IN_CHANS) if small else map(
+            list, transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS))
+        decided.append(Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}",
+                                f"{why}: their own, of {len(files)} sampled (a fixed seed)" if small else photos))
     return decided
 
 
-def _on_cpu(cfg: CfgNode) -> bool:
-    import torch
-
-    return cfg.DEVICE == "cpu" or (cfg.DEVICE == "auto" and not torch.cuda.is_available())
-
-
-def _sample(cfg: CfgNode) -> list[str]:
-    """Up to SAMPLE_IMAGES training files, drawn with a fixed seed: the same on every rank and in every run."""
-    from distribuuuu.data import images
-
-    split = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
-    listing = images.list_split(split, _class_dirs(split))
-    files = [path for c in listing.classes for path in listing.files(c)]
-    return random.Random(SAMPLE_SEED).sample(files, min(len(files), SAMPLE_IMAGES))
-
-
-def _looks(files: list[str]) -> tuple[int, int, int]:
-    """(median shorter side, how many are grayscale, how many were readable) from the files' headers."""
-    from PIL import Image
-
-    from distribuuuu.data.images import DECODE_ERRORS
-
-    sides, gray = [], 0
-    for file in files:
-        try:
-            with Image.open(file) as image:
-                sides.append(min(image.size))
-                gray += image.mode in GRAY_MODES
-        except DECODE_ERRORS:
-            continue  # the preflight names unreadable files
-    return (int(statistics.median_low(sides)) if sides else 0), gray, len(sides)
-
-
-def _mean_std(files: list[str], chans: int) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of the files' pixels in [0, 1], as training decodes them (chans channels)."""
-    import numpy as np
-
-    from distribuuuu.data.images import DECODE_ERRORS, open_image
-
-    total, squares, count = np.zeros(chans), np.zeros(chans), 0
-    for file in files:
-        try:
-            pixels = np.asarray(open_image(file, "L" if chans == 1 else "RGB"), dtype=np.float64).reshape(-1, chans)
-        except DECODE_ERRORS:
-            continue
-        total, squares, count = total + pixels.sum(0) / 255, squares + (pixels * pixels).sum(0) / 65025, count + len(pixels)
-    mean = total / max(count, 1)
-    return list(mean), list(np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 1e-12)))
-
-
 def _from_card(cfg: CfgNode) -> list[Decision]:
-    """A fine-tune (MODEL.WEIGHTS a checkpoint of this package): the unset MODEL.ARCH, IN_CHANS, TRAIN.IM_SIZE,
-    mean/std, crop scale and flip from its model card (SMALL_STEM too when the card's is True); a file
-    without a card (a state dict, safetensors) decides nothing here."""
+    """A fine-tune (MODEL.WEIGHTS a checkpoint with a model card): the unset keys its card fills
+    (ModelCard.fill_unset); a file without a card (a state dict, safetensors) decides nothing here."""
     from distribuuuu import weights
     from distribuuuu.model_card import from_checkpoint
 
-    m, t, taken = cfg.MODEL, cfg.TRAIN, []
     try:
-        card = from_checkpoint(weights.peek_checkpoint(m.WEIGHTS))
+        card = from_checkpoint(weights.peek_checkpoint(cfg.MODEL.WEIGHTS))
     except Exception:  # noqa: BLE001 - not a checkpoint: loading the weights says what it is
         return []
-    if card is None:
-        return []
-    card_train = CfgNode.load_cfg(card.config).TRAIN if card.config else None
-    if m.ARCH == AUTO_ARCH:
-        m.ARCH, taken = card.arch, [*taken, "MODEL.ARCH"]
-    if card.small_stem and not m.SMALL_STEM:
-        m.SMALL_STEM, taken = True, [*taken, "MODEL.SMALL_STEM"]
-    if not m.IN_CHANS:
-        m.IN_CHANS, taken = card.in_chans, [*taken, "MODEL.IN_CHANS"]
-    if not t.IM_SIZE:
-        t.IM_SIZE, taken = card.image_size, [*taken, "TRAIN.IM_SIZE"]
-    if not t.MEAN and len(card.mean) == m.IN_CHANS:
-        t.MEAN, t.STD, taken = card.mean, card.std, [*taken, "TRAIN.MEAN", "TRAIN.STD"]
-    if not t.CROP_SCALE and card_train is not None and card_train.get("CROP_SCALE"):
-        t.CROP_SCALE, taken = list(card_train.CROP_SCALE), [*taken, "TRAIN.CROP_SCALE"]
-    if t.FLIP_PROB < 0 and card_train is not None and card_train.get("FLIP_PROB", -1) >= 0:
-        t.FLIP_PROB, taken = card_train.FLIP_PROB, [*taken, "TRAIN.FLIP_PROB"]
-    return [Decision(key, cfg[key.split(".")[0]][key.split(".")[1]], f"the model card of {m.WEIGHTS}, "
-                     "fine-tuned") for key in taken]
+    taken = card.fill_unset(cfg) if card is not None else []
+    origin = f"the model card of {cfg.MODEL.WEIGHTS}, fine-tuned"
+    return [Decision(k, cfg[k.split(".")[0]][k.split(".")[1]], origin) for k in taken]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,23 +351,10 @@ def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
     if omp.isdigit() and int(omp) > 0:
         cfg.NUM_THREADS = min(int(omp), cores)
         return [Decision("NUM_THREADS", cfg.NUM_THREADS, "OMP_NUM_THREADS (torchrun sets 1 for several processes)")]
-    cfg.NUM_THREADS, origin = _free_threads(cores, local_world_size)
+    from distribuuuu.launch.comm import free_threads
+
+    cfg.NUM_THREADS, origin = free_threads(cores, local_world_size)
     return [Decision("NUM_THREADS", cfg.NUM_THREADS, origin)]
-
-
-def _free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
-    """The cores free to each process: its share of this process's cores (Slurm's --cpus-per-task is each
-    task's own), less its share of the load average (scaled to these cores). Threads on a busy core wait
-    for each other at every operation: 2 threads on a busy 2-core machine ran 5-6x slower than 1."""
-    from distribuuuu.launch import launcher
-
-    slurm = launcher.slurm_cpus_per_task() if launcher.detect().launcher == "slurm" else None
-    procs = 1 if slurm else local_world_size
-    share = max(1, min(cores, slurm) if slurm else cores // procs)
-    load = os.getloadavg()[0] * cores / (os.cpu_count() or cores) if hasattr(os, "getloadavg") else 0.0
-    threads = max(1, min(share, round(cores - load) // procs))
-    return threads, (f"from the cores: {share} of {cores} per process for {procs} process(es) here, "
-                     f"{load:.1f} busy by the load average")
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:

@@ -112,6 +112,20 @@ def _set_threads(cfg: Any, info: LaunchInfo) -> None:
         torch.set_num_threads(cfg.NUM_THREADS)
 
 
+def free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
+    """NUM_THREADS 0 (inferred.py): the cores free to each process, and why. Its share of the cores it may use
+    (Slurm's --cpus-per-task is each task's own), less its share of the load average (scaled to these cores):
+    threads on a busy core wait for each other at every operation (2 threads on a busy 2-core machine ran
+    5-6x slower than 1)."""
+    slurm = launcher.slurm_cpus_per_task() if launcher.detect().launcher == "slurm" else None
+    procs = 1 if slurm else local_world_size
+    share = max(1, min(cores, slurm) if slurm else cores // procs)
+    load = os.getloadavg()[0] * cores / (os.cpu_count() or cores) if hasattr(os, "getloadavg") else 0.0
+    threads = max(1, min(share, round(cores - load) // procs))
+    return threads, (f"from the cores: {share} of {cores} per process for {procs} process(es) here, "
+                     f"{load:.1f} busy by the load average")
+
+
 def _set_determinism(cfg: Any) -> None:
     """CUDNN.DETERMINISTIC: torch.use_deterministic_algorithms(True, warn_only=True) (ops without a
     deterministic kernel warn instead of stopping the run), or off. Called only on a change: the

@@ -1,0 +1,53 @@
+"""A seeded sample of a folder's training images, and what it shows: their typical size, how many are
+grayscale, their mean/std. inferred.py decides the model, the input channels, the image size and the
+recipe from it when the config leaves them unset; a few hundred files, the same ones on every rank."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import numpy as np
+from PIL import Image
+
+from distribuuuu.data import sources
+from distribuuuu.data.images import DECODE_ERRORS, list_split, open_image
+
+SAMPLE_IMAGES, SAMPLE_SEED = 256, 0  # enough for a median and a mean to 2-3 digits; a fixed seed: every rank, every run
+GRAY_MODES = ("1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N")
+
+
+def sample(split_dir: str) -> list[str]:
+    """Up to SAMPLE_IMAGES image files of split_dir's class folders, drawn with SAMPLE_SEED."""
+    listing = list_split(split_dir, sources.folder_classes(split_dir))
+    files = [path for c in listing.classes for path in listing.files(c)]
+    return random.Random(SAMPLE_SEED).sample(files, min(len(files), SAMPLE_IMAGES))
+
+
+def looks(files: list[str]) -> tuple[int, int, int]:
+    """(median shorter side, how many are grayscale, how many were readable), from the headers alone."""
+    sides, gray = [], 0
+    for file in files:
+        try:
+            with Image.open(file) as image:
+                sides.append(min(image.size))
+                gray += image.mode in GRAY_MODES
+        except DECODE_ERRORS:
+            continue  # the preflight names unreadable files
+    return (int(statistics.median_low(sides)) if sides else 0), gray, len(sides)
+
+
+def mean_std(files: list[str], chans: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std (4 decimals) of the files' pixels in [0, 1], decoded as training decodes
+    them to chans channels; summed image by image (float64), so memory stays one image."""
+    total, squares, count = np.zeros(chans), np.zeros(chans), 0
+    for file in files:
+        try:
+            pixels = np.asarray(open_image(file, "L" if chans == 1 else "RGB"), dtype=np.float64) / 255
+        except DECODE_ERRORS:
+            continue
+        pixels = pixels.reshape(-1, chans)
+        total, squares, count = total + pixels.sum(0), squares + (pixels * pixels).sum(0), count + len(pixels)
+    mean = total / max(count, 1)
+    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
+    return [round(float(x), 4) for x in mean], [round(float(x), 4) for x in std]
