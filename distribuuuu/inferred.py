@@ -230,13 +230,15 @@ def _images(cfg: CfgNode) -> list[Decision]:
         return decided
     from distribuuuu.data import image_sample
 
-    files = image_sample.sample(os.path.join(t.DATASET, t.SPLIT)) if (
-        not m.DUMMY_INPUT and _kind(t.DATASET) == "folder") else []
+    files = image_sample.sample(os.path.join(t.DATASET, t.SPLIT)) if _kind(t.DATASET) == "folder" else []
     side, gray, seen = image_sample.looks(files)
     if not side:  # not a folder, or none readable here: the former defaults, the source's own recipe
+        unset = [k for k, v in (("MODEL.ARCH", m.ARCH == AUTO_ARCH), ("MODEL.IN_CHANS", not m.IN_CHANS),
+                                ("TRAIN.IM_SIZE", not t.IM_SIZE)) if v]
         m.ARCH, m.IN_CHANS = FORMER_ARCH if m.ARCH == AUTO_ARCH else m.ARCH, m.IN_CHANS or len(t.MEAN) or 3
         t.IM_SIZE = t.IM_SIZE or FORMER_SIZE
-        return decided
+        return decided + [Decision(k, cfg[k.split(".")[0]][k.split(".")[1]], "the former default: no folder of "
+                                   f"images read here ({t.DATASET})") for k in unset]
     looks = f"from the images: {seen} sampled, median shorter side {side} px"
     if m.ARCH == AUTO_ARCH:
         from torch import cuda
@@ -260,8 +262,7 @@ def _images(cfg: CfgNode) -> list[Decision]:
 
 
 def _recipe(cfg: CfgNode, files: list[str], small: bool, why: str) -> list[Decision]:
-    """A folder's crop scale, flip and mean/std left unset: the small-image recipe for images smaller than the
-    model's default size, ImageNet's otherwise (docs/recipes.md, Data recipe)."""
+    """A folder's unset crop scale, flip and mean/std: the small-image recipe, or ImageNet's (docs/recipes.md)."""
     t, decided, photos = cfg.TRAIN, [], "images at the model's default size: ImageNet's"
     if not t.CROP_SCALE:
         t.CROP_SCALE = SMALL_CROP if small else PHOTO_CROP
@@ -282,8 +283,7 @@ def _recipe(cfg: CfgNode, files: list[str], small: bool, why: str) -> list[Decis
 
 
 def _from_card(cfg: CfgNode) -> list[Decision]:
-    """A fine-tune (MODEL.WEIGHTS a checkpoint with a model card): the unset keys its card fills
-    (ModelCard.fill_unset); a file without a card (a state dict, safetensors) decides nothing here."""
+    """A fine-tune: the unset keys the card of MODEL.WEIGHTS fills (none for a state dict, safetensors)."""
     from distribuuuu import weights
     from distribuuuu.model_card import from_checkpoint
 

@@ -13,13 +13,17 @@ from PIL import Image
 from distribuuuu.data import sources
 from distribuuuu.data.images import DECODE_ERRORS, list_split, open_image
 
+MIN_STD = 0.0039  # one gray level: images of (nearly) one colour would otherwise be divided by ~0
 SAMPLE_IMAGES, SAMPLE_SEED = 256, 0  # enough for a median and a mean to 2-3 digits; a fixed seed: every rank, every run
 GRAY_MODES = ("1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N")
 
 
 def sample(split_dir: str) -> list[str]:
-    """Up to SAMPLE_IMAGES image files of split_dir's class folders, drawn with SAMPLE_SEED."""
-    listing = list_split(split_dir, sources.folder_classes(split_dir))
+    """Up to SAMPLE_IMAGES image files of split_dir's class folders, drawn with SAMPLE_SEED ([]: not readable here)."""
+    try:
+        listing = list_split(split_dir, sources.folder_classes(split_dir))
+    except OSError:
+        return []
     files = [path for c in listing.classes for path in listing.files(c)]
     return random.Random(SAMPLE_SEED).sample(files, min(len(files), SAMPLE_IMAGES))
 
@@ -49,5 +53,5 @@ def mean_std(files: list[str], chans: int) -> tuple[list[float], list[float]]:
         pixels = pixels.reshape(-1, chans)
         total, squares, count = total + pixels.sum(0), squares + (pixels * pixels).sum(0), count + len(pixels)
     mean = total / max(count, 1)
-    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, 0.0))
+    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, MIN_STD ** 2))
     return [round(float(x), 4) for x in mean], [round(float(x), 4) for x in std]
