@@ -232,54 +232,56 @@ def _images(cfg: CfgNode) -> list[Decision]:
 
     files = image_sample.sample(os.path.join(t.DATASET, t.SPLIT)) if _kind(t.DATASET) == "folder" else []
     side, gray, seen = image_sample.looks(files)
-    if not side:  # not a folder, or none readable here: the former defaults, the source's own recipe
-        unset = [k for k, v in (("MODEL.ARCH", m.ARCH == AUTO_ARCH), ("MODEL.IN_CHANS", not m.IN_CHANS),
-                                ("TRAIN.IM_SIZE", not t.IM_SIZE)) if v]
-        m.ARCH, m.IN_CHANS = FORMER_ARCH if m.ARCH == AUTO_ARCH else m.ARCH, m.IN_CHANS or len(t.MEAN) or 3
-        t.IM_SIZE = t.IM_SIZE or FORMER_SIZE
-        return decided + [Decision(k, cfg[k.split(".")[0]][k.split(".")[1]], "the former default: no folder of "
-                                   f"images read here ({t.DATASET})") for k in unset]
-    looks = f"from the images: {seen} sampled, median shorter side {side} px"
-    if m.ARCH == AUTO_ARCH:
-        from torch import cuda
+    return decided + (_from_images(cfg, files, side, gray, seen) if side else _former_defaults(cfg))
 
-        small = side <= SMALL_IMAGES and (cfg.DEVICE == "cpu" or cfg.DEVICE == "auto" and not cuda.is_available())
-        m.ARCH = SMALL_ARCH if small else FORMER_ARCH
-        decided.append(Decision("MODEL.ARCH", m.ARCH, f"{looks}: 64 px or less on a CPU, a ResNet sized for them "
-                                "(0.3M parameters)" if small else f"{looks}: over 64 px or on a GPU, the default"))
-    if not m.IN_CHANS:
-        m.IN_CHANS = 1 if gray * 2 > seen else 3
-        decided.append(Decision("MODEL.IN_CHANS", m.IN_CHANS, f"from the images: {gray} of {seen} sampled are gray"))
+
+def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str, warn: bool = False) -> list[Decision]:
+    """key ("SECTION.NAME" or "NAME") set to value, with its setup line, when unset."""
+    if unset:
+        *section, name = key.split(".")
+        (cfg[section[0]] if section else cfg)[name] = value
+    return [Decision(key, value, origin, warn)] if unset else []
+
+
+def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int) -> list[Decision]:
+    """A folder's images decide: the model and its input (channels, size), then the small-image recipe for
+    images smaller than the model's default size, else ImageNet's (docs/recipes.md, Data recipe)."""
+    from torch import cuda
+
+    from distribuuuu.data import image_sample, transforms
     from distribuuuu.models import default_size  # late: timm and torchvision, only for a folder's images
 
+    m, t, looks = cfg.MODEL, cfg.TRAIN, f"from the images: {seen} sampled, median shorter side {side} px"
+    cpu = side <= SMALL_IMAGES and (cfg.DEVICE == "cpu" or cfg.DEVICE == "auto" and not cuda.is_available())
+    decided = _fill(cfg, "MODEL.ARCH", m.ARCH == AUTO_ARCH, SMALL_ARCH if cpu else FORMER_ARCH, looks + (
+        ": 64 px or less on a CPU, a ResNet sized for them (0.3M parameters)" if cpu else ": the default"))
+    decided += _fill(cfg, "MODEL.IN_CHANS", not m.IN_CHANS, 1 if gray * 2 > seen else 3,
+                     f"from the images: {gray} of {seen} sampled are gray")
     ceiling, floor = default_size(m.ARCH), SMALL_STEM_STRIDE if m.SMALL_STEM else STRIDE
-    if not t.IM_SIZE:
-        t.IM_SIZE = min(max(side, floor), ceiling)
-        bound = (f", raised to {floor}: the model divides its input by {floor}" if side < floor else
-                 f", lowered to {m.ARCH}'s default size" if side > ceiling else "")
-        decided.append(Decision("TRAIN.IM_SIZE", t.IM_SIZE, looks + bound))
-    return decided + _recipe(cfg, files, side < ceiling, f"{side} px, smaller than {m.ARCH}'s {ceiling}")
+    decided += _fill(cfg, "TRAIN.IM_SIZE", not t.IM_SIZE, min(max(side, floor), ceiling), looks + (
+        f", raised to {floor}: the model divides its input by {floor}" if side < floor else
+        f", lowered to {m.ARCH}'s default size" if side > ceiling else ""))
+    small, why = side < ceiling, f"{side} px, smaller than {m.ARCH}'s {ceiling}: "
+    photos = "images at the model's default size: ImageNet's"
+    decided += _fill(cfg, "TRAIN.CROP_SCALE", not t.CROP_SCALE, SMALL_CROP if small else PHOTO_CROP,
+                     why + "a small crop would cut their object" if small else photos)
+    decided += _fill(cfg, "TRAIN.FLIP_PROB", t.FLIP_PROB < 0, 0.0 if small else 0.5, why + "small images are often "
+                     "glyphs (digits, letters, signs) that a mirror changes; 0.5 for photos" if small else photos)
+    if t.MEAN or m.PRETRAINED:  # pretrained weights keep their own (data/transforms.recipe_of)
+        return decided
+    t.MEAN, t.STD = image_sample.mean_std(files, m.IN_CHANS) if small else map(
+        list, transforms.stats_for_channels(transforms.IMAGENET_STATS, m.IN_CHANS))
+    return decided + [Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}",
+                               f"{why}their own, of {len(files)} sampled (a fixed seed)" if small else photos)]
 
 
-def _recipe(cfg: CfgNode, files: list[str], small: bool, why: str) -> list[Decision]:
-    """A folder's unset crop scale, flip and mean/std: the small-image recipe, or ImageNet's (docs/recipes.md)."""
-    t, decided, photos = cfg.TRAIN, [], "images at the model's default size: ImageNet's"
-    if not t.CROP_SCALE:
-        t.CROP_SCALE = SMALL_CROP if small else PHOTO_CROP
-        decided.append(Decision("TRAIN.CROP_SCALE", t.CROP_SCALE,
-                                f"{why}: a small crop would cut their object" if small else photos))
-    if t.FLIP_PROB < 0:
-        t.FLIP_PROB = 0.0 if small else 0.5
-        decided.append(Decision("TRAIN.FLIP_PROB", t.FLIP_PROB, f"{why}: small images are often glyphs (digits, "
-                                "letters, signs) that a mirror changes; 0.5 for photos" if small else photos))
-    if not t.MEAN and not cfg.MODEL.PRETRAINED:  # pretrained weights keep their own (data/transforms.recipe_of)
-        from distribuuuu.data import image_sample, transforms
-
-        t.MEAN, t.STD = image_sample.mean_std(files, cfg.MODEL.IN_CHANS) if small else map(
-            list, transforms.stats_for_channels(transforms.IMAGENET_STATS, cfg.MODEL.IN_CHANS))
-        decided.append(Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}",
-                                f"{why}: their own, of {len(files)} sampled (a fixed seed)" if small else photos))
-    return decided
+def _former_defaults(cfg: CfgNode) -> list[Decision]:
+    """Not a folder, or none of its images readable here: resnet18, 3 channels (TRAIN.MEAN's count), 224 px,
+    and the source's own recipe, as before these keys followed the images."""
+    m, t, origin = cfg.MODEL, cfg.TRAIN, f"the former default: no folder of images read here ({cfg.TRAIN.DATASET})"
+    return (_fill(cfg, "MODEL.ARCH", m.ARCH == AUTO_ARCH, FORMER_ARCH, origin)
+            + _fill(cfg, "MODEL.IN_CHANS", not m.IN_CHANS, len(t.MEAN) or 3, origin)
+            + _fill(cfg, "TRAIN.IM_SIZE", not t.IM_SIZE, FORMER_SIZE, origin))
 
 
 def _from_card(cfg: CfgNode) -> list[Decision]:
@@ -339,22 +341,17 @@ def _workers(cfg: CfgNode, local_world_size: int) -> Decision:
 
 
 def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
-    """NUM_THREADS: 0 decided (OMP_NUM_THREADS, else _free_threads); a value set above the cores this process
-    may use clamped to them (threads beyond them only compete for them)."""
-    asked, cores = cfg.NUM_THREADS, cores_per_process(1)
-    if asked > cores:
-        cfg.NUM_THREADS = cores
-        return [Decision("NUM_THREADS", cores, f"clamped from {asked}: this process may use {cores} cores", warn=True)]
-    if asked:
-        return []
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0:
-        cfg.NUM_THREADS = min(int(omp), cores)
-        return [Decision("NUM_THREADS", cfg.NUM_THREADS, "OMP_NUM_THREADS (torchrun sets 1 for several processes)")]
+    """NUM_THREADS: 0 decided (OMP_NUM_THREADS, else comm.free_threads); a value set above the cores this
+    process may use clamped to them (threads beyond them only compete for them)."""
     from distribuuuu.launch.comm import free_threads
 
-    cfg.NUM_THREADS, origin = free_threads(cores, local_world_size)
-    return [Decision("NUM_THREADS", cfg.NUM_THREADS, origin)]
+    asked, cores, omp = cfg.NUM_THREADS, cores_per_process(1), os.environ.get("OMP_NUM_THREADS", "")
+    if asked > cores:
+        return _fill(cfg, "NUM_THREADS", True, cores, f"clamped from {asked}: this process may use {cores} cores", True)
+    if asked:
+        return []
+    return _fill(cfg, "NUM_THREADS", True, *((min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several "
+                 "processes)") if omp.isdigit() and int(omp) > 0 else free_threads(cores, local_world_size)))
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:

@@ -4,6 +4,7 @@ recipe from it when the config leaves them unset; a few hundred files, the same 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 
@@ -32,26 +33,18 @@ def looks(files: list[str]) -> tuple[int, int, int]:
     """(median shorter side, how many are grayscale, how many were readable), from the headers alone."""
     sides, gray = [], 0
     for file in files:
-        try:
-            with Image.open(file) as image:
-                sides.append(min(image.size))
-                gray += image.mode in GRAY_MODES
-        except DECODE_ERRORS:
-            continue  # the preflight names unreadable files
+        with contextlib.suppress(*DECODE_ERRORS), Image.open(file) as image:  # the preflight names unreadable files
+            sides, gray = [*sides, min(image.size)], gray + (image.mode in GRAY_MODES)
     return (int(statistics.median_low(sides)) if sides else 0), gray, len(sides)
 
 
 def mean_std(files: list[str], chans: int) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std (4 decimals) of the files' pixels in [0, 1], decoded as training decodes
-    them to chans channels; summed image by image (float64), so memory stays one image."""
-    total, squares, count = np.zeros(chans), np.zeros(chans), 0
+    """Per-channel mean and std (4 decimals, std at least MIN_STD) of the files' pixels in [0, 1], decoded as
+    training decodes them to chans channels (small images: all of them in memory is a few MB)."""
+    arrays = [np.zeros((0, chans), np.uint8)]
     for file in files:
-        try:
-            pixels = np.asarray(open_image(file, "L" if chans == 1 else "RGB"), dtype=np.float64) / 255
-        except DECODE_ERRORS:
-            continue
-        pixels = pixels.reshape(-1, chans)
-        total, squares, count = total + pixels.sum(0), squares + (pixels * pixels).sum(0), count + len(pixels)
-    mean = total / max(count, 1)
-    std = np.sqrt(np.maximum(squares / max(count, 1) - mean * mean, MIN_STD ** 2))
-    return [round(float(x), 4) for x in mean], [round(float(x), 4) for x in std]
+        with contextlib.suppress(*DECODE_ERRORS):
+            arrays.append(np.asarray(open_image(file, "L" if chans == 1 else "RGB")).reshape(-1, chans))
+    pixels = np.concatenate(arrays)
+    mean, std = pixels.mean(0, dtype=np.float64) / 255, pixels.std(0, dtype=np.float64) / 255
+    return [round(float(x), 4) for x in mean], [round(max(float(x), MIN_STD), 4) for x in std]
