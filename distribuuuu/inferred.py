@@ -85,10 +85,7 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         return cfg
     out = cfg.clone()
     out.defrost()
-    if local_world_size is None:
-        from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
-
-        local_world_size = detect().local_world_size
+    local_world_size = local_world_size or _local_world_size()
     decided = _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
@@ -100,6 +97,12 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     out.freeze()
     out.__dict__[_DECISIONS] = tuple(decided)
     return out
+
+
+def _local_world_size() -> int:
+    from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
+
+    return detect().local_world_size
 
 
 def _kind(dataset: str) -> str:
@@ -230,7 +233,8 @@ def _images(cfg: CfgNode) -> list[Decision]:
         return decided
     from distribuuuu.data import image_sample
 
-    files = image_sample.sample(os.path.join(t.DATASET, t.SPLIT)) if _kind(t.DATASET) == "folder" else []
+    split = os.path.join(t.DATASET, t.SPLIT)
+    files = image_sample.sample(split, _class_dirs(split)) if _kind(t.DATASET) == "folder" else []
     side, gray, seen = image_sample.looks(files)
     return decided + (_from_images(cfg, files, side, gray, seen) if side else _former_defaults(cfg))
 
@@ -244,8 +248,7 @@ def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str, warn: bo
 
 
 def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int) -> list[Decision]:
-    """A folder's images decide: the model and its input (channels, size), then the small-image recipe for
-    images smaller than the model's default size, else ImageNet's (docs/recipes.md, Data recipe)."""
+    """The model, its input and the recipe from a folder's images (module docstring; docs/recipes.md)."""
     from torch import cuda
 
     from distribuuuu.data import image_sample, transforms
@@ -261,18 +264,18 @@ def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int
     decided += _fill(cfg, "TRAIN.IM_SIZE", not t.IM_SIZE, min(max(side, floor), ceiling), looks + (
         f", raised to {floor}: the model divides its input by {floor}" if side < floor else
         f", lowered to {m.ARCH}'s default size" if side > ceiling else ""))
-    small, why = side < ceiling, f"{side} px, smaller than {m.ARCH}'s {ceiling}: "
-    photos = "images at the model's default size: ImageNet's"
+    small = side < ceiling
+    why = f"{side} px, {'smaller than' if small else 'at least'} {m.ARCH}'s default {ceiling}: "
     decided += _fill(cfg, "TRAIN.CROP_SCALE", not t.CROP_SCALE, SMALL_CROP if small else PHOTO_CROP,
-                     why + "a small crop would cut their object" if small else photos)
-    decided += _fill(cfg, "TRAIN.FLIP_PROB", t.FLIP_PROB < 0, 0.0 if small else 0.5, why + "small images are often "
-                     "glyphs (digits, letters, signs) that a mirror changes; 0.5 for photos" if small else photos)
+                     why + ("a small crop would cut their object" if small else "ImageNet's"))
+    decided += _fill(cfg, "TRAIN.FLIP_PROB", t.FLIP_PROB < 0, 0.0 if small else 0.5, why + ("small images are often "
+                     "glyphs (digits, letters, signs) that a mirror changes; 0.5 for photos" if small else "ImageNet's"))
     if t.MEAN or m.PRETRAINED:  # pretrained weights keep their own (data/transforms.recipe_of)
         return decided
     t.MEAN, t.STD = image_sample.mean_std(files, m.IN_CHANS) if small else map(
         list, transforms.stats_for_channels(transforms.IMAGENET_STATS, m.IN_CHANS))
     return decided + [Decision("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}",
-                               f"{why}their own, of {len(files)} sampled (a fixed seed)" if small else photos)]
+                               why + (f"their own, of {len(files)} sampled (a fixed seed)" if small else "ImageNet's"))]
 
 
 def _former_defaults(cfg: CfgNode) -> list[Decision]:

@@ -11,7 +11,6 @@ import statistics
 import numpy as np
 from PIL import Image
 
-from distribuuuu.data import sources
 from distribuuuu.data.images import DECODE_ERRORS, list_split, open_image
 
 MIN_STD = 0.0039  # one gray level: images of (nearly) one colour would otherwise be divided by ~0
@@ -19,12 +18,9 @@ SAMPLE_IMAGES, SAMPLE_SEED = 256, 0  # enough for a median and a mean to 2-3 dig
 GRAY_MODES = ("1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N")
 
 
-def sample(split_dir: str) -> list[str]:
-    """Up to SAMPLE_IMAGES image files of split_dir's class folders, drawn with SAMPLE_SEED ([]: not readable here)."""
-    try:
-        listing = list_split(split_dir, sources.folder_classes(split_dir))
-    except OSError:
-        return []
+def sample(split_dir: str, classes: list[str]) -> list[str]:
+    """Up to SAMPLE_IMAGES image files of split_dir's class folders, drawn with SAMPLE_SEED."""
+    listing = list_split(split_dir, classes)
     files = [path for c in listing.classes for path in listing.files(c)]
     return random.Random(SAMPLE_SEED).sample(files, min(len(files), SAMPLE_IMAGES))
 
