@@ -242,8 +242,7 @@ def _images(cfg: CfgNode) -> list[Decision]:
 def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str, warn: bool = False) -> list[Decision]:
     """key ("SECTION.NAME" or "NAME") set to value, with its setup line, when unset."""
     if unset:
-        *section, name = key.split(".")
-        (cfg[section[0]] if section else cfg)[name] = value
+        cfg.merge_from_list([key, value])  # yacs: "SECTION.NAME" or "NAME", the type checked
     return [Decision(key, value, origin, warn)] if unset else []
 
 
@@ -264,8 +263,7 @@ def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int
     decided += _fill(cfg, "TRAIN.IM_SIZE", not t.IM_SIZE, min(max(side, floor), ceiling), looks + (
         f", raised to {floor}: the model divides its input by {floor}" if side < floor else
         f", lowered to {m.ARCH}'s default size" if side > ceiling else ""))
-    small = side < ceiling
-    why = f"{side} px, {'smaller than' if small else 'at least'} {m.ARCH}'s default {ceiling}: "
+    small, why = side < ceiling, f"{side} px, {'below' if side < ceiling else 'at least'} {m.ARCH}'s {ceiling}: "
     decided += _fill(cfg, "TRAIN.CROP_SCALE", not t.CROP_SCALE, SMALL_CROP if small else PHOTO_CROP,
                      why + ("a small crop would cut their object" if small else "ImageNet's"))
     decided += _fill(cfg, "TRAIN.FLIP_PROB", t.FLIP_PROB < 0, 0.0 if small else 0.5, why + ("small images are often "
@@ -279,8 +277,7 @@ def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int
 
 
 def _former_defaults(cfg: CfgNode) -> list[Decision]:
-    """Not a folder, or none of its images readable here: resnet18, 3 channels (TRAIN.MEAN's count), 224 px,
-    and the source's own recipe, as before these keys followed the images."""
+    """No folder of images readable here: the former resnet18, 3 channels (TRAIN.MEAN's count), 224 px."""
     m, t, origin = cfg.MODEL, cfg.TRAIN, f"the former default: no folder of images read here ({cfg.TRAIN.DATASET})"
     return (_fill(cfg, "MODEL.ARCH", m.ARCH == AUTO_ARCH, FORMER_ARCH, origin)
             + _fill(cfg, "MODEL.IN_CHANS", not m.IN_CHANS, len(t.MEAN) or 3, origin)
@@ -344,17 +341,20 @@ def _workers(cfg: CfgNode, local_world_size: int) -> Decision:
 
 
 def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
-    """NUM_THREADS: 0 decided (OMP_NUM_THREADS, else comm.free_threads); a value set above the cores this
-    process may use clamped to them (threads beyond them only compete for them)."""
-    from distribuuuu.launch.comm import free_threads
-
+    """NUM_THREADS 0: OMP_NUM_THREADS, else comm.free_threads; above this process's cores: clamped to them."""
     asked, cores, omp = cfg.NUM_THREADS, cores_per_process(1), os.environ.get("OMP_NUM_THREADS", "")
     if asked > cores:
         return _fill(cfg, "NUM_THREADS", True, cores, f"clamped from {asked}: this process may use {cores} cores", True)
     if asked:
         return []
     return _fill(cfg, "NUM_THREADS", True, *((min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several "
-                 "processes)") if omp.isdigit() and int(omp) > 0 else free_threads(cores, local_world_size)))
+                 "processes)") if omp.isdigit() and int(omp) > 0 else _free_threads(cores, local_world_size)))
+
+
+def _free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
+    from distribuuuu.launch.comm import free_threads
+
+    return free_threads(cores, local_world_size)
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:
