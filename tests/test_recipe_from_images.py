@@ -149,7 +149,7 @@ def test_fine_tune_from_the_demo_checkpoint_with_only_weights_and_a_folder(tmp_p
     check(subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", "mnist5k_fast", "OPTIM.MAX_EPOCH",
                           "1", "OUT_DIR", str(tmp_path / "demo")], cwd=ROOT, env=env(), capture_output=True,
                          text=True, timeout=240))
-    folder = flat_folder(tmp_path / "faces", "L", (25, 25), per_class=10)
+    folder = flat_folder(tmp_path / "faces", "L", (25, 25), per_class=20)  # 36 training images: one batch
     proc = check(subprocess.run([sys.executable, "-m", "distribuuuu", "train", "TRAIN.DATASET", folder,
                                  "MODEL.WEIGHTS", str(tmp_path / "demo" / "checkpoints" / "best.pth"),
                                  "OPTIM.MAX_EPOCH", "1", "OUT_DIR", str(tmp_path / "tuned")],
