@@ -114,7 +114,8 @@ DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
     "export": ("write a built-in dataset as an ImageFolder tree", [
         (("source",), dict(choices=["mnist5k", "digits"], metavar="SOURCE", help=(
             "mnist5k (28x28), or digits: scikit-learn's 1,797 8x8 digits (needs scikit-learn)"))),
-        (("dest",), dict(help="output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; digits: <class>/*.png)"))]),
+        (("dest",), dict(help=(
+            "output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; digits: <class>/*.png)")))]),
     "shard": ("write an image folder (or mnist5k) as WebDataset tar shards + index.json (data/shards/write.py)", [
         (("source",), dict(metavar="SRC", help=(
             "an image folder (<class>/<image>), a dataset root holding train/ val/ [test/], or mnist5k"))),

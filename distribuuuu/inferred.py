@@ -256,7 +256,7 @@ def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int
     m, t, looks = cfg.MODEL, cfg.TRAIN, f"from the images: {seen} sampled, median shorter side {side} px"
     cpu = side <= SMALL_IMAGES and (cfg.DEVICE == "cpu" or cfg.DEVICE == "auto" and not cuda.is_available())
     decided = _fill(cfg, "MODEL.ARCH", m.ARCH == AUTO_ARCH, SMALL_ARCH if cpu else FORMER_ARCH, looks + (
-        ": 64 px or less on a CPU, a ResNet sized for them (0.3M parameters)" if cpu else ": the default"))
+        ": 64 px or less on a CPU: a ResNet sized for them" if cpu else ": over 64 px or a GPU: the default"))
     decided += _fill(cfg, "MODEL.IN_CHANS", not m.IN_CHANS, 1 if gray * 2 > seen else 3,
                      f"from the images: {gray} of {seen} sampled are gray")
     ceiling, floor = default_size(m.ARCH), SMALL_STEM_STRIDE if m.SMALL_STEM else STRIDE
@@ -267,7 +267,7 @@ def _from_images(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int
     decided += _fill(cfg, "TRAIN.CROP_SCALE", not t.CROP_SCALE, SMALL_CROP if small else PHOTO_CROP,
                      why + ("a small crop would cut their object" if small else "ImageNet's"))
     decided += _fill(cfg, "TRAIN.FLIP_PROB", t.FLIP_PROB < 0, 0.0 if small else 0.5, why + ("small images are often "
-                     "glyphs (digits, letters, signs) that a mirror changes; 0.5 for photos" if small else "ImageNet's"))
+                     "glyphs (digits, letters, signs) a mirror changes; 0.5 for photos" if small else "ImageNet's"))
     if t.MEAN or m.PRETRAINED:  # pretrained weights keep their own (data/transforms.recipe_of)
         return decided
     t.MEAN, t.STD = image_sample.mean_std(files, m.IN_CHANS) if small else map(

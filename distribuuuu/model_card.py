@@ -113,7 +113,8 @@ class ModelCard:
         set them; SMALL_STEM when the card's is True), so the weights fit; returns the keys taken."""
         m, t, taken = cfg.MODEL, cfg.TRAIN, []
         old = CfgNode.load_cfg(self.config).TRAIN if self.config else CfgNode()
-        fills = [(m, "ARCH", m.ARCH == "auto", self.arch), (m, "SMALL_STEM", self.small_stem and not m.SMALL_STEM, True),
+        fills = [(m, "ARCH", m.ARCH == "auto", self.arch),  # "auto": MODEL.ARCH unset (inferred.py)
+                 (m, "SMALL_STEM", self.small_stem and not m.SMALL_STEM, True),
                  (m, "IN_CHANS", not m.IN_CHANS, self.in_chans), (t, "IM_SIZE", not t.IM_SIZE, self.image_size),
                  (t, "MEAN", not t.MEAN and len(self.mean) == (m.IN_CHANS or self.in_chans), self.mean),
                  (t, "STD", not t.STD and len(self.std) == (m.IN_CHANS or self.in_chans), self.std),

@@ -128,7 +128,8 @@ def test_digits_folder_trains_by_default_from_outside_the_checkout(tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([exe, *args], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
 
-    assert "wrote digits to digits_folder: images 1797" in check(run("data", "export", "digits", "digits_folder")).stdout
+    exported = check(run("data", "export", "digits", "digits_folder")).stdout
+    assert "wrote digits to digits_folder: images 1797" in exported
     assert len(os.listdir(tmp_path / "digits_folder" / "7")) == 179
     proc = check(run("train", "TRAIN.DATASET", "digits_folder", "--nproc-per-node", "2", "TRAIN.TARGET_TOP1", "95",
                      "RNG_SEED", "0", "OUT_DIR", "run"))

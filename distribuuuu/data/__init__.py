@@ -52,6 +52,7 @@ from distribuuuu.data.pipeline import (
 from distribuuuu.data.sources import register_source, source_names, unregister_source
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
-           "export_mnist5k", "export_digits", "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
+           "export_mnist5k", "export_digits",
+           "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
            "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan",
            "unreadable_so_far"]
