@@ -164,7 +164,8 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data export mnist5k digits
   distribuuuu data shard digits shards/ --shard-size 64MB""",
     "data export": """examples:
-  distribuuuu data export mnist5k digits      # digits/train/<0-9>/*.png and digits/val/<0-9>/*.png""",
+  distribuuuu data export mnist5k digits      # digits/train/<0-9>/*.png and digits/val/<0-9>/*.png
+  distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png (one's own folder)""",
     "data shard": """examples:
   distribuuuu data shard digits shards/ --shard-size 64MB
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",
