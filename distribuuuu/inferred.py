@@ -17,11 +17,16 @@ logged once by rank 0 with the setup lines (``log_decisions``):
   folders                folder itself is the training split (TRAIN.SPLIT ''), and with TEST.DATASET
                          unset a stratified, seeded tenth of it is held out as the val set
                          (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
+  MODEL.ARCH, IN_CHANS,  a fine-tune's model card (MODEL.WEIGHTS), then a folder's images (data/image_sample.py):
+  TRAIN.IM_SIZE and      resnet_tiny for 64 px or less on a CPU, else resnet18; 1 channel when most are gray; the
+  the recipe (CROP_SCALE median side in [32, the model's default size]; smaller images: crop 0.8-1, no flip, their
+  FLIP_PROB, MEAN/STD)   own mean/std, else ImageNet's recipe. Other data: the former resnet18, 3, 224, own recipe
   TEST.IM_SIZE 0         TRAIN.IM_SIZE / (TEST.CROP_PCT or 0.875), floored: 256 for 224, 36 for 32
   TRAIN.TOPK             clamped below MODEL.NUM_CLASSES (top-k of k classes is always 100%)
   TRAIN.WORKERS -1       this process's cores (CPU affinity / processes on this node) less one, at most 8;
                          a value set above both the cores and 8 is clamped to the larger (warned)
-  NUM_THREADS            a value set above this process's cores is clamped to them (warned)
+  NUM_THREADS 0          OMP_NUM_THREADS when set, else the cores free to this process (launch/comm.free_threads);
+                         a value set above this process's cores is clamped to them (warned)
   OPTIM.WARMUP_EPOCHS    over half of OPTIM.MAX_EPOCH: the schedule's warmup is a fifth of the run
                          (optim.warmup_epochs, used by the LR schedule; the key keeps its value)
   IMPORTS                entries found only from this folder, as absolute paths
@@ -82,18 +87,26 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         return cfg
     out = cfg.clone()
     out.defrost()
+    local_world_size = local_world_size or _local_world_size()
     decided = _followed(out) if TEST_FOLLOWED in out.__dict__ else []  # a config file's TEST.DATASET dropped
     decided += _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
         split = out.TEST.SPLIT or "(itself)"
         decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}"))
-    decided += [*_num_classes(out), _eval_size(out), _workers(out, local_world_size), *_threads(out), *_warmup(out)]
+    decided += [*_num_classes(out), *_images(out), _eval_size(out), _workers(out, local_world_size),
+                *_threads(out, local_world_size), *_warmup(out)]
     decided += _absolute_imports(out)
     _absolute_datasets(out)  # last: the lines above name the data as the user wrote it
     out.freeze()
     out.__dict__[_DECISIONS] = tuple(decided)
     return out
+
+
+def _local_world_size() -> int:
+    from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
+
+    return detect().local_world_size
 
 
 def _kind(dataset: str) -> str:
@@ -216,6 +229,45 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's recipe
+# ---------------------------------------------------------------------------------------------
+def _images(cfg: CfgNode) -> list[Decision]:
+    """The unset model and recipe keys (module docstring): a fine-tune's card, then a folder's images."""
+    m, t = cfg.MODEL, cfg.TRAIN
+    decided = _from_card(cfg) if m.WEIGHTS and os.path.isfile(m.WEIGHTS) else []
+    if m.ARCH != "auto" and m.IN_CHANS and t.IM_SIZE and t.CROP_SCALE and t.FLIP_PROB >= 0 and t.MEAN:
+        return decided
+    from distribuuuu.data import image_sample
+
+    split = os.path.join(t.DATASET, t.SPLIT)
+    files = image_sample.sample(split, _class_dirs(split)) if _kind(t.DATASET) == "folder" else []
+    side, gray, seen = image_sample.looks(files)
+    found = image_sample.recipe(cfg, files, side, gray, seen) if side else image_sample.former_defaults(cfg)
+    return decided + [Decision(*d) for d in found]
+
+
+def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str, warn: bool = False) -> list[Decision]:
+    """key ("SECTION.NAME" or "NAME") set to value, with its setup line, when unset."""
+    if unset:
+        cfg.merge_from_list([key, value])  # yacs: "SECTION.NAME" or "NAME", the type checked
+    return [Decision(key, value, origin, warn)] if unset else []
+
+
+def _from_card(cfg: CfgNode) -> list[Decision]:
+    """A fine-tune: the unset keys the card of MODEL.WEIGHTS fills (none for a state dict, safetensors)."""
+    from distribuuuu import weights
+    from distribuuuu.model_card import from_checkpoint
+
+    try:
+        card = from_checkpoint(weights.peek_checkpoint(cfg.MODEL.WEIGHTS))
+    except Exception:  # noqa: BLE001 - not a checkpoint: loading the weights says what it is
+        return []
+    taken = card.fill_unset(cfg) if card is not None else []
+    origin = f"the model card of {cfg.MODEL.WEIGHTS}, fine-tuned"
+    return [Decision(k, cfg[k.split(".")[0]][k.split(".")[1]], origin) for k in taken]
+
+
+# ---------------------------------------------------------------------------------------------
 # Evaluation size, loader workers, warmup, IMPORTS
 # ---------------------------------------------------------------------------------------------
 def _eval_size(cfg: CfgNode) -> Decision:
@@ -240,7 +292,7 @@ def cores_per_process(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
-def _workers(cfg: CfgNode, local_world_size: int | None) -> Decision:
+def _workers(cfg: CfgNode, local_world_size: int) -> Decision:
     """TRAIN.WORKERS: -1 decided from the cores; a value set is kept up to this process's cores (torch's
     DataLoader warns beyond them) or MAX_AUTO_WORKERS (a few more may hide file latency on a small
     machine), else clamped: each loader would start that many processes (1,000 took 100 times as long)."""
@@ -251,24 +303,27 @@ def _workers(cfg: CfgNode, local_world_size: int | None) -> Decision:
                                                             f"cores, or {MAX_AUTO_WORKERS}", warn=True)
     if asked >= 0:
         return Decision("TRAIN.WORKERS", asked, "config")
-    if local_world_size is None:
-        from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
-
-        local_world_size = detect().local_world_size
     cores = cores_per_process(local_world_size)
     cfg.TRAIN.WORKERS = min(MAX_AUTO_WORKERS, cores - 1)
     return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, f"from the cores: {cores} per process for {local_world_size} "
                                                         "process(es) here, one left to the process itself")
 
 
-def _threads(cfg: CfgNode) -> list[Decision]:
-    """NUM_THREADS set above the cores this process may use, clamped to them (threads beyond them only
-    compete for them); 0 is decided where the launcher is known (launch/comm.py)."""
-    asked, cores = cfg.NUM_THREADS, cores_per_process(1)
-    if asked <= cores:
+def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
+    """NUM_THREADS 0: OMP_NUM_THREADS, else comm.free_threads; above this process's cores: clamped to them."""
+    asked, cores, omp = cfg.NUM_THREADS, cores_per_process(1), os.environ.get("OMP_NUM_THREADS", "")
+    if asked > cores:
+        return _fill(cfg, "NUM_THREADS", True, cores, f"clamped from {asked}: this process may use {cores} cores", True)
+    if asked:
         return []
-    cfg.NUM_THREADS = cores
-    return [Decision("NUM_THREADS", cores, f"clamped from {asked}: this process may use {cores} cores", warn=True)]
+    return _fill(cfg, "NUM_THREADS", True, *((min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several "
+                 "processes)") if omp.isdigit() and int(omp) > 0 else _free_threads(cores, local_world_size)))
+
+
+def _free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
+    from distribuuuu.launch.comm import free_threads
+
+    return free_threads(cores, local_world_size)
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:

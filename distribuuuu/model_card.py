@@ -107,6 +107,26 @@ class ModelCard:
                 f"(resize {self.resize}, {self.interpolation}, mean {self.mean} std {self.std})")
 
 
+    def fill_unset(self, cfg: CfgNode) -> list[str]:
+        """A fine-tune from this card's checkpoint: the keys cfg (not frozen) leaves unset get this card's
+        values (MODEL.ARCH, IN_CHANS, TRAIN.IM_SIZE, MEAN/STD; CROP_SCALE and FLIP_PROB where its run
+        set them; SMALL_STEM when the card's is True), so the weights fit; returns the keys taken."""
+        m, t, taken = cfg.MODEL, cfg.TRAIN, []
+        old = CfgNode.load_cfg(self.config).TRAIN if self.config else CfgNode()
+        fills = [(m, "ARCH", m.ARCH == "auto", self.arch),  # "auto": MODEL.ARCH unset (inferred.py)
+                 (m, "SMALL_STEM", self.small_stem and not m.SMALL_STEM, True),
+                 (m, "IN_CHANS", not m.IN_CHANS, self.in_chans), (t, "IM_SIZE", not t.IM_SIZE, self.image_size),
+                 (t, "MEAN", not t.MEAN and len(self.mean) == (m.IN_CHANS or self.in_chans), self.mean),
+                 (t, "STD", not t.STD and len(self.std) == (m.IN_CHANS or self.in_chans), self.std),
+                 (t, "CROP_SCALE", not t.CROP_SCALE and bool(old.get("CROP_SCALE")), list(old.get("CROP_SCALE", []))),
+                 (t, "FLIP_PROB", t.FLIP_PROB < 0 and old.get("FLIP_PROB", -1) >= 0, old.get("FLIP_PROB"))]
+        for node, key, unset, value in fills:
+            if unset:
+                node[key] = value
+                taken.append(f"{'MODEL' if node is m else 'TRAIN'}.{key}")
+        return taken
+
+
 class ToMode:
     """PIL image -> mode 'L' or 'RGB'; 16-bit and float gray images scaled to 8 bits, as training reads files."""
 

@@ -162,6 +162,17 @@ def resolve_arch(arch: str) -> tuple[str, str]:
     raise _unknown_arch(arch)
 
 
+DEFAULT_SIZE = 224  # the input side of torchvision's ImageNet models and of the aliases
+
+
+def default_size(arch: str) -> int:
+    """The input side MODEL.ARCH is made for: timm's pretrained config's, else DEFAULT_SIZE (the ceiling of
+    TRAIN.IM_SIZE when the images decide it: inferred.py)."""
+    lib, name = resolve_arch(arch)
+    pretrained = timm.models.get_pretrained_cfg(name.split(".", 1)[0]) if lib == "timm" else None
+    return int(pretrained.input_size[-1]) if pretrained is not None else DEFAULT_SIZE
+
+
 # ---------------------------------------------------------------------------------------------
 # Construction
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distribuuuu
-from distribuuuu import api, data
+from distribuuuu import api, data, inferred
 from distribuuuu.engine import HookBase
 from distribuuuu.errors import UserError
 from tests.conftest import TINY, make_cfg
@@ -51,7 +51,7 @@ def test_train_evaluate_and_load_model_agree(tmp_path):
 
     model = api.load_model(str(best)).model  # a LoadedModel: .model, .transform, .classes, .config, .card
     assert not model.training and next(model.parameters()).device.type == "cpu"
-    loader = data.build_test_loader(cfg, 0, 1, torch.device("cpu"))
+    loader = data.build_test_loader(inferred.resolve(cfg), 0, 1, torch.device("cpu"))
     correct = n = 0
     with torch.no_grad():
         for images, labels in loader:

@@ -29,8 +29,10 @@ def test_baseline_configs_load_unchanged(arch):
     assert {k: flat[k] for k in stated} == stated
     assert (flat["MODEL.NUM_CLASSES"], flat["TEST.IM_SIZE"], flat["TRAIN.WORKERS"], flat["TRAIN.TOPK"]) == (1000, 256, 4, 5)
     assert flat["OPTIM.WARMUP_EPOCHS"] == 5 and flat["TEST.DATASET"] == "./data/ILSVRC/"
-    # Every key it does not state is at its default.
-    assert set(config.diff_from_defaults(cfg)) <= set(stated)
+    # Every key it does not state is at its default, but those decided here: no ILSVRC folder here, so the
+    # former 3 channels (224 px is stated), and NUM_THREADS from the free cores.
+    assert set(config.diff_from_defaults(cfg)) <= set(stated) | {"MODEL.IN_CHANS", "NUM_THREADS"}
+    assert (cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE) == (3, 224)
 
 
 def _flat_yaml(node: dict, prefix: str = "") -> dict:
@@ -82,7 +84,7 @@ def test_later_overrides_win_over_the_file(tmp_path):
     (["TRAIN.BATCH_SIZE"], "KEY VALUE pairs"),
     (["TRAIN.WORKERS", "-2"], "TRAIN.WORKERS must be >= 0, or -1 for what the cores allow, got -2"),
     (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE must be positive, got 0"),
-    (["TRAIN.IM_SIZE", "-8"], "TRAIN.IM_SIZE must be positive"),
+    (["TRAIN.IM_SIZE", "-8"], "TRAIN.IM_SIZE must be >= 0"),
     (["OPTIM.LR_POLICY", "exp"], "OPTIM.LR_POLICY must be one of cos, steps, linear, constant, got 'exp'"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[30, 60]"], "OPTIM.STEPS must start at 0"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 60, 30]"], "strictly increasing"),
@@ -131,7 +133,8 @@ def test_run_folder_gets_full_config_and_diff(tmp_path):
     diff = yaml.safe_load(records.config_diff(cfg))
     # What was given, and the values decided from the data (#27): the stored config holds the values used.
     decided = {f.key for f in inferred.decisions(cfg) if f.origin != "config"} & set(config.flatten(cfg))
-    assert set(_flat_yaml(diff)) == {"MODEL.ARCH", "OUT_DIR", "TEST.IM_SIZE"} | decided  # TEST.IM_SIZE: "eval size"
+    # TEST.IM_SIZE: "eval size"; channels and size: the former defaults, no folder of images read here
+    assert set(_flat_yaml(diff)) == {"MODEL.ARCH", "OUT_DIR", "TEST.IM_SIZE", "MODEL.IN_CHANS", "TRAIN.IM_SIZE"} | decided
     assert (diff["MODEL"]["ARCH"], diff["OUT_DIR"]) == ("resnet50", str(tmp_path))
     assert "MODEL.NUM_CLASSES" in decided and full["MODEL"]["NUM_CLASSES"] == 1000  # ImageNet's path: not here
     # The dumped file loads back to the same config.

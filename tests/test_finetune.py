@@ -136,8 +136,9 @@ def test_eval_refuses_another_head_and_training_refuses_other_mismatches(tmp_pat
                                         r"set MODEL.NUM_CLASSES 4"):
         _build("MODEL.NUM_CLASSES", "6", "MODEL.SMALL_STEM", "True", "MODEL.WEIGHTS", source_ckpt, new_head=False)
     state = _source_state(source_ckpt)
+    torch.save(state, tmp_path / "bare.pt")  # no model card: a checkpoint's card would supply its SMALL_STEM
     with pytest.raises(UserError, match=r"missing from the file: conv1.0.weight.*not in the model: conv1.weight"):
-        _build("MODEL.NUM_CLASSES", "6", "MODEL.WEIGHTS", source_ckpt)  # no SMALL_STEM: timm's deep stem
+        _build("MODEL.NUM_CLASSES", "6", "MODEL.WEIGHTS", str(tmp_path / "bare.pt"))  # no SMALL_STEM: the deep stem
     broken = dict(state)
     broken.pop("layer2.0.conv1.weight")
     broken["extra.weight"] = torch.zeros(2)
@@ -206,7 +207,7 @@ def _trained(run) -> tuple[dict, object, CfgNode]:
 def test_a_1_channel_checkpoint_fine_tunes_onto_3_rgb_classes_and_back(tmp_path, gray_ckpt):
     rgb = _folder(tmp_path / "pets", "RGB", ["cat", "dog", "owl"])
     proc = check(cli_main("train", *FOLDER_RUN, "TRAIN.DATASET", rgb, "MODEL.WEIGHTS", gray_ckpt,
-                          "OUT_DIR", str(tmp_path / "rgb")))
+                          "MODEL.IN_CHANS", "3", "OUT_DIR", str(tmp_path / "rgb")))  # 3 set: not the card's 1
     out = proc.stdout + proc.stderr
     assert "conv1.0.weight adapted from 1 to 3 input channels" in out
     assert "the classifier fc is re-initialised (4 classes in the file, 3 in the model)" in out

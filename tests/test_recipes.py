@@ -237,7 +237,7 @@ def test_timm_pretrained_model_takes_timm_data_config(caplog):
     ("TRAIN.CROP_RATIO", "[2.0, 1.0]", "TRAIN.CROP_RATIO is [min, max] aspect ratios"),
     ("TRAIN.FLIP_PROB", "1.5", "TRAIN.FLIP_PROB is a probability in [0, 1]"),
     ("TRAIN.INTERPOLATION", "lanczos", "TRAIN.INTERPOLATION must be one of nearest, bilinear, bicubic"),
-    ("TRAIN.MEAN", "[0.5]", "TRAIN.MEAN needs one number per channel (MODEL.IN_CHANS 3)"),
+    ("TRAIN.MEAN", "[0.5, 0.5]", "TRAIN.MEAN needs one number per channel"),
     ("TEST.CROP_PCT", "1.5", "TEST.CROP_PCT is the center-crop fraction"),
 ])
 def test_bad_recipe_values_exit_2(key, value, fragment):

@@ -16,8 +16,9 @@ _C = CN()
 # ---------------------------------------------------------------------------------------------
 _C.MODEL = CN()
 # Architecture name: a torchvision model, a timm model, one of the aliases in models.py, or a function that an
-# IMPORTS module registered with distribuuuu.models.register_model
-_C.MODEL.ARCH = "resnet18"
+# IMPORTS module registered with distribuuuu.models.register_model; 'auto' = a fine-tune's checkpoint card's, else
+# resnet_tiny for a folder of images of 64 px or less on a CPU, else resnet18 (inferred.py)
+_C.MODEL.ARCH = "auto"
 # Number of output classes (the size of the classifier head); 0 = the training data's class count (folders,
 # CIFAR, shard sets, registered sources; 1000 for synthetic or dummy data); a value that differs is refused
 _C.MODEL.NUM_CLASSES = 0
@@ -32,8 +33,9 @@ _C.MODEL.SYNCBN = False
 _C.MODEL.WEIGHTS = None
 # Feed random tensors instead of real data (times the model alone; Distribuuuu's key)
 _C.MODEL.DUMMY_INPUT = False
-# Number of input channels (1 for grayscale models; data with other channel counts is converted)
-_C.MODEL.IN_CHANS = 3
+# Number of input channels (1 for grayscale models; data with other channel counts is converted); 0 = a fine-tune's
+# card's, else from a folder's images (1 when most are grayscale), else TRAIN.MEAN's length, else 3
+_C.MODEL.IN_CHANS = 0
 # Replace the stride-4 ImageNet stem by a stride-1 3x3 conv for 28-32 px images (ResNet family)
 _C.MODEL.SMALL_STEM = False
 # Residual networks start with the last BatchNorm weight of each residual block at zero, so each block starts
@@ -46,8 +48,10 @@ _C.MODEL.ZERO_INIT_RESIDUAL = True
 _C.TRAIN = CN()
 # Mini-batch size PER PROCESS; the global batch is BATCH_SIZE x world size
 _C.TRAIN.BATCH_SIZE = 32
-# Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images)
-_C.TRAIN.IM_SIZE = 224
+# Training crop size in pixels (RandomResizedCrop for folders, pad-crop for small built-in images); 0 = a fine-tune's
+# card's, else a folder's typical image side, at least 32 (8 with MODEL.SMALL_STEM) and at most the model's default
+# size (224 for resnet18), else 224
+_C.TRAIN.IM_SIZE = 0
 # Training data: a folder path (<DATASET>/<SPLIT>/<class>/*, or <DATASET>/<class>/* when it has no SPLIT/),
 # a CIFAR folder, a shard set (its folder, index.json or a brace pattern: docs/data-at-scale.md), or mnist5k / synthetic
 _C.TRAIN.DATASET = "./data/ILSVRC/"
@@ -167,17 +171,20 @@ _C.TRAIN.DATA_PIPELINE = "auto"
 # CPU cannot keep up with the model, measured; else fast)
 _C.TRAIN.IMAGE_DECODE = "fast"
 # Data recipe (docs/recipes.md): RandomResizedCrop area range of training crops; [] = the source's own
-# (0.08-1 for folders; pad-and-crop for mnist5k, CIFAR and a TensorSource, replaced when set)
+# (pad-and-crop for mnist5k, CIFAR and a TensorSource, replaced when set); a folder decides: 0.8-1 for images smaller
+# than the model's default size, else 0.08-1
 _C.TRAIN.CROP_SCALE = []
 # Aspect ratio range (w/h) of training crops whenever RandomResizedCrop is used
 _C.TRAIN.CROP_RATIO = [0.75, 1.3333333333333333]
-# Horizontal flip probability in training; -1 = the source's own (0.5 for folders and CIFAR, 0 for mnist5k)
+# Horizontal flip probability in training; -1 = the source's own (0.5 for CIFAR, 0 for mnist5k); a folder decides:
+# 0 for images smaller than the model's default size (often glyphs: digits, letters, signs), else 0.5
 _C.TRAIN.FLIP_PROB = -1.0
 # Interpolation of train crops and eval resizes: nearest, bilinear, bicubic; '' = bilinear (a pretrained timm model's)
 _C.TRAIN.INTERPOLATION = ""
-# Normalization mean per channel (one per MODEL.IN_CHANS); [] = the source's (ImageNet for folders)
+# Normalization mean per channel (one per MODEL.IN_CHANS); [] = the source's; a folder decides: a seeded sample of
+# its images' for images smaller than the model's default size, else ImageNet's (a fine-tune: the card's)
 _C.TRAIN.MEAN = []
-# Normalization std per channel (one per MODEL.IN_CHANS); [] = the source's (ImageNet for folders)
+# Normalization std per channel (one per MODEL.IN_CHANS); [] = the source's; a folder decides as TRAIN.MEAN
 _C.TRAIN.STD = []
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +304,9 @@ _C.CFG_DEST = "config.yaml"
 _C.RNG_SEED = None
 # Device: 'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'
 _C.DEVICE = "auto"
-# Intra-op CPU threads per process (0: the machine's cores / processes on this node; above this
-# process's cores: clamped to them, with a warning)
+# Intra-op CPU threads per process (0: OMP_NUM_THREADS when set, else the cores free to this process: its CPU
+# affinity (Slurm's --cpus-per-task) less the load average's share, split between the processes on this node;
+# above this process's cores: clamped to them, with a warning)
 _C.NUM_THREADS = 0
 # Python modules imported in every process before the model and data are built (dotted names, or paths of
 # .py files, stored as absolute paths), e.g. ['mypkg.models'] to register a model (distribuuuu.models.register_model

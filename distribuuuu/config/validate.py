@@ -67,8 +67,9 @@ def _is_range(v: Any) -> bool:
 
 
 def _per_channel(v: Any, c: CN) -> bool:
-    """[] (the source's own), or one number per input channel."""
-    return not v or (len(v) == c.MODEL.IN_CHANS and all(isinstance(x, (int, float)) for x in v))
+    """[] (the source's own), or one number per input channel (1 or 3 while MODEL.IN_CHANS is 0: undecided)."""
+    chans = (c.MODEL.IN_CHANS,) if c.MODEL.IN_CHANS else (1, 3)
+    return not v or (len(v) in chans and all(isinstance(x, (int, float)) for x in v))
 
 
 def _is_key(name: Any) -> bool:
@@ -96,13 +97,15 @@ def _steps(condition: Condition) -> Condition:
 _POSITIVE, _NON_NEGATIVE = "must be positive, got {v}", "must be >= 0, got {v}"
 
 RULES: list[Rule] = [
-    # Counts and sizes. 0 means "decided from the data" for MODEL.NUM_CLASSES and TEST.IM_SIZE (inferred.py)
+    # Counts and sizes. 0 means "decided from the data" for MODEL.NUM_CLASSES, MODEL.IN_CHANS, TRAIN.IM_SIZE and
+    # TEST.IM_SIZE (inferred.py)
     *[(key, _positive, _POSITIVE) for key in (
-        "TRAIN.BATCH_SIZE", "TRAIN.IM_SIZE", "TEST.BATCH_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
-        "OPTIM.MAX_EPOCH", "MODEL.IN_CHANS", "TRAIN.SYNTHETIC_SAMPLES", "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD",
+        "TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.TOPK",
+        "OPTIM.MAX_EPOCH", "TRAIN.SYNTHETIC_SAMPLES", "TEST.SYNTHETIC_SAMPLES", "TRAIN.EVAL_PERIOD",
         "OPTIM.REF_BATCH_SIZE", "DIST.TIMEOUT_S", "TRAIN.REPEATED_AUG", "TRAIN.SHARD_SHUFFLE")],
     *[(key, _non_negative, _NON_NEGATIVE) for key in (
-        "MODEL.NUM_CLASSES", "TEST.IM_SIZE", "TRAIN.CKPT_PERIOD_STEPS", "TRAIN.CKPT_PERIOD_MIN",
+        "MODEL.NUM_CLASSES", "MODEL.IN_CHANS", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "TRAIN.CKPT_PERIOD_STEPS",
+        "TRAIN.CKPT_PERIOD_MIN",
         "TRAIN.NONFINITE_MAX_SKIPS", "TRAIN.CKPT_KEEP", "NUM_THREADS", "OPTIM.WEIGHT_DECAY", "OPTIM.WARMUP_EPOCHS",
         "OPTIM.DAMPENING", "DIST.BUCKET_CAP_MB", "TRAIN.VAL_SPLIT", "DIST.VOTE_PERIOD_STEPS")],
     ("TRAIN.WORKERS", lambda v, c: v >= -1, "must be >= 0, or -1 for what the cores allow, got {v}"),

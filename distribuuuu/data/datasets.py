@@ -215,6 +215,27 @@ def export_mnist5k(out_dir: str) -> dict[str, int]:
     return {split: len(idx) for split, idx in splits.items()}
 
 
+def export_digits(out_dir: str) -> dict[str, int]:
+    """`distribuuuu data export digits DIR`: scikit-learn's 1,797 handwritten 8x8 digits (shipped inside the
+    package, no download) as one folder of class folders, out_dir/<digit>/<index>.png (8x8 grayscale, the 17
+    gray levels scaled to 0-255): one's own small images, whose recipe the images decide (inferred.py)."""
+    from PIL import Image
+
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise UserError("data export digits needs scikit-learn: pip install scikit-learn") from None
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise UserError(f"{out_dir} already exists and is not empty; remove it or choose another folder")
+    digits = load_digits()
+    pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
+    for c in MNIST_CLASSES:
+        os.makedirs(os.path.join(out_dir, c), exist_ok=True)
+    for i, (image, label) in enumerate(zip(pixels, digits.target)):
+        Image.fromarray(image).save(os.path.join(out_dir, str(label), f"{i:04d}.png"))
+    return {"images": len(pixels)}
+
+
 def mnist5k_source(split: str, cfg: CfgNode, key: str) -> TensorSource:
     images, labels = load_mnist5k(split, key)
     # Digits are not mirror-symmetric, so no flip; 2 px padding (of 28) as CIFAR's 4 (of 32).

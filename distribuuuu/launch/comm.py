@@ -106,16 +106,24 @@ def _choose_backend(cfg: Any, device: torch.device) -> str:
 
 
 def _set_threads(cfg: Any, info: LaunchInfo) -> None:
-    """Intra-op threads for this process: cfg.NUM_THREADS > 0 wins; else an explicit OMP_NUM_THREADS
-    is kept (torchrun sets it to 1 when it starts several processes per node and prints so); else the
-    cores this process may use (Slurm's --cpus-per-task), split evenly between the processes on the node."""
-    if cfg.NUM_THREADS <= 0 and os.environ.get("OMP_NUM_THREADS"):
-        return
-    # sched_getaffinity respects cgroups/cpusets of Slurm or containers; cpu_count does not.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    slurm_cpus = launcher.slurm_cpus_per_task() if info.launcher == "slurm" else None
-    share = min(cores, slurm_cpus) if slurm_cpus is not None else cores // info.local_world_size
-    torch.set_num_threads(cfg.NUM_THREADS if cfg.NUM_THREADS > 0 else max(1, share))
+    """Intra-op threads for this process: cfg.NUM_THREADS, which inferred.resolve decides from the free cores
+    (0 only in a config that was not resolved: torch's own default is kept)."""
+    if cfg.NUM_THREADS > 0:
+        torch.set_num_threads(cfg.NUM_THREADS)
+
+
+def free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
+    """NUM_THREADS 0 (inferred.py): the cores free to each process, and why. Its share of the cores it may use
+    (Slurm's --cpus-per-task is each task's own), less its share of the load average (scaled to these cores):
+    threads on a busy core wait for each other at every operation (2 threads on a busy 2-core machine ran
+    5-6x slower than 1)."""
+    slurm = launcher.slurm_cpus_per_task() if launcher.detect().launcher == "slurm" else None
+    procs = 1 if slurm else local_world_size
+    share = max(1, min(cores, slurm) if slurm else cores // procs)
+    load = os.getloadavg()[0] * cores / (os.cpu_count() or cores) if hasattr(os, "getloadavg") else 0.0
+    threads = max(1, min(share, round(cores - load) // procs))
+    return threads, (f"from the cores: {share} of {cores} per process for {procs} process(es) here, "
+                     f"{load:.1f} busy by the load average")
 
 
 def _set_determinism(cfg: Any) -> None:
