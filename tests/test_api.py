@@ -62,7 +62,7 @@ def test_train_evaluate_and_load_model_agree(tmp_path):
 
 
 def test_load_model_refuses_what_is_not_a_checkpoint(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = make_cfg("OUT_DIR", tmp_path, base=TINY)  # resolved: a model is built from decided keys
     from distribuuuu import models
 
     plain = tmp_path / "weights.pth"

@@ -123,7 +123,7 @@ def test_evaluating_a_copy_of_the_training_folder_counts_its_training_images(tra
 
 def test_a_fine_tunes_shape_error_names_the_architecture_of_the_checkpoints_card(trained):
     _, best = trained
-    cfg = make_cfg("MODEL.ARCH", "resnet18", "MODEL.NUM_CLASSES", 3, "MODEL.WEIGHTS", best, resolve=False)
+    cfg = make_cfg("MODEL.ARCH", "resnet18", "MODEL.IN_CHANS", 3, "MODEL.NUM_CLASSES", 3, "MODEL.WEIGHTS", best, resolve=False)
     model = models.build_model(cfg, with_weights=False)
     with pytest.raises(UserError, match="trained as MODEL.ARCH resnet_tiny MODEL.IN_CHANS 1 MODEL.NUM_CLASSES 3"):
         weights.load_file(model, best, "MODEL.WEIGHTS", new_head=True, adapt_stem=False)
