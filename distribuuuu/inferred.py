@@ -246,13 +246,6 @@ def _images(cfg: CfgNode) -> list[Decision]:
     return decided + [Decision(*d) for d in found]
 
 
-def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str, warn: bool = False) -> list[Decision]:
-    """key ("SECTION.NAME" or "NAME") set to value, with its setup line, when unset."""
-    if unset:
-        cfg.merge_from_list([key, value])  # yacs: "SECTION.NAME" or "NAME", the type checked
-    return [Decision(key, value, origin, warn)] if unset else []
-
-
 def _from_card(cfg: CfgNode) -> list[Decision]:
     """A fine-tune: the unset keys the card of MODEL.WEIGHTS fills (none for a state dict, safetensors)."""
     from distribuuuu import weights
@@ -312,18 +305,17 @@ def _workers(cfg: CfgNode, local_world_size: int) -> Decision:
 def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
     """NUM_THREADS 0: OMP_NUM_THREADS, else comm.free_threads; above this process's cores: clamped to them."""
     asked, cores, omp = cfg.NUM_THREADS, cores_per_process(1), os.environ.get("OMP_NUM_THREADS", "")
-    if asked > cores:
-        return _fill(cfg, "NUM_THREADS", True, cores, f"clamped from {asked}: this process may use {cores} cores", True)
-    if asked:
+    if 0 < asked <= cores:
         return []
-    return _fill(cfg, "NUM_THREADS", True, *((min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several "
-                 "processes)") if omp.isdigit() and int(omp) > 0 else _free_threads(cores, local_world_size)))
-
-
-def _free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
     from distribuuuu.launch.comm import free_threads
 
-    return free_threads(cores, local_world_size)
+    if asked:
+        cfg.NUM_THREADS, why = cores, f"clamped from {asked}: this process may use {cores} cores"
+    elif omp.isdigit() and int(omp) > 0:
+        cfg.NUM_THREADS, why = min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several processes)"
+    else:
+        cfg.NUM_THREADS, why = free_threads(cores, local_world_size)
+    return [Decision("NUM_THREADS", cfg.NUM_THREADS, why, warn=bool(asked))]
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:

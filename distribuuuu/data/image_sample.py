@@ -12,9 +12,12 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from torch import cuda
 from yacs.config import CfgNode
 
+from distribuuuu.data import transforms
 from distribuuuu.data.images import DECODE_ERRORS, list_split, open_image
+from distribuuuu.models import default_size
 
 MIN_STD = 0.0039  # one gray level: images of (nearly) one colour would otherwise be divided by ~0
 SAMPLE_IMAGES, SAMPLE_SEED = 256, 0  # enough for a median and a mean to 2-3 digits; a fixed seed: every rank, every run
@@ -63,11 +66,6 @@ def _fill(cfg: CfgNode, key: str, unset: bool, value: Any, origin: str) -> list[
 
 def recipe(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int) -> list[Setting]:
     """The model, its input and the recipe from a folder's images (module docstring; docs/recipes.md)."""
-    from torch import cuda
-
-    from distribuuuu.data import transforms
-    from distribuuuu.models import default_size  # late: timm and torchvision, only for a folder's images
-
     m, t, looks = cfg.MODEL, cfg.TRAIN, f"from the images: {seen} sampled, median shorter side {side} px"
     cpu = side <= SMALL_IMAGES and (cfg.DEVICE == "cpu" or cfg.DEVICE == "auto" and not cuda.is_available())
     decided = _fill(cfg, "MODEL.ARCH", m.ARCH == "auto", SMALL_ARCH if cpu else FORMER_ARCH, looks + (
@@ -87,8 +85,8 @@ def recipe(cfg: CfgNode, files: list[str], side: int, gray: int, seen: int) -> l
         return decided
     t.MEAN, t.STD = mean_std(files, m.IN_CHANS) if small else map(
         list, transforms.stats_for_channels(transforms.IMAGENET_STATS, m.IN_CHANS))
-    return decided + [("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}",
-                               why + (f"their own, of {len(files)} sampled (a fixed seed)" if small else "ImageNet's"), False)]
+    own = f"their own, of {len(files)} sampled (a fixed seed)" if small else "ImageNet's"
+    return decided + [("TRAIN.MEAN/STD", f"{t.MEAN} / {t.STD}", why + own, False)]
 
 
 def former_defaults(cfg: CfgNode) -> list[Setting]:
