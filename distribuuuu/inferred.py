@@ -256,7 +256,7 @@ def _from_card(cfg: CfgNode) -> list[Decision]:
     except Exception:  # noqa: BLE001 - not a checkpoint: loading the weights says what it is
         return []
     taken = card.fill_unset(cfg) if card is not None else []
-    origin = f"the model card of {cfg.MODEL.WEIGHTS}, fine-tuned"
+    origin = f"the model card of {cfg.MODEL.WEIGHTS}"
     return [Decision(k, cfg[k.split(".")[0]][k.split(".")[1]], origin) for k in taken]
 
 

@@ -99,7 +99,7 @@ def test_a_fine_tune_takes_model_and_recipe_from_the_checkpoint_card(tmp_path):
     cfg = make_cfg("TRAIN.DATASET", folder, "MODEL.WEIGHTS", ckpt, "DEVICE", "cpu")
     assert (cfg.MODEL.ARCH, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE) == ("resnet_tiny", 1, 36)
     assert (cfg.TRAIN.MEAN, cfg.TRAIN.STD) == ([0.1307], [0.3081])
-    assert decided(cfg)["MODEL.ARCH"].line() == f"MODEL.ARCH resnet_tiny (the model card of {ckpt}, fine-tuned)"
+    assert decided(cfg)["MODEL.ARCH"].line() == f"MODEL.ARCH resnet_tiny (the model card of {ckpt})"
     assert (list(cfg.TRAIN.CROP_SCALE), cfg.TRAIN.FLIP_PROB) == ([0.8, 1.0], 0.0)  # the card's run left them unset
     own = make_cfg("TRAIN.DATASET", folder, "MODEL.WEIGHTS", ckpt, "TRAIN.IM_SIZE", 28, "DEVICE", "cpu")
     assert own.TRAIN.IM_SIZE == 28  # the config says otherwise
