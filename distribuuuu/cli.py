@@ -306,7 +306,7 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
     from distribuuuu import strategies  # its rules too (they import torch: only here, after the keys passed)
 
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(cfg, world_size=1)
-    print(config.to_yaml(cfg), end="")
+    print(cfg.dump(), end="")
     return 0
 
 

@@ -87,7 +87,9 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
         return cfg
     out = cfg.clone()
     out.defrost()
-    local_world_size = local_world_size or _local_world_size()
+    from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
+
+    local_world_size = local_world_size or detect().local_world_size
     decided = _followed(out) if TEST_FOLLOWED in out.__dict__ else []  # a config file's TEST.DATASET dropped
     decided += _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
@@ -101,12 +103,6 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     out.freeze()
     out.__dict__[_DECISIONS] = tuple(decided)
     return out
-
-
-def _local_world_size() -> int:
-    from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
-
-    return detect().local_world_size
 
 
 def _kind(dataset: str) -> str:
@@ -232,9 +228,11 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
 # The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's recipe
 # ---------------------------------------------------------------------------------------------
 def _images(cfg: CfgNode) -> list[Decision]:
-    """The unset model and recipe keys (module docstring): a fine-tune's card, then a folder's images."""
-    m, t = cfg.MODEL, cfg.TRAIN
-    decided = _from_card(cfg) if m.WEIGHTS and os.path.isfile(m.WEIGHTS) else []
+    """The unset model and recipe keys (module docstring): as the run a train resumes started, a fine-tune's
+    card, then a folder's images."""
+    m, t, last = cfg.MODEL, cfg.TRAIN, os.path.join(cfg.OUT_DIR, "checkpoints", "last.pth")
+    decided = _as_started(cfg, last) if t.AUTO_RESUME and os.path.isfile(last) else []
+    decided += _from_card(cfg) if m.WEIGHTS and os.path.isfile(m.WEIGHTS) else []
     if m.ARCH != "auto" and m.IN_CHANS and t.IM_SIZE and t.CROP_SCALE and t.FLIP_PROB >= 0 and t.MEAN:
         return decided
     from distribuuuu.data import image_sample
@@ -244,6 +242,25 @@ def _images(cfg: CfgNode) -> list[Decision]:
     side, gray, seen = image_sample.looks(files)
     found = image_sample.recipe(cfg, files, side, gray, seen) if side else image_sample.former_defaults(cfg)
     return decided + [Decision(*d) for d in found]
+
+
+UNSET = {"MODEL.ARCH": "auto", "MODEL.IN_CHANS": 0, "TRAIN.IM_SIZE": 0, "TRAIN.CROP_SCALE": [],
+         "TRAIN.FLIP_PROB": -1.0, "TRAIN.MEAN": [], "TRAIN.STD": []}  # the keys _images decides, unset
+
+
+def _as_started(cfg: CfgNode, path: str) -> list[Decision]:
+    """A train that resumes: the UNSET keys take the values its run started with (the checkpoint's config),
+    so that a folder changed since cannot change the recipe mid-run (the resume's data check names the change)."""
+    from distribuuuu import weights
+    from distribuuuu.run_folder.resume_check import flatten_yaml
+
+    try:
+        then = flatten_yaml(weights.peek_checkpoint(path).get("cfg") or "")
+    except Exception:  # noqa: BLE001 - the resume itself says what is wrong with the file
+        return []
+    kept = [k for k, unset in UNSET.items() if cfg[k.split(".")[0]][k.split(".")[1]] == unset != then.get(k, unset)]
+    cfg.merge_from_list([word for k in kept for word in (k, then[k])])
+    return [Decision(k, then[k], f"as the run started: {path}") for k in kept]
 
 
 def _from_card(cfg: CfgNode) -> list[Decision]:

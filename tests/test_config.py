@@ -127,7 +127,7 @@ def test_run_folder_gets_full_config_and_diff(tmp_path):
     from distribuuuu.run_folder import records
 
     cfg = inferred.resolve(config.load_config(None, ["MODEL.ARCH", "resnet50", "OUT_DIR", str(tmp_path)]))
-    (tmp_path / "config.yaml").write_text(config.to_yaml(cfg))
+    (tmp_path / "config.yaml").write_text(cfg.dump())
     full = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert full["MODEL"]["ARCH"] == "resnet50" and full["TRAIN"]["BATCH_SIZE"] == 32
     diff = yaml.safe_load(records.config_diff(cfg))

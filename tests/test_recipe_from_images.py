@@ -105,6 +105,24 @@ def test_a_fine_tune_takes_model_and_recipe_from_the_checkpoint_card(tmp_path):
     assert own.TRAIN.IM_SIZE == 28  # the config says otherwise
 
 
+def test_a_resumed_run_keeps_the_recipe_it_started_with_though_the_folder_changed(tmp_path):
+    """The keys decided from the images come from the run's checkpoint on resume: images added since
+    would move the mean/std (a recipe change mid-run); the resume's data check names the change instead."""
+    folder = flat_folder(tmp_path / "faces", "L", (25, 25))
+    out = tmp_path / "run"
+    first = make_cfg("TRAIN.DATASET", folder, "OUT_DIR", out, "DEVICE", "cpu")
+    (out / "checkpoints").mkdir(parents=True)
+    weights.save_checkpoint({"cfg": first.dump()}, str(out / "checkpoints" / "last.pth"))
+    flat_folder(tmp_path / "faces", "RGB", (60, 60), per_class=12, ext="jpg")  # more, larger, coloured images
+    again = make_cfg("TRAIN.DATASET", folder, "OUT_DIR", out, "DEVICE", "cpu")
+    for key in ("MODEL.ARCH", "MODEL.IN_CHANS", "TRAIN.IM_SIZE", "TRAIN.MEAN", "TRAIN.STD"):
+        section, name = key.split(".")
+        assert again[section][name] == first[section][name], key
+    assert decided(again)["TRAIN.MEAN"].line().endswith(f"(as the run started: {out}/checkpoints/last.pth)")
+    fresh = make_cfg("TRAIN.DATASET", folder, "OUT_DIR", tmp_path / "other", "DEVICE", "cpu")
+    assert fresh.TRAIN.MEAN != first.TRAIN.MEAN  # the folder did change what a new run decides
+
+
 def test_num_threads_from_omp_or_the_free_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert decided(make_cfg("DEVICE", "cpu"))["NUM_THREADS"].line() == (

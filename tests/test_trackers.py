@@ -165,7 +165,7 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     val = [m for m in read_metrics(str(out)) if m["split"] == "val"]
     assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "val/top1")] == [
         (64, val[0]["top1"]), (128, val[1]["top1"])]  # one per epoch, at the global step
-    assert steps["train_step/loss"][0] == 4 and max(steps["train_step/loss"]) == 128  # print steps, both jobs
+    assert steps["train_step/loss"][0] == 1 and max(steps["train_step/loss"]) == 128  # print steps (the first step too), both jobs
 
     jobs = _wandb_jobs(out)
     assert [j["id"] for j in jobs] == [ids["wandb"]] * 2 and [j["exit"] for j in jobs] == [255, 0]

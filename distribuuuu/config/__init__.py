@@ -18,7 +18,6 @@ from distribuuuu.config.reading import (
     merge_opts,
     merge_text,
     parse_literal,
-    to_yaml,
     unknown_key,
     with_imports,
 )
@@ -26,5 +25,5 @@ from distribuuuu.config.user_modules import import_user_modules
 from distribuuuu.config.validate import validate
 
 __all__ = ["load_config", "get_defaults", "validate", "merge_file", "merge_opts", "merge_text",
-           "diff_from_defaults", "to_yaml", "flatten", "import_user_modules", "with_imports", "parse_literal",
+           "diff_from_defaults", "flatten", "import_user_modules", "with_imports", "parse_literal",
            "unknown_key", "CONFIG_DIFF"]

@@ -231,11 +231,6 @@ def _merge_yaml(cfg: CN, text: str, source: str, plain_source: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Writing a config back out, and the CLI's --import
 # ---------------------------------------------------------------------------------------------
-def to_yaml(cfg: CN) -> str:
-    """The whole config as YAML (what OUT_DIR/config.yaml holds)."""
-    return cfg.dump()
-
-
 def diff_from_defaults(cfg: CN) -> dict[str, Any]:
     """Flat {KEY: value} of the keys whose value differs from the default."""
     defaults = flatten(_C)

@@ -244,7 +244,7 @@ class RunFolder:
         if prepared is not None:
             os.makedirs(self.out_dir, exist_ok=True)  # engine.fit called without api's checks
             env = {**prepared["env"], "seed": seed}
-            texts = {self.cfg.CFG_DEST: config.to_yaml(self.cfg), config.CONFIG_DIFF: records.config_diff(self.cfg),
+            texts = {self.cfg.CFG_DEST: self.cfg.dump(), config.CONFIG_DIFF: records.config_diff(self.cfg),
                      records.ENV: json.dumps(env, indent=2) + "\n", records.MODEL_TABLE: prepared["model"]}
             for name, text in texts.items():
                 files.atomic_write(os.path.join(self.out_dir, name), lambda f, text=text: f.write(text.encode()))
