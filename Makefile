@@ -22,9 +22,9 @@ demo: $(STAMP)
 	$(VENV)/bin/distribuuuu train --cfg config/mnist5k_fast.yaml --nproc-per-node $(NPROC) OUT_DIR runs/demo
 
 # Every test, the CI command (.ci/run). Two pytest-xdist workers, one test file each at a time
-# (tests/conftest.py groups them): 14 to 16 minutes of pytest on a 2-core machine (868 tests; 17 minutes
-# for a fresh-clone .ci/run with its installs); most of it is the e2e tests' process starts (about
-# 4 s of imports each) and the README's commands.
+# (--dist loadfile: a module's fixtures are built once): 22 minutes of pytest on an idle 2-core machine
+# (959 tests, `time make test`); most of it is the e2e tests' process starts (about 4 s of imports
+# each: timm alone takes ~3.8 s) and the README's commands.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
