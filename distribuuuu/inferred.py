@@ -17,7 +17,8 @@ logged once by rank 0 with the setup lines (``log_decisions``):
   folders                folder itself is the training split (TRAIN.SPLIT ''), and with TEST.DATASET
                          unset a stratified, seeded tenth of it is held out as the val set
                          (TRAIN.VAL_SPLIT 0.1; data/datasets.py)
-  MODEL.ARCH, IN_CHANS,  a fine-tune's model card (MODEL.WEIGHTS), then a folder's images (data/image_sample.py):
+  MODEL.ARCH, IN_CHANS,  a fine-tune's model card (MODEL.WEIGHTS), else a resumed run's own start values, then a
+                         folder's images (data/image_sample.py):
   TRAIN.IM_SIZE and      resnet_tiny for 64 px or less on a CPU, else resnet18; 1 channel when most are gray; the
   the recipe (CROP_SCALE median side in [32, the model's default size]; smaller images: crop 0.8-1, no flip, their
   FLIP_PROB, MEAN/STD)   own mean/std, else ImageNet's recipe. Other data: the former resnet18, 3, 224, own recipe
@@ -228,11 +229,11 @@ def _num_classes(cfg: CfgNode) -> list[Decision]:
 # The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's recipe
 # ---------------------------------------------------------------------------------------------
 def _images(cfg: CfgNode) -> list[Decision]:
-    """The unset model and recipe keys (module docstring): as the run a train resumes started, a fine-tune's
-    card, then a folder's images."""
+    """The unset model and recipe keys (module docstring): the card of MODEL.WEIGHTS (a fine-tune, an eval), else
+    the values the run in OUT_DIR started with (a resume), then a folder's images."""
     m, t, last = cfg.MODEL, cfg.TRAIN, os.path.join(cfg.OUT_DIR, "checkpoints", "last.pth")
-    decided = _as_started(cfg, last) if t.AUTO_RESUME and os.path.isfile(last) else []
-    decided += _from_card(cfg) if m.WEIGHTS and os.path.isfile(m.WEIGHTS) else []
+    card = m.WEIGHTS and os.path.isfile(m.WEIGHTS)  # not OUT_DIR's run: an eval may write beside another one
+    decided = _from_card(cfg) if card else _as_started(cfg, last) if t.AUTO_RESUME and os.path.isfile(last) else []
     if m.ARCH != "auto" and m.IN_CHANS and t.IM_SIZE and t.CROP_SCALE and t.FLIP_PROB >= 0 and t.MEAN:
         return decided
     from distribuuuu.data import image_sample
