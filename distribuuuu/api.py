@@ -33,7 +33,7 @@ from distribuuuu.engine import HookBase, evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
 from distribuuuu.launch import comm, launcher, signals, store
-from distribuuuu.logger import LOGGER_NAME, discard_log, release_log, setup_logging
+from distribuuuu.logger import LOGGER_NAME, accuracies, discard_log, release_log, setup_logging
 
 __all__ = ["train", "evaluate", "load_model", "run_command", "run_eval", "check_before_start", "LoadedModel"]
 
@@ -186,8 +186,8 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     start = time.perf_counter()
     result = engine.evaluate(model, loader, cfg, ctx)
     confusion, classes = result.pop("confusion"), model_card.describe(cfg, loader.dataset).classes
-    log.info("[eval] %s | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d | %.1fs", weights,
-             result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"],
+    log.info("[eval] %s | loss %.4f | %s | n %d | %.1fs", weights, result["loss"],
+             accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"), result["n"],
              time.perf_counter() - start)
     log.info("[eval] worst classes: %s", evaluation.worst_classes(classes, result["per_class_top1"], confusion))
     record = {"epoch": None, "split": "val", **result, "topk": cfg.TRAIN.TOPK, "weights": weights}

@@ -4,7 +4,7 @@
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] --checkpoint PATH [KEY VALUE ...]
     distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
     distribuuuu config --explain KEY | --list            a key's comment, type and default | the shipped configs
-    distribuuuu data export mnist5k|digits DIR            write the embedded digits as an ImageFolder tree
+    distribuuuu data export mnist5k|digits|faces DIR      write a dataset a package ships as an ImageFolder tree
     distribuuuu data shard SRC DEST [--shard-size 256MB]  an image folder (or mnist5k) as tar shards + index.json
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
@@ -342,11 +342,11 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
 
 
 def _run_data(args: argparse.Namespace) -> int:
-    """`data export mnist5k DIR`, or `data shard SRC DEST`: one line per split written."""
+    """`data export SOURCE DIR`, or `data shard SRC DEST`: one line per split written."""
     if args.data_command == "export":
         from distribuuuu import data
 
-        counts = (data.export_digits if args.source == "digits" else data.export_mnist5k)(args.dest)
+        counts = data.export(args.source, args.dest)
         print(f"wrote {args.source} to {args.dest}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         return 0
     from distribuuuu.data import shards

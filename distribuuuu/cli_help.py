@@ -111,11 +111,12 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
 
 # `distribuuuu data ...`: export a built-in dataset as files, write tar shards.
 DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
-    "export": ("write a built-in dataset as an ImageFolder tree", [
-        (("source",), dict(choices=["mnist5k", "digits"], metavar="SOURCE", help=(
-            "mnist5k (28x28), or digits: scikit-learn's 1,797 8x8 digits (needs scikit-learn)"))),
+    "export": ("write a dataset a package ships as an ImageFolder tree", [
+        (("source",), dict(choices=["mnist5k", "digits", "faces"], metavar="SOURCE", help=(
+            "mnist5k (28x28), digits: scikit-learn's 1,797 8x8 digits (needs scikit-learn), or faces: "
+            "scikit-image's 200 25x25 gray crops of LFW photos, faces and backgrounds (needs scikit-image)"))),
         (("dest",), dict(help=(
-            "output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; digits: <class>/*.png)")))]),
+            "output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; digits, faces: <class>/*.png)")))]),
     "shard": ("write an image folder (or mnist5k) as WebDataset tar shards + index.json (data/shards/write.py)", [
         (("source",), dict(metavar="SRC", help=(
             "an image folder (<class>/<image>), a dataset root holding train/ val/ [test/], or mnist5k"))),
@@ -165,7 +166,8 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data shard digits shards/ --shard-size 64MB""",
     "data export": """examples:
   distribuuuu data export mnist5k digits      # digits/train/<0-9>/*.png and digits/val/<0-9>/*.png
-  distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png (one's own folder)""",
+  distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png (one's own folder)
+  distribuuuu data export faces faces         # faces/face/*.png and faces/background/*.png, 25x25 gray""",
     "data shard": """examples:
   distribuuuu data shard digits shards/ --shard-size 64MB
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",

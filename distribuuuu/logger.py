@@ -102,6 +102,11 @@ def setup_logging(out_dir: str | None, is_main: bool, rank: int = 0, hold: bool 
     return log
 
 
+def accuracies(top1: float, k: int, topk: float, name: str = "acc@", unit: str = "") -> str:
+    """'acc@1 90.00 | acc@5 99.00'; top-1 alone where TRAIN.TOPK is 1 (2 classes: inferred.py clamps it)."""
+    return f"{name}1 {top1:.2f}{unit}" + (f" | {name}{k} {topk:.2f}{unit}" if k > 1 else "")
+
+
 def format_seconds(seconds: float) -> str:
     """H:MM:SS ("1 day, H:MM:SS" beyond)."""
     return str(datetime.timedelta(seconds=round(seconds)))
@@ -190,15 +195,15 @@ class Progress:
         if self.bar is not None:
             self._show_on_bar(loss, top1, topk, img_s, eta)
         logging.getLogger(LOGGER_NAME).info(
-            "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | acc@1 %.2f | "
-            "acc@%d %.2f | lr %.5f | %.0f img/s", self.epoch + 1, self.max_epoch, it + 1, self.iters, eta, step_s,
-            self.window_data / self.window_iters, loss, top1, self.topk, topk, lr, img_s,
+            "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs (data %.3fs) | loss %.4f | %s | lr %.5f | %.0f img/s",
+            self.epoch + 1, self.max_epoch, it + 1, self.iters, eta, step_s, self.window_data / self.window_iters,
+            loss, accuracies(top1, self.topk, topk), lr, img_s,
             extra={"console": self.bar is None})
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
         return {"loss": loss, "top1": top1, "topk_acc": topk, "lr": lr, "img_per_s": img_s}
 
     def _show_on_bar(self, loss: float, top1: float, topk: float, img_s: float, eta: str) -> None:
-        self.bar.set_postfix_str(f"loss {loss:.4f}, acc@1 {top1:.2f}, acc@{self.topk} {topk:.2f}, "
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {accuracies(top1, self.topk, topk).replace(' |', ',')}, "
                                  f"{img_s:.0f} img/s, run eta {eta}", refresh=False)
 
     def close(self) -> None:

@@ -154,6 +154,12 @@ def test_top_k_stays_below_the_class_count(tmp_path):
     assert make_cfg("MODEL.NUM_CLASSES", 10, "TRAIN.DATASET", "synthetic").TRAIN.TOPK == 5
 
 
+def test_lines_show_top_1_once_where_top_k_is_1():
+    """Two classes clamp TRAIN.TOPK to 1: the lines show top-1, not top-1 twice."""
+    assert logger.accuracies(90.0, 1, 90.0) == "acc@1 90.00"
+    assert logger.accuracies(90.0, 5, 99.5, "top-", "%") == "top-1 90.00% | top-5 99.50%"
+
+
 # ---------------------------------------------------------------------------------------------
 # The first progress line
 # ---------------------------------------------------------------------------------------------

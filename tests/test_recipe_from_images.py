@@ -162,6 +162,32 @@ def test_digits_folder_trains_by_default_from_outside_the_checkout(tmp_path):
 
 
 @pytest.mark.e2e
+def test_faces_folder_trains_by_default_from_outside_the_checkout(tmp_path):
+    """`data export faces` (scikit-image's 200 25x25 gray LFW crops, face / background), then the default
+    2-process run as docs/recipes.md shows it, stopped at TRAIN.TARGET_TOP1 90 to keep the test short."""
+    pytest.importorskip("skimage")
+    exe = shutil.which("distribuuuu", path=os.path.dirname(sys.executable)) or "distribuuuu"
+    e = {k: v for k, v in env().items() if k != "PYTHONPATH"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([exe, *args], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=240)
+
+    assert "wrote faces to faces: images 200" in check(run("data", "export", "faces", "faces")).stdout
+    assert sorted(os.listdir(tmp_path / "faces")) == ["background", "face"]
+    with Image.open(tmp_path / "faces" / "face" / "0000.png") as im:
+        assert (im.mode, im.size) == ("L", (25, 25))
+    proc = check(run("train", "TRAIN.DATASET", "faces", "--nproc-per-node", "2", "TRAIN.TARGET_TOP1", "90",
+                     "RNG_SEED", "0", "OUT_DIR", "run"))
+    out = proc.stdout + proc.stderr
+    assert "setup: TRAIN.IM_SIZE 32 (from the images: 200 sampled, median shorter side 25 px" in out
+    assert "acc@1" in out and "acc@2" not in out and "top-2" not in out  # TRAIN.TOPK clamped to 1
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert (cfg["MODEL"]["ARCH"], cfg["MODEL"]["IN_CHANS"], cfg["MODEL"]["NUM_CLASSES"]) == ("resnet_tiny", 1, 2)
+    assert max(r["top1"] for r in read_metrics(str(tmp_path / "run")) if r.get("split") == "val") >= 90.0
+    assert (tmp_path / "run" / "confusion.csv").read_text().splitlines()[0] == "true \\ predicted,background,face"
+
+
+@pytest.mark.e2e
 def test_fine_tune_from_the_demo_checkpoint_with_only_weights_and_a_folder(tmp_path):
     """The demo's config (mnist5k_fast: resnet_tiny, 1 channel, 36 px), one epoch; then a new folder of
     25x25 gray images and MODEL.WEIGHTS alone: the card supplies the architecture, channels and size."""

@@ -41,7 +41,7 @@ is up, then the loaders on each rank; ``stop_workers`` when the run ends.
 from distribuuuu.data import balance
 from distribuuuu.data.batches import stop_workers
 from distribuuuu.data.checks import check_datasets, check_overlap
-from distribuuuu.data.datasets import TensorSource, export_digits, export_mnist5k
+from distribuuuu.data.datasets import TensorSource, export, export_mnist5k
 from distribuuuu.data.pipeline import (
     ShardedEvalSampler,
     build_dataset,
@@ -56,7 +56,7 @@ from distribuuuu.data.pipeline import (
 from distribuuuu.data.sources import register_source, source_names, unregister_source
 
 __all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
-           "export_mnist5k", "export_digits",
+           "export_mnist5k", "export",
            "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
            "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan",
            "unreadable_so_far", "balance"]

@@ -215,25 +215,45 @@ def export_mnist5k(out_dir: str) -> dict[str, int]:
     return {split: len(idx) for split, idx in splits.items()}
 
 
-def export_digits(out_dir: str) -> dict[str, int]:
-    """`distribuuuu data export digits DIR`: scikit-learn's 1,797 handwritten 8x8 digits (shipped inside the
-    package, no download) as one folder of class folders, out_dir/<digit>/<index>.png (8x8 grayscale, the 17
-    gray levels scaled to 0-255): one's own small images, whose recipe the images decide (inferred.py)."""
-    from PIL import Image
+def export(source: str, out_dir: str) -> dict[str, int]:
+    """`distribuuuu data export SOURCE DIR`: a dataset shipped inside a package (no download) as files."""
+    return {"mnist5k": export_mnist5k, "digits": export_digits, "faces": export_faces}[source](out_dir)
 
+
+def export_digits(out_dir: str) -> dict[str, int]:
+    """scikit-learn's 1,797 digits, their 17 gray levels scaled to 0-255: one's own small images, whose
+    recipe the images decide (inferred.py)."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
         raise UserError("data export digits needs scikit-learn: pip install scikit-learn") from None
+    digits = load_digits()
+    images = np.round(digits.images * (255 / 16)).astype(np.uint8)
+    return _write_class_folders(out_dir, images, digits.target, list(MNIST_CLASSES))
+
+
+def export_faces(out_dir: str) -> dict[str, int]:
+    """scikit-image's LFW subset: 100 faces and 100 crops of the same photos' backgrounds, 25x25 gray,
+    read from the file inside the package (scikit-image's own loader is the same file)."""
+    try:
+        from skimage import data as skimage_data
+    except ImportError:
+        raise UserError("data export faces needs scikit-image: pip install scikit-image") from None
+    images = np.round(skimage_data.lfw_subset() * 255).astype(np.uint8)  # floats in [0, 1]
+    return _write_class_folders(out_dir, images, np.repeat([0, 1], 100), ["face", "background"])
+
+
+def _write_class_folders(out_dir: str, images: np.ndarray, labels: np.ndarray, classes: list[str]) -> dict[str, int]:
+    """out_dir/<class>/<index>.png, one gray PNG per uint8 image; refuses a folder that holds files."""
+    from PIL import Image
+
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} already exists and is not empty; remove it or choose another folder")
-    digits = load_digits()
-    pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
-    for c in MNIST_CLASSES:
+    for c in classes:
         os.makedirs(os.path.join(out_dir, c), exist_ok=True)
-    for i, (image, label) in enumerate(zip(pixels, digits.target)):
-        Image.fromarray(image).save(os.path.join(out_dir, str(label), f"{i:04d}.png"))
-    return {"images": len(pixels)}
+    for i, (image, label) in enumerate(zip(images, labels)):
+        Image.fromarray(image).save(os.path.join(out_dir, classes[label], f"{i:04d}.png"))
+    return {"images": len(images)}
 
 
 def mnist5k_source(split: str, cfg: CfgNode, key: str) -> TensorSource:

@@ -23,6 +23,7 @@ from yacs.config import CfgNode
 from distribuuuu import data, models
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
+from distribuuuu.logger import accuracies
 from distribuuuu.optim import Stepper
 
 log = logging.getLogger("distribuuuu")
@@ -160,8 +161,8 @@ def validate(nets: dict[str, torch.nn.Module], loader: Any, cfg: CfgNode, ctx: D
         result = evaluate(net, loader, cfg, ctx, stepper)
         confusions.append(result.pop("confusion"))
         records.append({"epoch": epoch, "split": split, **result, "topk": cfg.TRAIN.TOPK})
-        log.info("[%s] epoch %d/%d | loss %.4f | top-1 %.2f%% | top-%d %.2f%% | n %d", split, epoch,
-                 cfg.OPTIM.MAX_EPOCH, result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], result["n"])
+        log.info("[%s] epoch %d/%d | loss %.4f | %s | n %d", split, epoch, cfg.OPTIM.MAX_EPOCH, result["loss"],
+                 accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"), result["n"])
     return records, confusions
 
 

@@ -47,7 +47,7 @@ from distribuuuu.engine.hooks import HookBase
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
-from distribuuuu.logger import LOGGER_NAME, Progress, format_seconds
+from distribuuuu.logger import LOGGER_NAME, Progress, accuracies, format_seconds
 from distribuuuu.optim import Stepper
 from distribuuuu.run_folder import RunFolder
 
@@ -157,10 +157,9 @@ class Trainer:
         if ctx.device.type == "cuda":
             log.info("TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
                      "on" if cfg.CUDNN.TF32 else "off", cfg.CUDNN.TF32)
-        sizes = {"train": len(train.dataset), "valid" if self.test_loader is not None else "val": len(val.dataset)}
-        if self.test_loader is not None:
-            sizes["test"] = len(self.test_loader.dataset)
-        log.info(" - ".join(f"{k}: {v}" for k, v in sizes.items()))  # e.g. train: 45000 - valid: 5000 - test: 10000
+        test = self.test_loader  # with a test set, the val set is held out of the training data: "valid"
+        held_out = f"val: {len(val.dataset)}" if test is None else f"valid: {len(val.dataset)} - test: {len(test.dataset)}"
+        log.info("train: %d - %s", len(train.dataset), held_out)
         if len(train) < cfg.TRAIN.ACCUM_STEPS:
             raise UserError("an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
                             "TRAIN.ACCUM_STEPS, or use more data")
@@ -191,9 +190,9 @@ class Trainer:
             metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-            log.info("[train] epoch %d/%d done | loss %.4f | acc@1 %.2f | acc@%d %.2f | %.0f img/s | %.1fs",
-                     state.epoch, cfg.OPTIM.MAX_EPOCH, metrics["loss"], metrics["top1"], cfg.TRAIN.TOPK,
-                     metrics["topk_acc"], metrics["img_per_s"], metrics["time_s"])
+            log.info("[train] epoch %d/%d done | loss %.4f | %s | %.0f img/s | %.1fs", state.epoch, cfg.OPTIM.MAX_EPOCH,
+                     metrics["loss"], accuracies(metrics["top1"], cfg.TRAIN.TOPK, metrics["topk_acc"]),
+                     metrics["img_per_s"], metrics["time_s"])
             self.call("after_epoch", metrics)  # metrics, evaluation (after_eval), checkpoint, stop signals
 
         self.stepper.guard.require_saved(folder.checkpoints)
@@ -279,9 +278,8 @@ class Trainer:
         result.pop("confusion")  # the record keeps the per-class top-1; confusion.csv is the best val's
         record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
                   "weights": os.path.basename(path)}
-        log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | top-1 %.2f%% | top-%d %.2f%% "
-                 "| n %d", path, record["epoch"], result["loss"], result["top1"], cfg.TRAIN.TOPK, result["topk_acc"],
-                 result["n"])
+        log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | %s | n %d", path, record["epoch"],
+                 result["loss"], accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"), result["n"])
         self.call("after_eval", "test", [record])
         return record
 
