@@ -24,7 +24,7 @@ demo: $(STAMP)
 # Every test, the CI command (.ci/run). Two pytest-xdist workers, one test file each at a time
 # (--dist loadfile: a module's fixtures are built once): 22 minutes of pytest on an idle 2-core machine
 # (959 tests, `time make test`); most of it is the e2e tests' process starts (about 4 s of imports
-# each: timm alone takes ~3.8 s) and the README's commands.
+# each: timm alone takes ~3.8 s) and the commands of the README and docs pages (make readme).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
@@ -43,8 +43,9 @@ lint: $(STAMP)
 images: $(STAMP)
 	scripts/make_readme_images.sh
 
-# Run the README's commands in a new folder and rewrite the output blocks whose shape changed
-# (about 2 minutes on 2 cores); tests/test_readme.py runs the same and fails on drift.
+# Run the commands of the README and of the docs pages it runs (scripts/readme_outputs.py's DOCUMENTS),
+# in order, in a new folder, and rewrite the output blocks whose shape changed, in each file (about
+# 3 minutes on 2 cores); tests/test_readme.py runs the same and fails on drift.
 readme: $(STAMP)
 	$(PY) scripts/readme_outputs.py --write
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures (docs/images/*.png) with the project's own commands:
+# Regenerate the tour's pictures (docs/tour.md: docs/images/*.png) with the project's own commands:
 #   1. the demo run (config/mnist5k_demo.yaml, NPROC processes)     -> runs/readme/mnist5k_demo
 #   2. distribuuuu plot on it                                      -> docs/images/learning_curves.png
 #   3. distribuuuu bench --scaling on the same config, 2 epochs    -> docs/images/scaling.png

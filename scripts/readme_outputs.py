@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Run the README's commands and regenerate (or check) the output blocks it shows.
+"""Run the commands of the README and of the docs pages it leads to, and regenerate (or check) the
+output blocks they show.
 
     .venv/bin/python scripts/readme_outputs.py            # run everything, report drift (exit 1 on any)
     .venv/bin/python scripts/readme_outputs.py --write    # ... and rewrite the output blocks (make readme)
     .venv/bin/python scripts/readme_outputs.py --lint     # only check that every block is marked (fast)
 
-Every command runs in ONE new folder outside the repository (kept with --keep), in README order, with
-`distribuuuu` and `python` taken from this interpreter's folder (the installed command), as a new
-user would type them there. tests/test_readme.py runs the same code, so the README cannot drift.
+The documents are DOCUMENTS below, in that order: README.md first, then the docs pages whose code
+blocks carry markers. Every command runs in ONE new folder outside the repository (kept with --keep),
+in document order, with `distribuuuu` and `python` taken from this interpreter's folder (the installed
+command), as a new user would type them there. tests/test_readme.py runs the same code, so the
+documents cannot drift.
 
-How to add a README command (or a README section with code):
+How to add a command (or a section with code) to one of the documents:
   1. put one of the markers below on the line just before each code block: an HTML comment that
      GitHub does not show. Every ```bash and ```python block, and every block that starts with
      `$ `, must carry one: tests/test_readme.py (in `make test-fast`) fails on a block without one,
@@ -39,8 +42,8 @@ How to add a README command (or a README section with code):
 Options are KEY=VALUE, a value with spaces in double quotes, as in a shell (`grep="^a|b c"`).
 
 Commands run one after another and share the folder, so a later one can read what an earlier one
-wrote (the demo's run folder). Keep what the README runs small: the whole test has a budget of about
-3 minutes on 2 cores (a command that takes longer is shown smaller, or skipped with a reason).
+wrote (the demo's run folder, made by the README, is used by the docs pages after it). Keep what the
+documents run small: the whole test has a budget of about 3 minutes on 2 cores (a command that takes longer is shown smaller, or skipped with a reason).
 
 Volatile parts: the output blocks hold what a real run printed (timings, img/s, accuracies, ports,
 clock times, as produced on the machine that ran --write), with the run's folder shown as `.` and
@@ -66,6 +69,9 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+# The documents whose blocks run, in the order they run (paths relative to ROOT). A page added here must be
+# linked from the README's "Where to go next" (tests/test_readme.py checks it).
+DOCUMENTS = ("README.md", "docs/tour.md", "docs/configuration.md", "docs/run-folder.md")
 MARKER = re.compile(r"^<!--\s*readme:(\w+)\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\S*)\s*$")
 KINDS = {"run": {"id"}, "file": {"path"}, "output": {"of", "status", "grep", "from"}, "skip": {"reason"}}
@@ -74,7 +80,7 @@ COMMAND_TIMEOUT_S = 300
 
 @dataclass
 class Block:
-    """One fenced code block of the README and the marker above it."""
+    """One fenced code block of a document and the marker above it."""
 
     line: int  # 1-based line of the opening fence
     lang: str
@@ -85,7 +91,13 @@ class Block:
     source: str = "README.md"
 
     def where(self) -> str:
+        """The document and line of the block's opening fence: `docs/tour.md:12`."""
         return f"{self.source}:{self.line}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What names the block among all documents' blocks: (document, line)."""
+        return (self.source, self.line)
 
 
 @dataclass
@@ -134,9 +146,29 @@ def needs_marker(block: Block) -> bool:
     return typed or bool(block.body) and block.body[0].startswith("$ ")
 
 
+def read_documents(documents: tuple[str, ...] | list[str] = DOCUMENTS, root: str = ROOT) -> dict[str, str]:
+    """The text of each document, by its path relative to root (or its own path, when absolute), in order."""
+    texts = {}
+    for path in documents:
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            texts[path] = f.read()
+    return texts
+
+
+def parse_all(texts: dict[str, str]) -> list[Block]:
+    """The blocks of every document, in document order: what runs, in the order it runs."""
+    return [block for source, text in texts.items() for block in parse(text, source)]
+
+
 def lint(blocks: list[Block]) -> list[str]:
     """One line per block whose run/skip decision is missing or malformed (empty when all is well)."""
-    problems, ids = [], {b.opts.get("id") for b in blocks if b.kind == "run"}
+    problems, first = [], {}
+    for b in (b for b in blocks if b.kind == "run" and b.opts.get("id")):
+        if b.opts["id"] in first:
+            problems.append(f"{b.where()}: readme:run id={b.opts['id']} is used twice (first at "
+                            f"{first[b.opts['id']].where()})")
+        first.setdefault(b.opts["id"], b)
+    ids = set(first)
     for b in blocks:
         if not b.kind:
             if needs_marker(b):
@@ -244,19 +276,20 @@ def normalise(lines: list[str]) -> list[str]:
 
 @dataclass
 class Report:
-    """What running the README did: every command's result, the blocks skipped, the fresh text of
-    every output block (by its fence line), and what went wrong."""
+    """What running the documents did: every command's result, the blocks skipped, the fresh text of
+    every output block (by its Block.key: document and fence line), and what went wrong."""
 
     results: list[Result] = field(default_factory=list)
     skipped: list[Block] = field(default_factory=list)
-    generated: dict[int, list[tuple[str | None, list[str]]]] = field(default_factory=dict)
+    generated: dict[tuple[str, int], list[tuple[str | None, list[str]]]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     drift: list[str] = field(default_factory=list)
 
 
 def run_readme(blocks: list[Block], folder: str, env: dict[str, str] | None = None,
                say=print) -> Report:
-    """Run the marked blocks in order in folder, fill in the output blocks and compare them with the text."""
+    """Run the marked blocks (of one document or several) in order in folder, fill in the output blocks
+    and compare them with the text."""
     report, outputs, env = Report(), {}, command_env(env)
     for block in blocks:
         if block.kind == "skip":
@@ -272,8 +305,8 @@ def run_readme(blocks: list[Block], folder: str, env: dict[str, str] | None = No
             _run_transcript(block, folder, env, report, say)
     for block in blocks:  # excerpts of run blocks: those ran above, wherever the excerpt stands
         if block.kind == "output" and "of" in block.opts:
-            report.generated[block.line] = [(None, excerpt(outputs.get(block.opts["of"], ""), block.opts))]
-    report.drift = [d for b in blocks if b.line in report.generated for d in _drift(b, report.generated[b.line])]
+            report.generated[block.key] = [(None, excerpt(outputs.get(block.opts["of"], ""), block.opts))]
+    report.drift = [d for b in blocks if b.key in report.generated for d in _drift(b, report.generated[b.key])]
     return report
 
 
@@ -294,7 +327,7 @@ def _run_transcript(block: Block, folder: str, env: dict[str, str], report: Repo
     for command, _ in transcript(block.body):
         result = _record(run_command(block, command, folder, env), int(block.opts.get("status", 0)), report, say)
         fresh.append((command, excerpt(result.output, block.opts)))
-    report.generated[block.line] = fresh
+    report.generated[block.key] = fresh
 
 
 def _record(result: Result, wanted: int, report: Report, say) -> Result:
@@ -319,18 +352,21 @@ def _drift(block: Block, fresh: list[tuple[str | None, list[str]]]) -> list[str]
     problems = []
     for (command, old), (_, new) in zip(shown(block), fresh):
         if normalise(old) != normalise(new):
-            diff = "\n".join(difflib.unified_diff(normalise(old), normalise(new), "README", "now", lineterm=""))
+            diff = "\n".join(difflib.unified_diff(normalise(old), normalise(new), block.source, "now", lineterm=""))
             problems.append(f"{block.where()}: the output of `{command or block.opts['of']}` changed "
                             f"(numbers shown as #):\n{diff}")
     return problems
 
 
-def rewrite(text: str, blocks: list[Block], generated: dict[int, list[tuple[str | None, list[str]]]]) -> str:
-    """text with each generated output block's body replaced by its fresh lines."""
+def rewrite(text: str, blocks: list[Block], generated: dict[tuple[str, int], list[tuple[str | None, list[str]]]],
+            source: str | None = None) -> str:
+    """text (one document) with each generated output block's body replaced by its fresh lines. With
+    several documents' blocks, source names the text's document: the others' blocks are not its own."""
     lines = text.splitlines()
-    for block in sorted((b for b in blocks if b.line in generated), key=lambda b: b.line, reverse=True):
+    mine = [b for b in blocks if b.key in generated and source in (None, b.source)]
+    for block in sorted(mine, key=lambda b: b.line, reverse=True):
         body = []
-        for command, fresh in generated[block.line]:
+        for command, fresh in generated[block.key]:
             body += ([f"$ {command}"] if command else []) + fresh
         lines[block.line:block.line + len(block.body)] = body
     return "\n".join(lines) + "\n"
@@ -344,14 +380,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --write: rewrite every output block, also where only numbers changed")
     parser.add_argument("--lint", action="store_true", help="only check the markers; run nothing")
     parser.add_argument("--keep", action="store_true", help="keep the folder the commands ran in")
-    parser.add_argument("--readme", default=README, help="the markdown file (default: %(default)s)")
+    parser.add_argument("--doc", "--readme", dest="docs", action="append", metavar="FILE",
+                        help="a markdown file to run instead of the documents (repeatable, run in the order "
+                             f"given; default: {', '.join(DOCUMENTS)})")
     args = parser.parse_args(argv)
-    with open(args.readme, encoding="utf-8") as f:
-        text = f.read()
-    blocks = parse(text, os.path.basename(args.readme))
+    if args.docs:
+        texts = {os.path.basename(p) if not _inside(p) else os.path.relpath(p, ROOT): _read(p) for p in args.docs}
+    else:
+        texts = read_documents()
+    blocks = parse_all(texts)
     problems = lint(blocks)
     if problems or args.lint:
-        print("\n".join(problems) or f"{args.readme}: every block is marked")
+        print("\n".join(problems) or f"{', '.join(texts)}: every block is marked")
         return 1 if problems else 0
     folder = tempfile.mkdtemp(prefix="readme-")
     try:
@@ -363,14 +403,29 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     if args.write and not report.failures:
         # Only what drifted, by default: figures from a quiet machine are not replaced by a busy one's.
-        by_line = {b.line: b for b in blocks}
-        fresh = {line: g for line, g in report.generated.items() if args.all or _drift(by_line[line], g)}
-        with open(args.readme, "w", encoding="utf-8") as f:
-            f.write(rewrite(text, blocks, fresh))
-        print(f"[readme] rewrote {len(fresh)} of {len(report.generated)} output blocks of {args.readme}")
+        by_key = {b.key: b for b in blocks}
+        fresh = {key: g for key, g in report.generated.items() if args.all or _drift(by_key[key], g)}
+        paths = dict(zip(texts, args.docs or [os.path.join(ROOT, d) for d in texts]))
+        for source, text in texts.items():
+            mine = [b for b in blocks if b.source == source]
+            new = rewrite(text, blocks, fresh, source)
+            if new != text:
+                with open(paths[source], "w", encoding="utf-8") as f:
+                    f.write(new)
+            print(f"[readme] rewrote {sum(b.key in fresh for b in mine)} of "
+                  f"{sum(b.key in report.generated for b in mine)} output blocks of {source}")
     for problem in report.failures + ([] if args.write else report.drift):
         print(problem, file=sys.stderr)
     return 1 if report.failures or (report.drift and not args.write) else 0
+
+
+def _inside(path: str) -> bool:
+    return os.path.abspath(path).startswith(ROOT + os.sep)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Read from the source with `ast`, nothing is imported: fast, and a module that do
 (a missing dependency, a half-finished edit) is still measured. Every import counts, inside functions
 and under `if TYPE_CHECKING:` too: a cycle through a function-level or a typing-only import is still
 two modules (or rooms) that need each other to be read. A room is a top-level module or a subpackage;
-each room imports only rooms below it (README, Layout).
+each room imports only rooms below it (docs/layout.md).
 The one exception, marked e2e: the reading guide and the bounds on what a default run executes come
 from tracing such a run (scripts/trace_run.py).
 """

@@ -1,6 +1,6 @@
 """The model card (distribuuuu/model_card.py): every checkpoint and export says what its model is
 (config, class names, preprocessing), so eval, predict, export and load_model need the checkpoint
-alone; predict's folders, globs, CSV and JSON; the README's plain-PyTorch loading code, run against a
+alone; predict's folders, globs, CSV and JSON; the plain-PyTorch loading code of docs/tour.md, run against a
 real checkpoint."""
 
 from __future__ import annotations
@@ -319,29 +319,31 @@ def test_predict_input_and_output_mistakes_exit_2(digits_run, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's plain-PyTorch code, run as written
+# The plain-PyTorch code of docs/tour.md, run as written
 # ---------------------------------------------------------------------------------------------
-def _readme_snippet() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def _plain_pytorch_snippet() -> str:
+    with open(os.path.join(ROOT, "docs", "tour.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("### Load a checkpoint without distribuuuu", 1)[1]
+    section = text.split("## Load a checkpoint without distribuuuu", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_loads_the_checkpoint_without_distribuuuu(digits_run, tmp_path, capsys):
+def test_the_tour_loads_the_checkpoint_without_distribuuuu(digits_run, tmp_path, capsys):
     run, _, digits = digits_run
-    (tmp_path / "runs" / "demo" / "checkpoints").mkdir(parents=True)
-    shutil.copy(run / "checkpoints" / "best.pth", tmp_path / "runs" / "demo" / "checkpoints" / "best.pth")
-    (tmp_path / "data" / "mnist5k" / "val" / "7").mkdir(parents=True)
-    shutil.copy(digits / "val" / "7" / "0700.png", tmp_path / "data" / "mnist5k" / "val" / "7" / "0700.png")
-    code = _readme_snippet()
+    code = _plain_pytorch_snippet()
+    # The files it opens (a run's best.pth, a digit), put where it looks for them, from tmp_path
+    (checkpoint,) = re.findall(r'torch\.load\("([^"]+)"', code)
+    (image,) = re.findall(r'Image\.open\("([^"]+)"\)', code)
+    for src, dest in ((run / "checkpoints" / "best.pth", checkpoint), (digits / "val" / "7" / "0700.png", image)):
+        (tmp_path / dest).parent.mkdir(parents=True)
+        shutil.copy(src, tmp_path / dest)
     assert not re.search(r"^\s*(import|from) distribuuuu", code, re.M)  # plain PyTorch, timm, torchvision
     os.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/tour.md", "exec"), scope)
     loaded = api.load_model(run / "checkpoints" / "best.pth")
     x = loaded.transform(Image.open(digits / "val" / "7" / "0700.png"))
-    assert torch.equal(scope["x"], x[None])  # the README's preprocessing is distribuuuu's
+    assert torch.equal(scope["x"], x[None])  # the page's preprocessing is distribuuuu's
     with torch.no_grad():
         assert torch.allclose(scope["model"](scope["x"]), loaded.model(x[None]), atol=1e-6)
     printed = capsys.readouterr().out.split()

@@ -8,7 +8,7 @@ import os
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Folders a shipped config is reached through when the path given does not exist: none (a bare
-# name), and the repository's config/ (the README's `--cfg config/x.yaml`, typed in another folder).
+# name), and the repository's config/ (the docs' `--cfg config/x.yaml`, typed in another folder).
 _SHIPPED_PREFIXES = (".", "config")
 
 
