@@ -134,12 +134,12 @@ FLAGS = frozenset({"--help", "-h", "--io", "--list"})
 # The end of each subcommand's --help: commands that work as printed (the data from `data export`).
 EXAMPLES: dict[str, str] = {
     "train": """examples:
-  distribuuuu data export mnist5k digits       # a folder of class folders to try it on
-  distribuuuu train TRAIN.DATASET digits TRAIN.IM_SIZE 32 OPTIM.MAX_EPOCH 3
-      (classes, val set, eval size, workers follow the data: see the setup lines, README)
+  distribuuuu data export digits digits_folder   # a folder of class folders to try it on
+  distribuuuu train TRAIN.DATASET digits_folder TRAIN.TARGET_TOP1 95
+      (the model, classes, image size, recipe, val set and workers follow the data: see the setup lines, README)
   distribuuuu train --cfg mnist5k_fast --nproc-per-node 2 OUT_DIR runs/demo
   distribuuuu train --cfg my.yaml OPTIM.BASE_LR 0.05 --nproc-per-node 2   # options may follow the pairs
-  distribuuuu train --import my_models.py MODEL.ARCH my_net TRAIN.DATASET digits""",
+  distribuuuu train --import my_models.py MODEL.ARCH my_net TRAIN.DATASET digits_folder""",
     "eval": """examples:
   distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth
   distribuuuu eval --checkpoint best.pth TEST.DATASET other_images TEST.SPLIT test --out results/
