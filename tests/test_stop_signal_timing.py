@@ -88,13 +88,33 @@ def _writing(out) -> bool:
 # ---------------------------------------------------------------------------------------------
 # A terminal that closes: SIGHUP
 # ---------------------------------------------------------------------------------------------
-def _on_a_terminal(argv: list[str], out) -> tuple[subprocess.Popen, dict[int, str], threading.Event]:
+def _hangup_as_a_shell_leaves_it() -> None:
+    """In the child, before exec: SIGHUP at its default, as a shell on a terminal starts a command. The
+    suite itself may run with SIGHUP ignored (`nohup make test`), which its children would inherit,
+    and an ignored SIGHUP stays ignored (test_nohup_keeps_a_run_going_when_its_terminal_closes)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _as_a_terminal_starts_it() -> None:
+    _hangup_as_a_shell_leaves_it()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty becomes the controlling terminal
+
+
+def _on_a_terminal(argv: list[str], out, ignore_hangup: bool = False) -> tuple[subprocess.Popen, dict[int, str],
+                                                                               threading.Event]:
     """argv with a real terminal (a pty) as its controlling terminal and its stdin/stdout/stderr, its
     output drained by a thread; returned once log.txt shows training steps. Setting the returned
-    event closes the terminal: the kernel hangs it up and sends SIGHUP to argv's process."""
+    event closes the terminal: the kernel hangs it up and sends SIGHUP to argv's process. ignore_hangup:
+    started as `nohup` starts it (SIGHUP ignored)."""
     master, slave = os.openpty()
+
+    def start() -> None:
+        _as_a_terminal_starts_it()
+        if ignore_hangup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                            preexec_fn=start)
     os.close(slave)
     hang_up = threading.Event()
 
@@ -143,6 +163,18 @@ def test_a_closed_terminal_checkpoints_and_ends_129(tmp_path, launcher):
         again = subprocess.run(_args(launcher, out), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"{ckpt['samples_in_epoch']} samples into epoch 1, step {ckpt['global_step']}" in again.stdout
+
+
+def test_nohup_keeps_a_run_going_when_its_terminal_closes(tmp_path):
+    """`nohup distribuuuu train ...`: SIGHUP was ignored when the command started, and stays ignored
+    (launch/signals.py): the terminal closes mid-epoch and the run trains to its end, exit 0."""
+    out = tmp_path / "run"
+    proc, job, hang_up = _on_a_terminal(_args("spawn", out), out, ignore_hangup=True)
+    hang_up.set()
+    status, left = _finish(proc, job)
+    log = read_text_or_empty(out / "log.txt")
+    assert status == 0 and not left, f"exit {status}, left {left}\n{log[-3000:]}"
+    assert "done: best val top-1" in log and "stopped by" not in log, log[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +300,7 @@ def test_a_stop_while_the_spawner_starts_its_processes(tmp_path, sig):
     console = tmp_path / "console.txt"
     with open(console, "w") as f:
         proc = subprocess.Popen(_args("spawn", out), cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_hangup_as_a_shell_leaves_it)
     job: dict[int, str] = {}
     deadline = time.monotonic() + 120
     while "[spawn] 2 processes" not in read_text_or_empty(console):
