@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import cli_help  # data only: the commands' help lines, options and examples
-from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError, report_line
+from distribuuuu.errors import NOT_SAVED_EXIT, USER_ERROR_EXIT, RunNotSaved, UserError, report_error, report_line
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
@@ -140,8 +140,7 @@ def _guarded(fn: Callable[[], int]) -> int:
     try:
         return fn()
     except (UserError, RunNotSaved) as e:  # RunNotSaved: every rank agreed on it (a max_over_ranks vote)
-        rank = rank_label()
-        report_line(f"{'error' if rank == '0' else f'error (rank {rank})'}: {e}")
+        report_error(str(e), rank_label())
         return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (launch.signals.Terminated): see handle_stop_signals
         # launch.signals.PeerStopped names the rank the signal reached

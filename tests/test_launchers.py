@@ -76,6 +76,26 @@ SPAWN_DUMP = textwrap.dedent("""
 """)
 
 
+def test_the_spawner_prints_each_ranks_error_once_and_the_ranks_that_differ(tmp_path, monkeypatch, capsys):
+    """Under the spawner a rank leaves its error in the spawner's folder (errors.report_error); the
+    spawner prints each distinct message once (errors.spawned_errors): the usual refusal that every
+    rank finds together is one line, not one per rank."""
+    from distribuuuu import errors
+
+    monkeypatch.setenv(errors.ERROR_DIR_ENV, str(tmp_path))
+    for rank, message in [("0", "bad input"), ("1", "bad input"), ("2", "rank 2's own"), ("3", "rank 2's own"),
+                          ("10", "bad input")]:
+        errors.report_error(message, rank)
+    assert capsys.readouterr().err == ""  # nothing printed by the ranks themselves
+    assert errors.spawned_errors(str(tmp_path)) == ["error: bad input", "error (ranks 2, 3): rank 2's own"]
+    assert os.listdir(tmp_path) == []  # taken away: printed once
+    errors.report_error("alone", "1")
+    assert errors.spawned_errors(str(tmp_path)) == ["error (rank 1): alone"]
+    monkeypatch.setenv(errors.ERROR_DIR_ENV, str(tmp_path / "gone"))  # no folder: the rank prints it
+    errors.report_error("still said", "1")
+    assert capsys.readouterr().err == "error (rank 1): still said\n"
+
+
 def test_builtin_spawner_replicas_agree_and_a_busy_port_is_replaced(tmp_path):
     """`--nproc-per-node 2 --master-port P` with P taken: another port is used and logged; replicas agree."""
     script = tmp_path / "spawn_dump.py"

@@ -276,8 +276,8 @@ def test_nonfinite_stop_is_a_clear_ending_on_every_rank(tmp_path, nproc):
     out = tmp_path / "run"
     proc = _train(out, *FAST, "OPTIM.BASE_LR", "1e30", "TRAIN.NONFINITE", "stop", nproc=nproc)
     _assert_nonfinite_ending(proc, "non-finite loss or gradients at step", "TRAIN.NONFINITE stop")
-    if nproc:  # each rank ended the same way (no peer left waiting, no crash)
-        assert "error (rank 1): non-finite loss or gradients at step" in proc.stderr, proc.stderr
+    if nproc:  # each rank ended the same way (no peer left waiting, no crash): the spawner prints it once
+        assert [ln.split(":")[0] for ln in proc.stderr.splitlines() if ln.startswith("error")] == ["error"], proc.stderr
     log = (out / "log.txt").read_text()
     assert "rank 0 failed: NonFiniteLoss: non-finite loss" in log  # why the run ended, in the run folder
 

@@ -8,8 +8,10 @@ as its own exit status, leaving no child behind (see ``spawn``).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -20,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_line
+from distribuuuu.errors import ERROR_DIR_ENV, USER_ERROR_EXIT, UserError, report_error, spawned_errors
 from distribuuuu.launch import launcher, signals
 from distribuuuu.launch.comm import is_addr_in_use
 from distribuuuu.launch.launcher import SPAWN_MASTER_ADDR
@@ -30,8 +32,8 @@ __all__ = ["spawn", "STOP_GRACE_S", "FAILURE_GRACE_S"]
 
 STOP_GRACE_S = 30.0  # how long stopped children may take to exit before SIGKILL (torchrun's default too)
 # After one child fails: how long the others may take to end by themselves (an error that every
-# rank finds together, such as engine.NonFiniteLoss, is then reported by each), before SIGTERM and,
-# that long again later, SIGKILL.
+# rank finds together, such as engine.NonFiniteLoss, is then left by each, and printed once), before
+# SIGTERM and, that long again later, SIGKILL.
 FAILURE_GRACE_S = 5.0
 
 
@@ -54,7 +56,8 @@ def _host_store(port: int) -> tuple[Any, int]:
     return store, store.port
 
 
-def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port: int, args: tuple) -> None:
+def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port: int, errors: str,
+                 args: tuple) -> None:
     """First code of every spawned child: export the launcher variables, run the worker."""
     # A session of its own (as torchrun does for its workers): a terminal's Ctrl-C or a signal to
     # the job's process group then reaches only the spawner, which relays it once (_stop). Without
@@ -71,13 +74,14 @@ def _spawn_entry(local_rank: int, worker: Callable[..., None], nprocs: int, port
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR=SPAWN_MASTER_ADDR,
         MASTER_PORT=str(port), DISTRIBUUUU_LAUNCHER="spawn", TORCHELASTIC_USE_AGENT_STORE="True",
+        **{ERROR_DIR_ENV: errors},
     )
     # The exit code is the child's message to the parent, so decide it here: torch's wrapper would
     # turn Ctrl-C into status 0 and hide a traceback in a pickle file.
     try:
         worker(*args)
     except UserError as e:  # the CLI normally reports these itself; this is the safety net
-        report_line(f"error: {e}")
+        report_error(str(e), str(local_rank))
         sys.exit(USER_ERROR_EXIT)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP (Terminated)
         sys.exit(signals.stop_status(e))
@@ -173,8 +177,16 @@ def _check_spawn(nprocs: int, port: int | None) -> int:
     return port
 
 
-def _exited(e: mp.ProcessExitedException, relayed: Collection[int]) -> int:
-    """The first child that ended with a non-zero status: its status, and the spawner's one line."""
+def _print_errors(errors: str) -> None:
+    """Print the errors the ranks left in the folder errors, each message once, and take them away."""
+    for line in spawned_errors(errors):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _exited(e: mp.ProcessExitedException, relayed: Collection[int], errors: str) -> int:
+    """The first child that ended with a non-zero status: its status, the errors the ranks left (each
+    message once; every child has ended by now), and the spawner's one line."""
+    _print_errors(errors)
     status = _status_of(e.exit_code)
     if status - 128 in relayed:  # the ranks' way out of a relayed preemption signal
         print(f"[spawn] stopped by {signal.Signals(status - 128).name}, relayed to every process",
@@ -226,12 +238,13 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     port = _check_spawn(nprocs, port)
     signals.handle_stop_signals()
     context, children, relayed = None, [], {}
+    errors = tempfile.mkdtemp(prefix="distribuuuu-errors-")
     try:
         store, port = _host_store(port)  # kept alive until the children are done
         print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
         relayed = _relay_to(children, relay)  # one that comes before any child runs finds none: dropped
         with signals.held_stop_signals():
-            context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, tuple(args)),
+            context = mp.start_processes(_spawn_entry, args=(worker, nprocs, port, errors, tuple(args)),
                                          nprocs=nprocs, join=False, start_method="spawn")
         children.extend(context.processes)
         # join() returns True once all exited 0, and on the first failure stops the rest and raises.
@@ -239,7 +252,7 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
             pass
         return 0
     except mp.ProcessExitedException as e:
-        return _exited(e, relayed)
+        return _exited(e, relayed, errors)
     except mp.ProcessRaisedException as e:  # only if a worker bypassed _spawn_entry's handler
         print(e, file=sys.stderr, flush=True)
         return 1
@@ -252,3 +265,5 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
         for signum, previous in relayed.items():
             signal.signal(signum, previous)
         signals.restore_signal_handlers()
+        _print_errors(errors)  # those of a stopped spawner's ranks
+        shutil.rmtree(errors, ignore_errors=True)

@@ -49,8 +49,8 @@ def child_env(threads: int | None = None) -> dict[str, str]:
 
 
 def error_line(log_path: str) -> str:
-    """The message of the last 'error...' line of a log (the spawner's children prefix theirs
-    with 'error (rank N):'), or 'see the log'."""
+    """The message of the last 'error...' line of a log (one rank's may be prefixed 'error (rank N):'
+    or, from the spawner, 'error (ranks N, M):'), or 'see the log'."""
     with open(log_path, errors="replace") as f:
         lines = [ln.strip() for ln in f if ln.startswith("error")]
     return lines[-1].split(": ", 1)[-1] if lines else "see the log"
