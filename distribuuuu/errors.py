@@ -46,7 +46,8 @@ def spawned_errors(folder: str) -> list[str]:
     """The spawner's lines for the errors its ranks left in folder (taken away as they are read): each
     distinct message once, with the ranks that reported it unless rank 0 is one of them."""
     by_message: dict[str, list[str]] = {}
-    for rank in sorted((n for n in os.listdir(folder) if n.isdigit()), key=int):
+    names = os.listdir(folder) if os.path.isdir(folder) else []  # "": none made; or removed meanwhile
+    for rank in sorted((n for n in names if n.isdigit()), key=int):
         with open(os.path.join(folder, rank), encoding="utf-8") as f:
             by_message.setdefault(f.read(), []).append(rank)
         os.remove(os.path.join(folder, rank))

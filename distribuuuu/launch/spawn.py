@@ -238,7 +238,10 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     port = _check_spawn(nprocs, port)
     signals.handle_stop_signals()
     context, children, relayed = None, [], {}
-    errors = tempfile.mkdtemp(prefix="distribuuuu-errors-")
+    try:
+        errors = tempfile.mkdtemp(prefix="distribuuuu-errors-")
+    except OSError:  # no writable temporary folder: each rank prints its own error
+        errors = ""
     try:
         store, port = _host_store(port)  # kept alive until the children are done
         print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
