@@ -177,6 +177,15 @@ def _check_spawn(nprocs: int, port: int | None) -> int:
     return port
 
 
+def _error_folder() -> str:
+    """A new folder for the ranks' errors (_print_errors); "" where none can be made: each rank then
+    prints its own."""
+    try:
+        return tempfile.mkdtemp(prefix="distribuuuu-errors-")
+    except OSError:
+        return ""
+
+
 def _print_errors(errors: str) -> None:
     """Print the errors the ranks left in the folder errors, each message once, and take them away."""
     for line in spawned_errors(errors):
@@ -238,10 +247,7 @@ def spawn(worker: Callable[..., None], nprocs: int, args: tuple = (), *, port: i
     port = _check_spawn(nprocs, port)
     signals.handle_stop_signals()
     context, children, relayed = None, [], {}
-    try:
-        errors = tempfile.mkdtemp(prefix="distribuuuu-errors-")
-    except OSError:  # no writable temporary folder: each rank prints its own error
-        errors = ""
+    errors = _error_folder()
     try:
         store, port = _host_store(port)  # kept alive until the children are done
         print(f"[spawn] {nprocs} processes, master {SPAWN_MASTER_ADDR}:{port}", flush=True)
