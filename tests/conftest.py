@@ -299,6 +299,18 @@ def kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
     proc.wait()
 
 
+def stop_and_wait(proc: subprocess.Popen, job: dict[int, str], console, sig: int = signal.SIGTERM,
+                  timeout: float = 120) -> None:
+    """sig to the launcher: it must end with 128 + sig and leave nothing of its job running; whatever
+    is left is killed either way."""
+    try:
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=timeout) == 128 + sig, console.read_text()[-4000:]
+        assert not wait_gone(job, 15)
+    finally:
+        kill_tree(proc, job)
+
+
 def cmdline(pid: int) -> str:
     """The command line of pid, arguments joined by spaces ("" once it is gone)."""
     try:

@@ -6,8 +6,6 @@ with mixup and label smoothing; evaluation unweighted; the refusals (a bad value
 from __future__ import annotations
 
 import math
-import os
-import signal
 import sys
 
 import numpy as np
@@ -26,14 +24,13 @@ from tests.conftest import (
     check,
     check_user_error,
     cli_main,
-    kill_tree,
     logged,
     make_cfg,
     read_metrics,
     read_text_or_empty,
     run,
     start_until,
-    wait_gone,
+    stop_and_wait,
     write_image_tree,
 )
 
@@ -247,13 +244,7 @@ def test_a_balanced_run_stopped_by_sigterm_mid_epoch_resumes_to_the_straight_run
            "TRAIN.CLASS_BALANCE sampler" in log, log[-3000:]
 
     # SIGTERM once a step checkpoint is due: the ranks write one where they are and exit 143
-    proc, job, console = start_until([*train, "OUT_DIR", str(stopped)], stopped, logged("[train] epoch 1/2 iter"))
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, console.read_text()[-4000:]
-        assert not wait_gone(job, 15)
-    finally:
-        kill_tree(proc, job)
+    stop_and_wait(*start_until([*train, "OUT_DIR", str(stopped)], stopped, logged("[train] epoch 1/2 iter")))
     ckpt = torch.load(stopped / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
     assert ckpt["epoch"] == 0 and 0 < ckpt["samples_in_epoch"] < 270, ckpt["samples_in_epoch"]
 

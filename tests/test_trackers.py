@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from tests.conftest import (
     read_metrics,
     read_text_or_empty,
     start_until,
-    wait_gone,
+    stop_and_wait,
 )
 
 BOTH = ["TRAIN.TRACKERS", "['mlflow', 'wandb']"]
@@ -130,13 +129,7 @@ def test_sigterm_mid_epoch_then_the_same_command_continues_one_run_in_each_track
     TRAIN.TRACKER_CHECKPOINTS the finished run gets best.pth and last.pth as files too."""
     out = tmp_path / "run"
     argv = _train(out, "TRAIN.TRACKER_CHECKPOINTS", "True")
-    proc, job, console = start_until(argv, out, logged("epoch 2/2 iter"), timeout=240)
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=90) == 128 + signal.SIGTERM, console.read_text()[-4000:]
-        assert not wait_gone(job, 15)
-    finally:
-        kill_tree(proc, job)
+    stop_and_wait(*start_until(argv, out, logged("epoch 2/2 iter"), timeout=240), timeout=90)
     stopped = _checkpoint(out)
     assert stopped["epoch"] == 1 and stopped["samples_in_epoch"] > 0  # mid-epoch 2
     ids = stopped["hooks"]["trackers"]
