@@ -54,7 +54,7 @@ class Counter:
         """Add one batch; ``loss`` is the batch mean (as returned by the criterion)."""
         n = target.numel()
         hits = topk_hits(logits.detach(), target, self.ks).to(torch.float64)
-        batch = torch.cat([(loss.detach().to(torch.float64) * n).reshape(1), hits, hits.new_tensor([n])])
+        batch = torch.cat([(loss.detach().to(torch.float64) * n).reshape(1), hits, hits.new_full((1,), n)])  # a fill, not a host copy: no sync
         if self.skip_nonfinite:  # on the device: no host sync (where, not a product: NaN * 0 is NaN)
             batch = torch.where(torch.isfinite(batch[0]), batch, 0.0)
         self.sums += batch
