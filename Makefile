@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Two processes: the demo's config is the CPU speedrun (DEVICE cpu), also on a machine with GPUs.
 NPROC  ?= 2
 
-.PHONY: demo test test-fast lint venv clean images readme guide
+.PHONY: demo test test-fast lint format venv clean images readme guide
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ test-fast: $(STAMP)
 # ruff (its rules are in pyproject.toml): every package module, tests, benchmarks and scripts; CI runs it.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check distribuuuu
+
+# Format the package (ruff format at pyproject.toml's line length).
+format: $(STAMP)
+	$(VENV)/bin/ruff format distribuuuu
 
 images: $(STAMP)
 	scripts/make_readme_images.sh

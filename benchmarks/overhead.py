@@ -528,7 +528,9 @@ def _train(args: list[str], out: str, nproc: int | None, timeout: float = 600,
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    from distribuuuu.run_folder.metrics_files import read_jsonl  # a bad line is skipped with a warning, as in plot
+    from distribuuuu.run_folder.metrics_files import (
+        read_jsonl,  # a bad line is skipped with a warning, as in plot
+    )
 
     return wall, read_jsonl(os.path.join(out, "metrics.jsonl"))
 

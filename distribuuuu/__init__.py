@@ -1,9 +1,11 @@
-"""distribuuuu: the pure and clear PyTorch distributed training framework for image classification.
+"""distribuuuu: the pure and clear PyTorch distributed training
+framework for image classification.
 
-The Python API (distribuuuu/api.py): ``train(cfg, hooks=())``, ``evaluate(cfg)``,
-``load_model(checkpoint_path)``, importable from here: ``from distribuuuu import train``. They load
-api.py on first use: `import distribuuuu.<module>` (the CLI, each spawned rank) must not pay for
-torch, the models and the engine just to reach one small module.
+The Python API (distribuuuu/api.py): ``train(cfg, hooks=())``,
+``evaluate(cfg)``, ``load_model(checkpoint_path)``, importable from
+here: ``from distribuuuu import train``. They load api.py on first use:
+`import distribuuuu.<module>` (the CLI, each spawned rank) must not pay
+for torch, the models and the engine just to reach one small module.
 """
 
 from typing import Any

@@ -1,9 +1,10 @@
-"""What the `distribuuuu` command shows its users: each command's line in `distribuuuu --help`, its
-options (add_argument's arguments, as data), the examples that end its --help, and what
-``config --explain KEY`` prints.
+"""What the `distribuuuu` command shows its users: each command's line
+in `distribuuuu --help`, its options (add_argument's arguments, as
+data), the examples that end its --help, and what ``config --explain
+KEY`` prints.
 
-cli.py builds the parser from these tables, the chosen command's options only; nothing here
-imports torch, or cli.py.
+cli.py builds the parser from these tables, the chosen command's options
+only; nothing here imports torch, or cli.py.
 """
 
 from __future__ import annotations
@@ -17,121 +18,437 @@ from distribuuuu.errors import UserError
 
 Option = tuple[tuple[str, ...], dict[str, Any]]  # add_argument's (names, keywords)
 
-_CFG_HELP = "YAML config file, or a shipped config's name (`distribuuuu config --list`); default: none, "
-CFG: Option = (("--cfg",), dict(dest="cfg_file", default=None, help=_CFG_HELP + "the built-in defaults"))
-# eval, predict, export: a checkpoint's stored config is the default (inference.load_config)
-CFG_STORED: Option = (("--cfg",), dict(dest="cfg_file", default=None, help=_CFG_HELP + (
-    "the config stored in the checkpoint that MODEL.WEIGHTS names (else the built-in defaults)")))
-CHECKPOINT: Option = (("--checkpoint",), dict(default=None, metavar="PATH", help=(
-    "the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH (default: none, MODEL.WEIGHTS, else "
-    "the checkpoint OUT_DIR's run chose)")))
-NPROC: Option = (("--nproc-per-node", "--nproc_per_node"), dict(dest="nproc", default=None, help=(
-    "start N processes on this machine with the built-in spawner ('auto': one per GPU, else one per CPU core); "
-    "default: none, one process (or what torchrun / srun started)")))
-MASTER_PORT: Option = (("--master-port", "--master_port"), dict(dest="master_port", type=int, default=None, help=(
-    "with --nproc-per-node: the rendezvous port (default: MASTER_PORT if set, else a free one); a port in use is "
-    "replaced by a free one")))
-# torch.distributed.launch passes --local-rank=N (or --local_rank); the rank is read from the
-# environment instead (see launch.launcher.detect), so the value is accepted and ignored.
-LOCAL_RANK: Option = (("--local-rank", "--local_rank"), dict(dest="local_rank", default=None, help=argparse.SUPPRESS))
-IMPORT: Option = (("--import",), dict(dest="imports", action="append", default=None, metavar="MODULE", help=(
-    "import MODULE (a dotted name or a .py file) in every process before the model and data are built, e.g. to "
-    "register a timm model; repeatable, adds to IMPORTS (default: none beyond the config's IMPORTS)")))
-OPTS: Option = (("opts",), dict(nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config"))
+_CFG_HELP = (
+    "YAML config file, or a shipped config's name (`distribuuuu config --list`); default: none, "
+)
+CFG: Option = (
+    ("--cfg",),
+    dict(dest="cfg_file", default=None, help=_CFG_HELP + "the built-in defaults"),
+)
+# eval, predict, export: a checkpoint's stored config is the default
+# (inference.load_config)
+CFG_STORED: Option = (
+    ("--cfg",),
+    dict(
+        dest="cfg_file",
+        default=None,
+        help=_CFG_HELP
+        + (
+            "the config stored in the checkpoint that MODEL.WEIGHTS names (else the built-in "
+            "defaults)"
+        ),
+    ),
+)
+CHECKPOINT: Option = (
+    ("--checkpoint",),
+    dict(
+        default=None,
+        metavar="PATH",
+        help=(
+            "the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH (default: "
+            "none, MODEL.WEIGHTS, else "
+            "the checkpoint OUT_DIR's run chose)"
+        ),
+    ),
+)
+NPROC: Option = (
+    ("--nproc-per-node", "--nproc_per_node"),
+    dict(
+        dest="nproc",
+        default=None,
+        help=(
+            "start N processes on this machine with the built-in spawner ('auto': one per GPU, "
+            "else one per CPU core); "
+            "default: none, one process (or what torchrun / srun started)"
+        ),
+    ),
+)
+MASTER_PORT: Option = (
+    ("--master-port", "--master_port"),
+    dict(
+        dest="master_port",
+        type=int,
+        default=None,
+        help=(
+            "with --nproc-per-node: the rendezvous port (default: MASTER_PORT if set, else a free "
+            "one); a port in use is "
+            "replaced by a free one"
+        ),
+    ),
+)
+# torch.distributed.launch passes --local-rank=N (or --local_rank); the
+# rank is read from the environment instead (see
+# launch.launcher.detect), so the value is accepted and ignored.
+LOCAL_RANK: Option = (
+    ("--local-rank", "--local_rank"),
+    dict(dest="local_rank", default=None, help=argparse.SUPPRESS),
+)
+IMPORT: Option = (
+    ("--import",),
+    dict(
+        dest="imports",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help=(
+            "import MODULE (a dotted name or a .py file) in every process before the model and "
+            "data are built, e.g. to "
+            "register a timm model; repeatable, adds to IMPORTS (default: none beyond the config's "
+            "IMPORTS)"
+        ),
+    ),
+)
+OPTS: Option = (
+    ("opts",),
+    dict(nargs=argparse.REMAINDER, help="KEY VALUE pairs overriding the config"),
+)
 
 BENCH_OPTIONS: list[Option] = [
-    (("--iters",), dict(type=int, default=20, help=(
-        "timed iterations per measurement (the model's: at least this many calls' time, in blocks chosen by "
-        "torch.utils.benchmark.Timer)"))),
+    (
+        ("--iters",),
+        dict(
+            type=int,
+            default=20,
+            help=(
+                "timed iterations per measurement (the model's: at least this many calls' time, in "
+                "blocks chosen by "
+                "torch.utils.benchmark.Timer)"
+            ),
+        ),
+    ),
     (("--warmup",), dict(type=int, default=3, help="untimed iterations first")),
-    (("--scaling",), dict(default=None, metavar="LIST", help=(
-        "process counts such as 1,2,4: train the same short run with each (default: none, no scaling sweep)"))),
-    (("--compare",), dict(default=None, metavar="LIST", help=(
-        "methods such as single,dp,ddp,ddp+amp: train the same short job each way (default: none, no comparison)"))),
-    (("--epochs",), dict(type=int, default=None, help=(
-        "epochs of each run: --scaling times the last (default 1), --compare all but the first (default 2)"))),
-    (("--nproc",), dict(type=int, default=None, help=(
-        "--compare: processes of the ddp runs (default one per GPU, 2 on the CPU)"))),
-    (("--global-batch",), dict(dest="global_batch", type=int, default=None, help=(
-        "--compare: the batch of each optimizer step, split over the processes (default TRAIN.BATCH_SIZE)"))),
-    (("--amp",), dict(default="auto", choices=["auto", "bf16", "fp16"], help=(
-        "--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native bf16, else fp16)"))),
-    (("--io",), dict(action="store_true", help=(
-        "time the training data loader alone against the number of loader workers, image folder vs shards of the "
-        "same images (io.csv, io.png)"))),
-    (("--workers",), dict(default=None, metavar="LIST", help=(
-        "--io: loader worker counts such as 0,1,2 (default 0, then 1, 2, 4, ... up to the cores)"))),
-    (("--repeats",), dict(type=int, default=3, help="--io: timed stretches of --iters batches each")),
-    (("--io-shards",), dict(dest="io_shards", default=None, metavar="DIR", help=(
-        "--io: keep the shards of a folder dataset in DIR and reuse them (default: none, written to a temporary "
-        "folder and removed)"))),
+    (
+        ("--scaling",),
+        dict(
+            default=None,
+            metavar="LIST",
+            help=(
+                "process counts such as 1,2,4: train the same short run with each (default: none, "
+                "no scaling sweep)"
+            ),
+        ),
+    ),
+    (
+        ("--compare",),
+        dict(
+            default=None,
+            metavar="LIST",
+            help=(
+                "methods such as single,dp,ddp,ddp+amp: train the same short job each way "
+                "(default: none, no comparison)"
+            ),
+        ),
+    ),
+    (
+        ("--epochs",),
+        dict(
+            type=int,
+            default=None,
+            help=(
+                "epochs of each run: --scaling times the last (default 1), --compare all but the "
+                "first (default 2)"
+            ),
+        ),
+    ),
+    (
+        ("--nproc",),
+        dict(
+            type=int,
+            default=None,
+            help=("--compare: processes of the ddp runs (default one per GPU, 2 on the CPU)"),
+        ),
+    ),
+    (
+        ("--global-batch",),
+        dict(
+            dest="global_batch",
+            type=int,
+            default=None,
+            help=(
+                "--compare: the batch of each optimizer step, split over the processes (default "
+                "TRAIN.BATCH_SIZE)"
+            ),
+        ),
+    ),
+    (
+        ("--amp",),
+        dict(
+            default="auto",
+            choices=["auto", "bf16", "fp16"],
+            help=(
+                "--compare: autocast type of ddp+amp (auto: bf16 on CPU and on GPUs with native "
+                "bf16, else fp16)"
+            ),
+        ),
+    ),
+    (
+        ("--io",),
+        dict(
+            action="store_true",
+            help=(
+                "time the training data loader alone against the number of loader workers, image "
+                "folder vs shards of the "
+                "same images (io.csv, io.png)"
+            ),
+        ),
+    ),
+    (
+        ("--workers",),
+        dict(
+            default=None,
+            metavar="LIST",
+            help=(
+                "--io: loader worker counts such as 0,1,2 (default 0, then 1, 2, 4, ... up to the "
+                "cores)"
+            ),
+        ),
+    ),
+    (
+        ("--repeats",),
+        dict(type=int, default=3, help="--io: timed stretches of --iters batches each"),
+    ),
+    (
+        ("--io-shards",),
+        dict(
+            dest="io_shards",
+            default=None,
+            metavar="DIR",
+            help=(
+                "--io: keep the shards of a folder dataset in DIR and reuse them (default: none, "
+                "written to a temporary "
+                "folder and removed)"
+            ),
+        ),
+    ),
     (("--out",), dict(default=None, help="results folder (default OUT_DIR/bench)")),
 ]
 
-# Each command: its line in `distribuuuu --help`, and its options in the order its --help lists them.
+# Each command: its line in `distribuuuu --help`, and its options in the
+# order its --help lists them.
 COMMANDS: dict[str, tuple[str, list[Option]]] = {
     "train": ("train a model", [CFG, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
-    "eval": ("evaluate a checkpoint (--checkpoint PATH) on the val split (without --cfg: with the config stored "
-             "in the checkpoint)", [CFG_STORED, CHECKPOINT, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT,
-                                    (("--out",), dict(default=None, metavar="DIR", help=(
-                                        "also write confusion.csv (rows: true class, columns: predicted) into DIR: "
-                                        "the same as TEST.OUT_DIR DIR (default: none)"))), OPTS]),
-    "config": ("print the merged, validated config as YAML", [
-        (("--list",), dict(dest="list_shipped", action="store_true",
-                           help="list the shipped configs (usable as --cfg NAME) instead")),
-        (("--explain",), dict(default=None, metavar="KEY",
-                              help="print KEY's comment, type and default instead (default: none)")),
-        CFG, LOCAL_RANK, IMPORT, OPTS]),
+    "eval": (
+        "evaluate a checkpoint (--checkpoint PATH) on the val split (without --cfg: with the "
+        "config stored "
+        "in the checkpoint)",
+        [
+            CFG_STORED,
+            CHECKPOINT,
+            NPROC,
+            MASTER_PORT,
+            LOCAL_RANK,
+            IMPORT,
+            (
+                ("--out",),
+                dict(
+                    default=None,
+                    metavar="DIR",
+                    help=(
+                        "also write confusion.csv (rows: true class, columns: predicted) into DIR: "
+                        "the same as TEST.OUT_DIR DIR (default: none)"
+                    ),
+                ),
+            ),
+            OPTS,
+        ],
+    ),
+    "config": (
+        "print the merged, validated config as YAML",
+        [
+            (
+                ("--list",),
+                dict(
+                    dest="list_shipped",
+                    action="store_true",
+                    help="list the shipped configs (usable as --cfg NAME) instead",
+                ),
+            ),
+            (
+                ("--explain",),
+                dict(
+                    default=None,
+                    metavar="KEY",
+                    help="print KEY's comment, type and default instead (default: none)",
+                ),
+            ),
+            CFG,
+            LOCAL_RANK,
+            IMPORT,
+            OPTS,
+        ],
+    ),
     "data": ("dataset utilities", []),  # its subcommands: DATA_COMMANDS
-    "plot": ("learning-curve PNGs of one or more run folders", [
-        (("run_dirs",), dict(nargs="+", metavar="RUN_DIR", help="OUT_DIR of a training run")),
-        (("--out",), dict(default=None, help="folder for the PNGs (default RUN_DIR/plots, or ./plots)"))]),
-    "bench": ("time the model, the data loader and the step; --scaling sweeps processes",
-              [CFG, LOCAL_RANK, IMPORT, OPTS, *BENCH_OPTIONS]),
-    "predict": ("top-k classes of image files, folders and globs (without --cfg: the checkpoint's config, class "
-                "names and preprocessing)", [
-                    CFG_STORED, CHECKPOINT, LOCAL_RANK, IMPORT,
-                    (("opts",), dict(nargs=argparse.REMAINDER, help=(
-                        "KEY VALUE pairs overriding the config, and the images: files, folders, 'globs'"))),
-                    (("--topk",), dict(type=int, default=5, help="how many classes to print per image")),
-                    (("--output",), dict(default=None, metavar="FILE", help=(
-                        "write the predictions to FILE, CSV or JSON by its suffix (preds.csv, preds.json); "
-                        "default: none, a table on stdout"))),
-                    (("--format",), dict(dest="fmt", default=None, choices=["csv", "json"], help=(
-                        "csv or json, whatever --output's suffix; without --output: to stdout (default: from "
-                        "--output's suffix)")))]),
-    "export": ("TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model card "
-               "(without --cfg: the checkpoint's config)", [
-                   CFG_STORED, CHECKPOINT, LOCAL_RANK, IMPORT, OPTS,
-                   (("--out",), dict(default=None, help="output folder (default OUT_DIR/export)")),
-                   (("--tol",), dict(type=float, default=1e-4,
-                                     help="largest allowed |exported - eager| on the logits")),
-                   (("--batch",), dict(type=int, default=4, help="batch size of the check"))]),
+    "plot": (
+        "learning-curve PNGs of one or more run folders",
+        [
+            (("run_dirs",), dict(nargs="+", metavar="RUN_DIR", help="OUT_DIR of a training run")),
+            (
+                ("--out",),
+                dict(default=None, help="folder for the PNGs (default RUN_DIR/plots, or ./plots)"),
+            ),
+        ],
+    ),
+    "bench": (
+        "time the model, the data loader and the step; --scaling sweeps processes",
+        [CFG, LOCAL_RANK, IMPORT, OPTS, *BENCH_OPTIONS],
+    ),
+    "predict": (
+        "top-k classes of image files, folders and globs (without --cfg: the checkpoint's config, "
+        "class "
+        "names and preprocessing)",
+        [
+            CFG_STORED,
+            CHECKPOINT,
+            LOCAL_RANK,
+            IMPORT,
+            (
+                ("opts",),
+                dict(
+                    nargs=argparse.REMAINDER,
+                    help=(
+                        "KEY VALUE pairs overriding the config, and the images: files, folders, "
+                        "'globs'"
+                    ),
+                ),
+            ),
+            (("--topk",), dict(type=int, default=5, help="how many classes to print per image")),
+            (
+                ("--output",),
+                dict(
+                    default=None,
+                    metavar="FILE",
+                    help=(
+                        "write the predictions to FILE, CSV or JSON by its suffix (preds.csv, "
+                        "preds.json); "
+                        "default: none, a table on stdout"
+                    ),
+                ),
+            ),
+            (
+                ("--format",),
+                dict(
+                    dest="fmt",
+                    default=None,
+                    choices=["csv", "json"],
+                    help=(
+                        "csv or json, whatever --output's suffix; without --output: to stdout "
+                        "(default: from "
+                        "--output's suffix)"
+                    ),
+                ),
+            ),
+        ],
+    ),
+    "export": (
+        "TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model "
+        "card "
+        "(without --cfg: the checkpoint's config)",
+        [
+            CFG_STORED,
+            CHECKPOINT,
+            LOCAL_RANK,
+            IMPORT,
+            OPTS,
+            (("--out",), dict(default=None, help="output folder (default OUT_DIR/export)")),
+            (
+                ("--tol",),
+                dict(
+                    type=float,
+                    default=1e-4,
+                    help="largest allowed |exported - eager| on the logits",
+                ),
+            ),
+            (("--batch",), dict(type=int, default=4, help="batch size of the check")),
+        ],
+    ),
 }
 
-# `distribuuuu data ...`: export a built-in dataset as files, write tar shards.
+# `distribuuuu data ...`: export a built-in dataset as files, write tar
+# shards.
 DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
-    "export": ("write a dataset a package ships as an ImageFolder tree", [
-        (("source",), dict(choices=["mnist5k", "digits", "faces"], metavar="SOURCE", help=(
-            "mnist5k (28x28), digits: scikit-learn's 1,797 8x8 digits (needs scikit-learn), or faces: "
-            "scikit-image's 200 25x25 gray crops of LFW photos, faces and backgrounds (needs scikit-image)"))),
-        (("dest",), dict(help=(
-            "output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; digits, faces: <class>/*.png)")))]),
-    "shard": ("write an image folder (or mnist5k) as WebDataset tar shards + index.json (data/shards/write.py)", [
-        (("source",), dict(metavar="SRC", help=(
-            "an image folder (<class>/<image>), a dataset root holding train/ val/ [test/], or mnist5k"))),
-        (("dest",), dict(metavar="DEST", help="output folder: DEST/<split>/<split>-000000.tar ... + index.json")),
-        (("--shard-size",), dict(dest="shard_size", default="256MB", help=(
-            "largest shard, in bytes with K/M/G (a shard holds at least one image)"))),
-        (("--shard-samples",), dict(dest="shard_samples", type=int, default=None, help=(
-            "at most this many images per shard (default: no limit)"))),
-        (("--seed",), dict(type=int, default=0, help="the one shuffle before writing (same seed, same bytes)"))]),
+    "export": (
+        "write a dataset a package ships as an ImageFolder tree",
+        [
+            (
+                ("source",),
+                dict(
+                    choices=["mnist5k", "digits", "faces"],
+                    metavar="SOURCE",
+                    help=(
+                        "mnist5k (28x28), digits: scikit-learn's 1,797 8x8 digits (needs "
+                        "scikit-learn), or faces: "
+                        "scikit-image's 200 25x25 gray crops of LFW photos, faces and backgrounds "
+                        "(needs scikit-image)"
+                    ),
+                ),
+            ),
+            (
+                ("dest",),
+                dict(
+                    help=(
+                        "output folder (mnist5k: train/<class>/*.png and val/<class>/*.png; "
+                        "digits, faces: <class>/*.png)"
+                    )
+                ),
+            ),
+        ],
+    ),
+    "shard": (
+        "write an image folder (or mnist5k) as WebDataset tar shards + index.json "
+        "(data/shards/write.py)",
+        [
+            (
+                ("source",),
+                dict(
+                    metavar="SRC",
+                    help=(
+                        "an image folder (<class>/<image>), a dataset root holding train/ val/ "
+                        "[test/], or mnist5k"
+                    ),
+                ),
+            ),
+            (
+                ("dest",),
+                dict(
+                    metavar="DEST",
+                    help="output folder: DEST/<split>/<split>-000000.tar ... + index.json",
+                ),
+            ),
+            (
+                ("--shard-size",),
+                dict(
+                    dest="shard_size",
+                    default="256MB",
+                    help=("largest shard, in bytes with K/M/G (a shard holds at least one image)"),
+                ),
+            ),
+            (
+                ("--shard-samples",),
+                dict(
+                    dest="shard_samples",
+                    type=int,
+                    default=None,
+                    help=("at most this many images per shard (default: no limit)"),
+                ),
+            ),
+            (
+                ("--seed",),
+                dict(
+                    type=int,
+                    default=0,
+                    help="the one shuffle before writing (same seed, same bytes)",
+                ),
+            ),
+        ],
+    ),
 }
 
-# Options that take no value; every other --option takes one (or is written --option=value): cli.arrange.
+# Options that take no value; every other --option takes one (or is
+# written --option=value): cli.arrange.
 FLAGS = frozenset({"--help", "-h", "--io", "--list"})
 
-# The end of each subcommand's --help: commands that work as printed (the data from `data export`).
+# The end of each subcommand's --help: commands that work as printed
+# (the data from `data export`).
 EXAMPLES: dict[str, str] = {
     "train": """examples:
   distribuuuu data export digits digits_folder   # a folder of class folders to try it on
@@ -181,7 +498,8 @@ _ASSIGN = re.compile(r"^_C\.([A-Z0-9_.]+)\s*=")
 
 
 def key_comments() -> dict[str, str]:
-    """{KEY: its comment} from config/defaults.py, where every key has one above it."""
+    """{KEY: its comment} from config/defaults.py, where every key has
+    one above it."""
     text = resources.files("distribuuuu.config").joinpath("defaults.py").read_text(encoding="utf-8")
     comments: dict[str, str] = {}
     block: list[str] = []
@@ -208,7 +526,8 @@ def _type_name(key: str, default: Any) -> str:
 
 
 def explain(key: str) -> str:
-    """What `distribuuuu config --explain KEY` prints: the key, its type and default, its comment."""
+    """What `distribuuuu config --explain KEY` prints: the key, its type
+    and default, its comment."""
     from distribuuuu.config import flatten, get_defaults, unknown_key
 
     defaults = flatten(get_defaults())

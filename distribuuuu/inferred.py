@@ -1,10 +1,13 @@
-"""Defaults that follow the data: the config keys left "unset" get their value here, once.
+"""Defaults that follow the data: the config keys left "unset" get their
+value here, once.
 
-``resolve(cfg)`` is called by ``config.load_config`` (and again, a no-op then, by ``api.run_command``
-for a config built by hand), before any process starts work that depends on these values; every
-rank computes the same values from the same config and files. The result is an ordinary config: the
-rest of the code never sees an unset value, and the run folder's config.yaml and every checkpoint
-hold the values used. What was decided, and from what, is kept with the config (``decisions``) and
+``resolve(cfg)`` is called by ``config.load_config`` (and again, a no-op
+then, by ``api.run_command`` for a config built by hand), before any
+process starts work that depends on these values; every rank computes
+the same values from the same config and files. The result is an
+ordinary config: the rest of the code never sees an unset value, and the
+run folder's config.yaml and every checkpoint hold the values used. What
+was decided, and from what, is kept with the config (``decisions``) and
 logged once by rank 0 with the setup lines (``log_decisions``):
 
   MODEL.NUM_CLASSES 0    the training data's class count: class folders, CIFAR's meta, a shard set's
@@ -50,16 +53,21 @@ from distribuuuu.errors import UserError
 
 log = logging.getLogger("distribuuuu")
 
-FALLBACK_CLASSES = 1000  # the former default (ImageNet's): synthetic and dummy data, unreadable data
+FALLBACK_CLASSES = (
+    1000  # the former default (ImageNet's): synthetic and dummy data, unreadable data
+)
 EVAL_CROP_PCT = 0.875  # 224 / 256, Distribuuuu's (and torchvision's) eval resize
 HOLDOUT_FRACTION = 0.1  # a folder of class folders: the share held out as the val set
 MAX_AUTO_WORKERS = 8
-_DECISIONS = "_inferred_decisions"  # where the decisions live on the resolved CfgNode (an attribute, not a key)
+# where the decisions live on the resolved CfgNode (an attribute, not a
+# key)
+_DECISIONS = "_inferred_decisions"
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One decided value: the key, the value, where it came from (e.g. "from the folder", "config")."""
+    """One decided value: the key, the value, where it came from (e.g.
+    "from the folder", "config")."""
 
     key: str
     value: Any
@@ -71,7 +79,8 @@ class Decision:
 
 
 def decisions(cfg: CfgNode) -> list[Decision]:
-    """The decisions resolve() recorded on cfg ([] for a config it did not resolve)."""
+    """The decisions resolve() recorded on cfg ([] for a config it did
+    not resolve)."""
     return list(cfg.__dict__.get(_DECISIONS, []))
 
 
@@ -82,8 +91,10 @@ def log_decisions(cfg: CfgNode) -> None:
 
 
 def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
-    """A frozen copy of cfg with every unset key decided (module docstring), the decisions recorded on it.
-    A config already resolved is returned as it is. Raises UserError where the data forbids a value."""
+    """A frozen copy of cfg with every unset key decided (module
+    docstring), the decisions recorded on it. A config already resolved
+    is returned as it is. Raises UserError where the data forbids a
+    value."""
     if _DECISIONS in cfg.__dict__:
         return cfg
     out = cfg.clone()
@@ -91,14 +102,24 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     from distribuuuu.launch.launcher import detect  # light: reads the launcher's variables
 
     local_world_size = local_world_size or detect().local_world_size
-    decided = _followed(out) if TEST_FOLLOWED in out.__dict__ else []  # a config file's TEST.DATASET dropped
+    decided = (
+        _followed(out) if TEST_FOLLOWED in out.__dict__ else []
+    )  # a config file's TEST.DATASET dropped
     decided += _flat_folder(out) if _is_flat_folder(out) else []
     if out.TEST.DATASET == "":
         out.TEST.DATASET = out.TRAIN.DATASET
         split = out.TEST.SPLIT or "(itself)"
-        decided.append(Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}"))
-    decided += [*_num_classes(out), *_images(out), _eval_size(out), _workers(out, local_world_size),
-                *_threads(out, local_world_size), *_warmup(out)]
+        decided.append(
+            Decision("TEST.DATASET", out.TEST.DATASET, f"TRAIN.DATASET, split {split!r}")
+        )
+    decided += [
+        *_num_classes(out),
+        *_images(out),
+        _eval_size(out),
+        _workers(out, local_world_size),
+        *_threads(out, local_world_size),
+        *_warmup(out),
+    ]
     decided += _absolute_imports(out)
     _absolute_datasets(out)  # last: the lines above name the data as the user wrote it
     out.freeze()
@@ -113,7 +134,8 @@ def _kind(dataset: str) -> str:
 
 
 def _class_dirs(path: str) -> list[str]:
-    """The class folders of path (sources.folder_classes), [] when it is not a folder."""
+    """The class folders of path (sources.folder_classes), [] when it is
+    not a folder."""
     from distribuuuu.data import sources
 
     try:
@@ -126,40 +148,62 @@ def _class_dirs(path: str) -> list[str]:
 # The data: a folder of class folders, MODEL.NUM_CLASSES
 # ---------------------------------------------------------------------------------------------
 def _is_flat_folder(cfg: CfgNode) -> bool:
-    """TRAIN.DATASET a folder without a TRAIN.SPLIT/ sub-folder (maybe a folder of class folders)."""
+    """TRAIN.DATASET a folder without a TRAIN.SPLIT/ sub-folder (maybe a
+    folder of class folders)."""
     t = cfg.TRAIN
-    return bool(not cfg.MODEL.DUMMY_INPUT and t.SPLIT and os.path.isdir(t.DATASET)
-                and not os.path.isdir(os.path.join(t.DATASET, t.SPLIT)))
+    return bool(
+        not cfg.MODEL.DUMMY_INPUT
+        and t.SPLIT
+        and os.path.isdir(t.DATASET)
+        and not os.path.isdir(os.path.join(t.DATASET, t.SPLIT))
+    )
 
 
 def _flat_folder(cfg: CfgNode) -> list[Decision]:
-    """A folder of class folders: the folder is the training split, and, when no TEST.DATASET is given,
-    a held-out part of it the val set."""
+    """A folder of class folders: the folder is the training split, and,
+    when no TEST.DATASET is given, a held-out part of it the val set."""
     t = cfg.TRAIN
     classes = _class_dirs(t.DATASET)
     if _kind(t.DATASET) != "folder" or not classes or {"train", "val", "test"} & set(classes):
-        return []  # a split layout with another split name, or no class folders: the preflight says what it lacks
-    decided = [Decision("TRAIN.SPLIT", "''", f"from the folder: {t.DATASET} holds {len(classes)} class folders "
-                                             f"and no {t.SPLIT}/, so it is the training split")]
+        # a split layout with another split name, or no class folders:
+        # the preflight says what it lacks
+        return []
+    decided = [
+        Decision(
+            "TRAIN.SPLIT",
+            "''",
+            f"from the folder: {t.DATASET} holds {len(classes)} class folders "
+            f"and no {t.SPLIT}/, so it is the training split",
+        )
+    ]
     t.SPLIT = ""
     if cfg.TEST.DATASET == "":
         cfg.TEST.DATASET, cfg.TEST.SPLIT = t.DATASET, ""
         if not t.VAL_SPLIT:
             t.VAL_SPLIT = HOLDOUT_FRACTION
-            decided.append(Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, _holdout_origin(t.DATASET, classes)))
+            decided.append(
+                Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, _holdout_origin(t.DATASET, classes))
+            )
     return decided
 
 
 def _followed(cfg: CfgNode) -> list[Decision]:
-    """The line of a config file's TEST.DATASET that load_config dropped (config/reading.py: _test_follows_train)."""
+    """The line of a config file's TEST.DATASET that load_config dropped
+    (config/reading.py: _test_follows_train)."""
     test, train = cfg.__dict__[TEST_FOLLOWED]
-    return [Decision("TEST.DATASET", "follows TRAIN.DATASET", f"the config file's {test!r} goes with its TRAIN.DATASET "
-                     f"{train!r}, which the command line replaced")]
+    return [
+        Decision(
+            "TEST.DATASET",
+            "follows TRAIN.DATASET",
+            f"the config file's {test!r} goes with its TRAIN.DATASET "
+            f"{train!r}, which the command line replaced",
+        )
+    ]
 
 
 def _holdout_origin(dataset: str, classes: list[str]) -> str:
-    """The held-out part's counts, for the setup line (the loaders' own listing, which the preflight
-    checks, decides)."""
+    """The held-out part's counts, for the setup line (the loaders' own
+    listing, which the preflight checks, decides)."""
     from distribuuuu.data import datasets, images
 
     try:
@@ -167,24 +211,34 @@ def _holdout_origin(dataset: str, classes: list[str]) -> str:
         counts = {c: listing.count(c) for c in classes}
         held = datasets.check_holdout(counts, HOLDOUT_FRACTION)
     except (UserError, OSError):
-        return "from the folder: no val/ folder, so a tenth of each class is held out as the val set"
-    return (f"from the folder: no val/ folder, so {held} of its {sum(counts.values())} images, a tenth of each "
-            f"class, chosen by a fixed seed, are held out as the val set")
+        return (
+            "from the folder: no val/ folder, so a tenth of each class is held out as the val set"
+        )
+    return (
+        f"from the folder: no val/ folder, so {held} of its {sum(counts.values())} images, a tenth "
+        "of each "
+        f"class, chosen by a fixed seed, are held out as the val set"
+    )
 
 
 def test_is_training_data(cfg: CfgNode) -> bool:
-    """TEST names the TRAIN data itself (a folder of class folders): the held-out part is the only
-    evaluation set, and there is no separate test set."""
+    """TEST names the TRAIN data itself (a folder of class folders): the
+    held-out part is the only evaluation set, and there is no separate
+    test set."""
     return (cfg.TEST.DATASET, cfg.TEST.SPLIT) == (cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
 
 
 def train_classes(cfg: CfgNode) -> tuple[list[str] | None, str]:
-    """(class names of the TRAIN data, where they were found), or (None, why not) when there is no
-    class count to follow (synthetic, dummy input) or the data cannot be read here."""
+    """(class names of the TRAIN data, where they were found), or (None,
+    why not) when there is no class count to follow (synthetic, dummy
+    input) or the data cannot be read here."""
     t = cfg.TRAIN
     if cfg.MODEL.DUMMY_INPUT or t.DATASET == "synthetic":
-        return None, ("MODEL.DUMMY_INPUT has no classes" if cfg.MODEL.DUMMY_INPUT else
-                      "synthetic data makes MODEL.NUM_CLASSES classes")
+        return None, (
+            "MODEL.DUMMY_INPUT has no classes"
+            if cfg.MODEL.DUMMY_INPUT
+            else "synthetic data makes MODEL.NUM_CLASSES classes"
+        )
     kind = _kind(t.DATASET)
     if kind != "folder":
         return _source_classes(cfg, kind)
@@ -193,7 +247,8 @@ def train_classes(cfg: CfgNode) -> tuple[list[str] | None, str]:
 
 
 def _source_classes(cfg: CfgNode, kind: str) -> tuple[list[str] | None, str]:
-    """train_classes of a TRAIN.DATASET that is not a folder: CIFAR, a shard set, a registered source."""
+    """train_classes of a TRAIN.DATASET that is not a folder: CIFAR, a
+    shard set, a registered source."""
     from distribuuuu.data import datasets, sources
     from distribuuuu.data.shards.index import load_shard_set
 
@@ -212,46 +267,88 @@ def _source_classes(cfg: CfgNode, kind: str) -> tuple[list[str] | None, str]:
 
 
 def _num_classes(cfg: CfgNode) -> list[Decision]:
-    """MODEL.NUM_CLASSES (train_classes, else FALLBACK_CLASSES), then TRAIN.TOPK clamped to it."""
+    """MODEL.NUM_CLASSES (train_classes, else FALLBACK_CLASSES), then
+    TRAIN.TOPK clamped to it."""
     origin = "config"
     if not cfg.MODEL.NUM_CLASSES:
         classes, origin = train_classes(cfg)
         cfg.MODEL.NUM_CLASSES = len(classes) if classes else FALLBACK_CLASSES
         origin = origin if classes else f"{origin}: the former default"
-    topk, origin_topk = min(cfg.TRAIN.TOPK, max(1, cfg.MODEL.NUM_CLASSES - 1)), "config"  # top-k of k classes: 100%
+    topk, origin_topk = (
+        min(cfg.TRAIN.TOPK, max(1, cfg.MODEL.NUM_CLASSES - 1)),
+        "config",
+    )  # top-k of k classes: 100%
     if topk < cfg.TRAIN.TOPK:
-        origin_topk, cfg.TRAIN.TOPK = (f"clamped from {cfg.TRAIN.TOPK}: top-{cfg.TRAIN.TOPK} of {cfg.MODEL.NUM_CLASSES} "
-                                       "classes would always be 100%, saying nothing"), topk
-    return [Decision("MODEL.NUM_CLASSES", cfg.MODEL.NUM_CLASSES, origin), Decision("TRAIN.TOPK", topk, origin_topk)]
+        origin_topk, cfg.TRAIN.TOPK = (
+            (
+                f"clamped from {cfg.TRAIN.TOPK}: top-{cfg.TRAIN.TOPK} of {cfg.MODEL.NUM_CLASSES} "
+                "classes would always be 100%, saying nothing"
+            ),
+            topk,
+        )
+    return [
+        Decision("MODEL.NUM_CLASSES", cfg.MODEL.NUM_CLASSES, origin),
+        Decision("TRAIN.TOPK", topk, origin_topk),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
-# The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's recipe
+# The images: MODEL.ARCH, MODEL.IN_CHANS, TRAIN.IM_SIZE and a folder's
+# recipe
 # ---------------------------------------------------------------------------------------------
 def _images(cfg: CfgNode) -> list[Decision]:
-    """The unset model and recipe keys (module docstring): the card of MODEL.WEIGHTS (a fine-tune, an eval), else
-    the values the run in OUT_DIR started with (a resume), then a folder's images."""
+    """The unset model and recipe keys (module docstring): the card of
+    MODEL.WEIGHTS (a fine-tune, an eval), else the values the run in
+    OUT_DIR started with (a resume), then a folder's images."""
     m, t, last = cfg.MODEL, cfg.TRAIN, os.path.join(cfg.OUT_DIR, "checkpoints", "last.pth")
-    card = m.WEIGHTS and os.path.isfile(m.WEIGHTS)  # not OUT_DIR's run: an eval may write beside another one
-    decided = _from_card(cfg) if card else _as_started(cfg, last) if t.AUTO_RESUME and os.path.isfile(last) else []
-    if m.ARCH != "auto" and m.IN_CHANS and t.IM_SIZE and t.CROP_SCALE and t.FLIP_PROB >= 0 and t.MEAN:
+    card = m.WEIGHTS and os.path.isfile(
+        m.WEIGHTS
+    )  # not OUT_DIR's run: an eval may write beside another one
+    decided = (
+        _from_card(cfg)
+        if card
+        else _as_started(cfg, last)
+        if t.AUTO_RESUME and os.path.isfile(last)
+        else []
+    )
+    if (
+        m.ARCH != "auto"
+        and m.IN_CHANS
+        and t.IM_SIZE
+        and t.CROP_SCALE
+        and t.FLIP_PROB >= 0
+        and t.MEAN
+    ):
         return decided
     from distribuuuu.data import image_sample
 
     split = os.path.join(t.DATASET, t.SPLIT)
     files = image_sample.sample(split, _class_dirs(split)) if _kind(t.DATASET) == "folder" else []
     side, gray, seen = image_sample.looks(files)
-    found = image_sample.recipe(cfg, files, side, gray, seen) if side else image_sample.former_defaults(cfg)
+    found = (
+        image_sample.recipe(cfg, files, side, gray, seen)
+        if side
+        else image_sample.former_defaults(cfg)
+    )
     return decided + [Decision(*d) for d in found]
 
 
-UNSET = {"MODEL.ARCH": "auto", "MODEL.IN_CHANS": 0, "TRAIN.IM_SIZE": 0, "TRAIN.CROP_SCALE": [],
-         "TRAIN.FLIP_PROB": -1.0, "TRAIN.MEAN": [], "TRAIN.STD": []}  # the keys _images decides, unset
+UNSET = {
+    "MODEL.ARCH": "auto",
+    "MODEL.IN_CHANS": 0,
+    "TRAIN.IM_SIZE": 0,
+    "TRAIN.CROP_SCALE": [],
+    "TRAIN.FLIP_PROB": -1.0,
+    "TRAIN.MEAN": [],
+    "TRAIN.STD": [],
+}  # the keys _images decides, unset
 
 
 def _as_started(cfg: CfgNode, path: str) -> list[Decision]:
-    """A train that resumes: the UNSET keys take the values its run started with (the checkpoint's config),
-    so that a folder changed since cannot change the recipe mid-run (the resume's data check names the change)."""
+    """A train that resumes: the UNSET keys take the values its run
+    started with (the checkpoint's config), so that a folder changed
+    since cannot change the recipe mid-run (the resume's data check
+    names the change)."""
     from distribuuuu import weights
     from distribuuuu.run_folder.resume_check import flatten_yaml
 
@@ -259,13 +356,18 @@ def _as_started(cfg: CfgNode, path: str) -> list[Decision]:
         then = flatten_yaml(weights.peek_checkpoint(path).get("cfg") or "")
     except Exception:  # noqa: BLE001 - the resume itself says what is wrong with the file
         return []
-    kept = [k for k, unset in UNSET.items() if cfg[k.split(".")[0]][k.split(".")[1]] == unset != then.get(k, unset)]
+    kept = [
+        k
+        for k, unset in UNSET.items()
+        if cfg[k.split(".")[0]][k.split(".")[1]] == unset != then.get(k, unset)
+    ]
     cfg.merge_from_list([word for k in kept for word in (k, then[k])])
     return [Decision(k, then[k], f"as the run started: {path}") for k in kept]
 
 
 def _from_card(cfg: CfgNode) -> list[Decision]:
-    """A fine-tune: the unset keys the card of MODEL.WEIGHTS fills (none for a state dict, safetensors)."""
+    """A fine-tune: the unset keys the card of MODEL.WEIGHTS fills (none
+    for a state dict, safetensors)."""
     from distribuuuu import weights
     from distribuuuu.model_card import from_checkpoint
 
@@ -288,14 +390,20 @@ def _eval_size(cfg: CfgNode) -> Decision:
         cfg.TEST.IM_SIZE = int(math.floor(size / (pct or EVAL_CROP_PCT)))
         origin = f"follows TRAIN.IM_SIZE: {size} / {pct or EVAL_CROP_PCT:g}"
     if cfg.MODEL.DUMMY_INPUT or _kind(cfg.TEST.DATASET) not in ("folder", "shards"):
-        return Decision("eval size", f"{size} px", f"TRAIN.IM_SIZE; {cfg.TEST.DATASET} images are resized whole")
+        return Decision(
+            "eval size", f"{size} px", f"TRAIN.IM_SIZE; {cfg.TEST.DATASET} images are resized whole"
+        )
     resize = int(math.floor(size / pct)) if pct else cfg.TEST.IM_SIZE
-    return Decision("eval size", f"resize to {resize}, center crop {size} px",
-                    f"TEST.CROP_PCT {pct:g}" if pct else f"TEST.IM_SIZE {cfg.TEST.IM_SIZE}, {origin}")
+    return Decision(
+        "eval size",
+        f"resize to {resize}, center crop {size} px",
+        f"TEST.CROP_PCT {pct:g}" if pct else f"TEST.IM_SIZE {cfg.TEST.IM_SIZE}, {origin}",
+    )
 
 
 def cores_per_process(local_world_size: int) -> int:
-    """The CPU cores this process may use (its affinity), shared by the processes of this node."""
+    """The CPU cores this process may use (its affinity), shared by the
+    processes of this node."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -304,24 +412,35 @@ def cores_per_process(local_world_size: int) -> int:
 
 
 def _workers(cfg: CfgNode, local_world_size: int) -> Decision:
-    """TRAIN.WORKERS: -1 decided from the cores; a value set is kept up to this process's cores (torch's
-    DataLoader warns beyond them) or MAX_AUTO_WORKERS (a few more may hide file latency on a small
-    machine), else clamped: each loader would start that many processes (1,000 took 100 times as long)."""
+    """TRAIN.WORKERS: -1 decided from the cores; a value set is kept up
+    to this process's cores (torch's DataLoader warns beyond them) or
+    MAX_AUTO_WORKERS (a few more may hide file latency on a small
+    machine), else clamped: each loader would start that many processes
+    (1,000 took 100 times as long)."""
     asked, cores = cfg.TRAIN.WORKERS, cores_per_process(1)
     if asked > max(cores, MAX_AUTO_WORKERS):
         cfg.TRAIN.WORKERS = max(cores, MAX_AUTO_WORKERS)
-        return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, f"clamped from {asked}: at most this process's {cores} "
-                                                            f"cores, or {MAX_AUTO_WORKERS}", warn=True)
+        return Decision(
+            "TRAIN.WORKERS",
+            cfg.TRAIN.WORKERS,
+            f"clamped from {asked}: at most this process's {cores} cores, or {MAX_AUTO_WORKERS}",
+            warn=True,
+        )
     if asked >= 0:
         return Decision("TRAIN.WORKERS", asked, "config")
     cores = cores_per_process(local_world_size)
     cfg.TRAIN.WORKERS = min(MAX_AUTO_WORKERS, cores - 1)
-    return Decision("TRAIN.WORKERS", cfg.TRAIN.WORKERS, f"from the cores: {cores} per process for {local_world_size} "
-                                                        "process(es) here, one left to the process itself")
+    return Decision(
+        "TRAIN.WORKERS",
+        cfg.TRAIN.WORKERS,
+        f"from the cores: {cores} per process for {local_world_size} "
+        "process(es) here, one left to the process itself",
+    )
 
 
 def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
-    """NUM_THREADS 0: OMP_NUM_THREADS, else comm.free_threads; above this process's cores: clamped to them."""
+    """NUM_THREADS 0: OMP_NUM_THREADS, else comm.free_threads; above
+    this process's cores: clamped to them."""
     asked, cores, omp = cfg.NUM_THREADS, cores_per_process(1), os.environ.get("OMP_NUM_THREADS", "")
     if 0 < asked <= cores:
         return []
@@ -330,43 +449,62 @@ def _threads(cfg: CfgNode, local_world_size: int) -> list[Decision]:
     if asked:
         cfg.NUM_THREADS, why = cores, f"clamped from {asked}: this process may use {cores} cores"
     elif omp.isdigit() and int(omp) > 0:
-        cfg.NUM_THREADS, why = min(int(omp), cores), "OMP_NUM_THREADS (torchrun sets 1 for several processes)"
+        cfg.NUM_THREADS, why = (
+            min(int(omp), cores),
+            "OMP_NUM_THREADS (torchrun sets 1 for several processes)",
+        )
     else:
         cfg.NUM_THREADS, why = free_threads(cores, local_world_size)
     return [Decision("NUM_THREADS", cfg.NUM_THREADS, why, warn=bool(asked))]
 
 
 def _warmup(cfg: CfgNode) -> list[Decision]:
-    """Only the line: the schedule shortens a warmup that does not fit (optim.warmup_epochs); the key keeps its value."""
+    """Only the line: the schedule shortens a warmup that does not fit
+    (optim.warmup_epochs); the key keeps its value."""
     from distribuuuu.optim import warmup_epochs  # late: torch, only when a config is resolved
 
     short, o = warmup_epochs(cfg), cfg.OPTIM
     if short == o.WARMUP_EPOCHS:
         return []
-    return [Decision("OPTIM.WARMUP_EPOCHS", f"{short:g} in the schedule", f"shortened from {o.WARMUP_EPOCHS:g}: a "
-                     f"warmup over half of the {o.MAX_EPOCH}-epoch run would leave little of it at the peak LR",
-                     warn=True)]
+    return [
+        Decision(
+            "OPTIM.WARMUP_EPOCHS",
+            f"{short:g} in the schedule",
+            f"shortened from {o.WARMUP_EPOCHS:g}: a "
+            f"warmup over half of the {o.MAX_EPOCH}-epoch run would leave little of it at the peak "
+            "LR",
+            warn=True,
+        )
+    ]
 
 
 def _absolute_imports(cfg: CfgNode) -> list[Decision]:
-    """IMPORTS, and the file of a MODEL.ARCH registered with register_model, as absolute paths
-    (_imports_as_paths): the config stored in the checkpoints then imports them from any folder."""
+    """IMPORTS, and the file of a MODEL.ARCH registered with
+    register_model, as absolute paths (_imports_as_paths): the config
+    stored in the checkpoints then imports them from any folder."""
     models = sys.modules.get("distribuuuu.models")  # not imported: nothing was registered with it
     model_file = models.user_model_file(cfg.MODEL.ARCH) if models is not None else None
     return _imports_as_paths(cfg, model_file) if cfg.IMPORTS or model_file else []
 
 
 def _absolute_datasets(cfg: CfgNode) -> None:
-    """TRAIN.DATASET and TEST.DATASET that name a path here (not a registered source) as absolute paths:
-    config.yaml and the checkpoints' cards then find the data, and its held-out part, from any folder."""
+    """TRAIN.DATASET and TEST.DATASET that name a path here (not a
+    registered source) as absolute paths: config.yaml and the
+    checkpoints' cards then find the data, and its held-out part, from
+    any folder."""
     for group in (cfg.TRAIN, cfg.TEST):  # (a shard set's brace pattern names no file itself)
-        if (os.path.exists(group.DATASET) or "{" in group.DATASET) and _kind(group.DATASET) in ("folder", "cifar", "shards"):
+        if (os.path.exists(group.DATASET) or "{" in group.DATASET) and _kind(group.DATASET) in (
+            "folder",
+            "cifar",
+            "shards",
+        ):
             group.DATASET = os.path.abspath(group.DATASET)
 
 
 def _imports_as_paths(cfg: CfgNode, model_file: str | None) -> list[Decision]:
-    """IMPORTS entries that only this folder finds (a .py path, or a module beside it) as absolute paths,
-    and model_file added: eval, predict, export and load_model import them from any folder."""
+    """IMPORTS entries that only this folder finds (a .py path, or a
+    module beside it) as absolute paths, and model_file added: eval,
+    predict, export and load_model import them from any folder."""
     from distribuuuu.config.user_modules import is_path
 
     entries = []
@@ -375,13 +513,24 @@ def _imports_as_paths(cfg: CfgNode, model_file: str | None) -> list[Decision]:
             entry = os.path.abspath(entry)
         elif "." not in entry and sys.modules.get(entry) is not None:
             file = getattr(sys.modules[entry], "__file__", None) or ""
-            if os.path.dirname(os.path.abspath(file)) == os.getcwd():  # found beside us, not on sys.path
+            if (
+                os.path.dirname(os.path.abspath(file)) == os.getcwd()
+            ):  # found beside us, not on sys.path
                 entry = os.path.abspath(file)
         entries.append(entry)
-    if model_file and model_file not in entries and not any(
-            getattr(sys.modules.get(e), "__file__", None) == model_file for e in entries):
+    if (
+        model_file
+        and model_file not in entries
+        and not any(getattr(sys.modules.get(e), "__file__", None) == model_file for e in entries)
+    ):
         entries.append(model_file)
     if entries == list(cfg.IMPORTS):
         return []
     cfg.IMPORTS = entries
-    return [Decision("IMPORTS", entries, "as absolute paths: eval, predict and export find them from any folder")]
+    return [
+        Decision(
+            "IMPORTS",
+            entries,
+            "as absolute paths: eval, predict and export find them from any folder",
+        )
+    ]

@@ -14,7 +14,14 @@ from distribuuuu import data
 from distribuuuu.data import batches, datasets, transforms
 from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
 from distribuuuu.data.pipeline import ResumableDistributedSampler
-from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_constant_image_tree
+from tests.conftest import (
+    TINY,
+    check,
+    distribuuuu,
+    make_cfg,
+    read_metrics,
+    write_constant_image_tree,
+)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

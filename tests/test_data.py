@@ -13,7 +13,13 @@ from distribuuuu import data
 from distribuuuu.data import datasets
 from distribuuuu.data.pipeline import ResumableDistributedSampler
 from distribuuuu.errors import UserError
-from tests.conftest import make_cfg, write_fake_cifar10, write_fake_cifar100, write_image, write_image_tree
+from tests.conftest import (
+    make_cfg,
+    write_fake_cifar10,
+    write_fake_cifar100,
+    write_image,
+    write_image_tree,
+)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -24,7 +24,16 @@ from distribuuuu import data, models
 from distribuuuu.data import checks, images
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
-from tests.conftest import TINY, check, check_user_error, cli_main, distribuuuu, make_cfg, run, write_image_tree
+from tests.conftest import (
+    TINY,
+    check,
+    check_user_error,
+    cli_main,
+    distribuuuu,
+    make_cfg,
+    run,
+    write_image_tree,
+)
 
 
 def _tree(root, train=None, val=None) -> str:

@@ -22,7 +22,17 @@ from distribuuuu.config import get_defaults, merge_text
 from distribuuuu.errors import UserError
 from distribuuuu.model_card import from_checkpoint
 from distribuuuu.weights import adapt_input_channels, load_checkpoint
-from tests.conftest import ROOT, TINY, check, cli_main, env, fit, make_cfg, process_state_restored, write_image_tree
+from tests.conftest import (
+    ROOT,
+    TINY,
+    check,
+    cli_main,
+    env,
+    fit,
+    make_cfg,
+    process_state_restored,
+    write_image_tree,
+)
 
 torch.set_num_threads(1)
 

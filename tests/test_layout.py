@@ -267,34 +267,67 @@ def test_the_core_never_imports_the_tools():
     assert not routes, "the core reaches the tools:\n" + "\n".join(" -> ".join(r) for r in routes)
 
 
+def _code_lines(tree: ast.AST) -> set[int]:
+    """The lines of tree that hold code: statements and their continuation lines, not blank lines,
+    comments or docstrings (as the trace's count.py counts them), so that writing documentation or
+    letting the formatter split a long call never moves a budget."""
+    lines: set[int] = set()
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) and (
+                isinstance(first.value.value, str)
+            ):
+                docs.update(range(first.lineno, first.end_lineno + 1))
+        if isinstance(node, ast.stmt):
+            children = [c for f in ("body", "orelse", "finalbody", "handlers") for c in getattr(node, f, []) or []]
+            if children:
+                lines.update(range(node.lineno, min(c.lineno for c in children)))
+            else:
+                lines.update(range(node.lineno, node.end_lineno + 1))
+    return lines - docs
+
+
+def _code_size(module: str, node: ast.AST | None = None) -> int:
+    """Code lines of a module, or of one function in it (node)."""
+    code = _code_lines(_tree(module))
+    if node is None:
+        return len(code)
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return len(code & set(range(start, node.end_lineno + 1)))
+
+
+def test_the_code_line_count_leaves_out_docstrings_and_comments():
+    tree = ast.parse('"""doc\nmore"""\n# a comment\n\ndef f(a,\n      b):\n    """doc"""\n    return (a +\n            b)\n')
+    assert _code_lines(tree) == {5, 6, 8, 9}
+
+
 def test_no_module_over_the_line_budget():
-    long = {}
-    for module, path in MODULES.items():
-        with open(path, encoding="utf-8") as f:
-            lines = sum(1 for _ in f)
-        if lines > MAX_MODULE_LINES and module not in ALLOWED_LONG:
-            long[module] = lines
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    """Counted in code lines: a module holds one subject, and a cap never decides where code goes:
+    one that states why it is longer is listed in ALLOWED_LONG."""
+    long = {m: n for m in MODULES if (n := _code_size(m)) > MAX_MODULE_LINES and m not in ALLOWED_LONG}
+    assert not long, f"modules over {MAX_MODULE_LINES} code lines: {long}"
 
 
 def test_no_function_over_the_line_budget():
     long = {}
     for module in MODULES:
         for name, node in _functions(_tree(module), module):
-            lines = node.end_lineno - node.lineno + 1
+            lines = _code_size(module, node)
             if lines > MAX_FUNCTION_LINES and name not in ALLOWED_LONG:
                 long[name] = lines
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (def to last line): {long}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} code lines: {long}"
 
 
 def test_the_allowlist_names_only_what_exists_and_is_long():
     """An entry that no longer applies is removed, so the list never hides a new long function."""
     sizes = {}
-    for module, path in MODULES.items():
-        with open(path, encoding="utf-8") as f:
-            sizes[module] = (sum(1 for _ in f), MAX_MODULE_LINES)
+    for module in MODULES:
+        sizes[module] = (_code_size(module), MAX_MODULE_LINES)
         for name, node in _functions(_tree(module), module):
-            sizes[name] = (node.end_lineno - node.lineno + 1, MAX_FUNCTION_LINES)
+            sizes[name] = (_code_size(module, node), MAX_FUNCTION_LINES)
     stale = [name for name in ALLOWED_LONG if name not in sizes or sizes[name][0] <= sizes[name][1]]
     assert not stale, f"ALLOWED_LONG entries that are gone or within budget: {stale}"
 

@@ -18,7 +18,15 @@ import yaml
 
 from distribuuuu import data, inferred, models, optim
 from distribuuuu.errors import UserError
-from tests.conftest import ROOT, check, cli_main, env, make_cfg, write_fake_cifar10, write_image_tree
+from tests.conftest import (
+    ROOT,
+    check,
+    cli_main,
+    env,
+    make_cfg,
+    write_fake_cifar10,
+    write_image_tree,
+)
 
 CPU = torch.device("cpu")
 BASELINES = ["resnet18", "resnet50", "botnet50", "efficientnet_b0", "regnetx_160", "regnety_160", "regnety_320"]

@@ -17,7 +17,15 @@ from distribuuuu.errors import UserError
 from distribuuuu.run_folder import RunFolder
 from distribuuuu.tools import export, predict
 from distribuuuu.weights import load_checkpoint
-from tests.conftest import TINY, check, distribuuuu, make_cfg, read_metrics, write_image, write_image_tree
+from tests.conftest import (
+    TINY,
+    check,
+    distribuuuu,
+    make_cfg,
+    read_metrics,
+    write_image,
+    write_image_tree,
+)
 
 
 def _train(out: str, *opts: str, status: int = 0):

@@ -32,7 +32,16 @@ from distribuuuu.errors import UserError
 from distribuuuu.run_folder import RunFolder
 from distribuuuu.run_folder import lock as run_lock
 from distribuuuu.weights import load_checkpoint
-from tests.conftest import ROOT, TINY, check, check_user_error, distribuuuu, env, make_cfg, read_metrics
+from tests.conftest import (
+    ROOT,
+    TINY,
+    check,
+    check_user_error,
+    distribuuuu,
+    env,
+    make_cfg,
+    read_metrics,
+)
 
 KILL_IN_SAVE = os.path.join(ROOT, "tests", "scripts", "kill_in_save.py")
 AS_NOBODY = os.path.join(ROOT, "tests", "scripts", "as_nobody.py")

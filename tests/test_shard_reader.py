@@ -26,7 +26,16 @@ from distribuuuu.data import shards, transforms
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
 from distribuuuu.data.shards.reader import BadRecordError
-from tests.conftest import ROOT, TINY, check, cli_main, env, make_cfg, process_state_restored, read_metrics
+from tests.conftest import (
+    ROOT,
+    TINY,
+    check,
+    cli_main,
+    env,
+    make_cfg,
+    process_state_restored,
+    read_metrics,
+)
 
 CLASSES = ("a", "b", "c")
 

@@ -23,7 +23,16 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY, env, kill_tree, process_tree, read_text_or_empty, start_until_training, wait_gone
+from tests.conftest import (
+    ROOT,
+    TINY,
+    env,
+    kill_tree,
+    process_tree,
+    read_text_or_empty,
+    start_until_training,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 

@@ -1,14 +1,16 @@
-"""The configs shipped inside the package (distribuuuu/configs/*.yaml; the repository's config/ is a
-link to that folder, so there is one copy of each): `--cfg NAME` finds one by name, from any folder,
-and `distribuuuu config --list` lists them."""
+"""The configs shipped inside the package (distribuuuu/configs/*.yaml;
+the repository's config/ is a link to that folder, so there is one copy
+of each): `--cfg NAME` finds one by name, from any folder, and
+`distribuuuu config --list` lists them."""
 
 from __future__ import annotations
 
 import os
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-# Folders a shipped config is reached through when the path given does not exist: none (a bare
-# name), and the repository's config/ (the docs' `--cfg config/x.yaml`, typed in another folder).
+# Folders a shipped config is reached through when the path given does
+# not exist: none (a bare name), and the repository's config/ (the docs'
+# `--cfg config/x.yaml`, typed in another folder).
 _SHIPPED_PREFIXES = (".", "config")
 
 
@@ -20,7 +22,8 @@ def shipped_names() -> list[str]:
 
 
 def first_comment(name: str) -> str:
-    """The first sentence of a shipped config's leading comment (what the file is for), without `#`."""
+    """The first sentence of a shipped config's leading comment (what
+    the file is for), without `#`."""
     words: list[str] = []
     with open(os.path.join(SHIPPED_DIR, name + ".yaml"), encoding="utf-8") as f:
         for line in f:
@@ -28,17 +31,19 @@ def first_comment(name: str) -> str:
                 break
             words.append(line.strip().lstrip("#").strip())
     text = " ".join(w for w in words if w)
-    # A sentence ends at ". " or at a colon that introduces a command (the text before it is whole).
+    # A sentence ends at ". " or at a colon that introduces a command
+    # (the text before it is whole).
     for end in (". ", ":  ", ": distribuuuu"):
         if end in text:
-            text = text[:text.index(end) + 1]
+            text = text[: text.index(end) + 1]
     return text.rstrip(":")
 
 
 def resolve(cfg_file: str) -> str:
-    """The file `--cfg cfg_file` means: an existing file as given (a path always wins); else the
-    shipped config it names (`mnist5k_fast`, `mnist5k_fast.yaml`, `config/mnist5k_fast.yaml`);
-    else cfg_file unchanged, for the caller's "does not exist" message."""
+    """The file `--cfg cfg_file` means: an existing file as given (a
+    path always wins); else the shipped config it names (`mnist5k_fast`,
+    `mnist5k_fast.yaml`, `config/mnist5k_fast.yaml`); else cfg_file
+    unchanged, for the caller's "does not exist" message."""
     if os.path.isfile(cfg_file):
         return cfg_file
     folder, base = os.path.split(cfg_file)
@@ -49,15 +54,20 @@ def resolve(cfg_file: str) -> str:
 
 
 def missing_message(cfg_file: str) -> str:
-    """The error for a --cfg that is neither a file nor a shipped config's name."""
+    """The error for a --cfg that is neither a file nor a shipped
+    config's name."""
     names = ", ".join(shipped_names()) or "none (the package's configs/ folder is missing)"
-    return (f"config file {cfg_file!r} does not exist and is not the name of a shipped config; pass a YAML "
-            f"file or a shipped config by name, e.g. `--cfg mnist5k_fast` (shipped: {names}; "
-            f"`distribuuuu config --list` describes them)")
+    return (
+        f"config file {cfg_file!r} does not exist and is not the name of a shipped config; pass a "
+        "YAML "
+        f"file or a shipped config by name, e.g. `--cfg mnist5k_fast` (shipped: {names}; "
+        f"`distribuuuu config --list` describes them)"
+    )
 
 
 def listing() -> str:
-    """The text of `distribuuuu config --list`: each shipped config's name and first comment line."""
+    """The text of `distribuuuu config --list`: each shipped config's
+    name and first comment line."""
     names = shipped_names()
     width = max((len(n) for n in names), default=0)
     lines = [f"shipped configs (in {SHIPPED_DIR}); use one by name: distribuuuu train --cfg NAME"]

@@ -1,9 +1,12 @@
-"""IMPORTS: the user's own modules, imported before the model and the data are built.
+"""IMPORTS: the user's own modules, imported before the model and the
+data are built.
 
-A module named in IMPORTS (or given with ``--import``) registers what the run then finds by name,
-e.g. a timm model decorated with ``@timm.models.register_model`` that MODEL.ARCH names. Every
-process imports them itself: ``load_config`` does it, and each rank (torchrun, srun, the spawner's
-children) loads its config. A module that cannot be imported is a UserError (exit status 2).
+A module named in IMPORTS (or given with ``--import``) registers what
+the run then finds by name, e.g. a timm model decorated with
+``@timm.models.register_model`` that MODEL.ARCH names. Every process
+imports them itself: ``load_config`` does it, and each rank (torchrun,
+srun, the spawner's children) loads its config. A module that cannot be
+imported is a UserError (exit status 2).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def is_path(entry: str) -> bool:
 
 @contextlib.contextmanager
 def _cwd_on_path() -> Iterator[None]:
-    """The current folder is searched last, as `python -m` would search it (the installed
-    `distribuuuu` command starts with its own bin/ folder instead), then taken off again."""
+    """The current folder is searched last, as `python -m` would search
+    it (the installed `distribuuuu` command starts with its own bin/
+    folder instead), then taken off again."""
     cwd = os.getcwd()
     added = cwd not in sys.path and "" not in sys.path
     if added:
@@ -42,8 +46,9 @@ def _cwd_on_path() -> Iterator[None]:
 
 
 def _import_file(path: str) -> ModuleType:
-    """Execute a .py file as the module named by its file name (registered in sys.modules, so that
-    pickling what it defines works in this process)."""
+    """Execute a .py file as the module named by its file name
+    (registered in sys.modules, so that pickling what it defines works
+    in this process)."""
     full = os.path.abspath(path)
     if not os.path.isfile(full):
         raise FileNotFoundError(f"no such file: {full}")
@@ -65,8 +70,9 @@ def _import_file(path: str) -> ModuleType:
 
 
 def import_user_modules(entries: Iterable[str]) -> list[ModuleType]:
-    """Import each IMPORTS entry (a dotted module name or a .py path) once per process; UserError
-    naming the entry and the error when one cannot be imported."""
+    """Import each IMPORTS entry (a dotted module name or a .py path)
+    once per process; UserError naming the entry and the error when one
+    cannot be imported."""
     return [_imported[entry] if entry in _imported else _import(entry) for entry in entries]
 
 
@@ -78,8 +84,10 @@ def _import(entry: str) -> ModuleType:
             with _cwd_on_path():
                 module = importlib.import_module(entry)
     except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported the same way
-        raise UserError(f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the "
-                        "name, that its folder is on PYTHONPATH (or give the path of a .py file), "
-                        "and that the module itself imports") from None
+        raise UserError(
+            f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the "
+            "name, that its folder is on PYTHONPATH (or give the path of a .py file), "
+            "and that the module itself imports"
+        ) from None
     _imported[entry] = module
     return module

@@ -14,7 +14,8 @@ TRAIN.DATASET / TEST.DATASET pick the source (sources.source_kind):
              user's function builds the split, as a TensorSource (uint8 images, read as mnist5k is)
              or a Dataset of ready tensors (read as synthetic is); mnist5k and synthetic are
              registered the same way
-MODEL.DUMMY_INPUT replaces all of them by random tensors (times the model alone).
+MODEL.DUMMY_INPUT replaces all of them by random tensors (times the
+model alone).
 
 Three loaders per rank (pipeline.py):
   build_train_loader  the TRAIN data, augmented, shuffled by a resumable sampler (each index
@@ -22,20 +23,25 @@ Three loaders per rank (pipeline.py):
   build_val_loader    what picks the best checkpoint: with TRAIN.VAL_SPLIT > 0 the images held
                       out of TRAIN (eval transforms), else the TEST data
   build_test_loader   always the TEST data
-Each is the train_loader / eval_loader of the pipeline chosen once for its split (pipeline.pipeline_class,
-from TRAIN.DATA_PIPELINE, the source and the memory budget): memory.MemoryPipeline,
-pipeline.LoaderPipeline, shards.loader.ShardPipeline. TRAIN.VAL_SPLIT holds out a fixed, stratified part
-of the TRAIN data (datasets.holdout_indices); len(loader.dataset) is the size of each part.
+Each is the train_loader / eval_loader of the pipeline chosen once for
+its split (pipeline.pipeline_class, from TRAIN.DATA_PIPELINE, the source
+and the memory budget): memory.MemoryPipeline, pipeline.LoaderPipeline,
+shards.loader.ShardPipeline. TRAIN.VAL_SPLIT holds out a fixed,
+stratified part of the TRAIN data (datasets.holdout_indices);
+len(loader.dataset) is the size of each part.
 
-TRAIN.CLASS_BALANCE (balance.py): a setup line when the training classes' sizes spread widely; 'sampler'
-draws every class equally often (the training sampler's draw), 'loss' weighs the training loss.
+TRAIN.CLASS_BALANCE (balance.py): a setup line when the training
+classes' sizes spread widely; 'sampler' draws every class equally often
+(the training sampler's draw), 'loss' weighs the training loss.
 
-Augmentation (training only): the crops and flips of each source, then TRAIN.AUTO_AUGMENT on the
-uint8 image and TRAIN.RANDOM_ERASE after normalization, drawn per image in every pipeline
-(transforms.py); synthetic data and dummy input are not augmented.
+Augmentation (training only): the crops and flips of each source, then
+TRAIN.AUTO_AUGMENT on the uint8 image and TRAIN.RANDOM_ERASE after
+normalization, drawn per image in every pipeline (transforms.py);
+synthetic data and dummy input are not augmented.
 
-Typical use (the engine): ``check_datasets`` before the process group starts, ``check_overlap`` once it
-is up, then the loaders on each rank; ``stop_workers`` when the run ends.
+Typical use (the engine): ``check_datasets`` before the process group
+starts, ``check_overlap`` once it is up, then the loaders on each rank;
+``stop_workers`` when the run ends.
 """
 
 from distribuuuu.data import balance
@@ -55,8 +61,24 @@ from distribuuuu.data.pipeline import (
 )
 from distribuuuu.data.sources import register_source, source_names, unregister_source
 
-__all__ = ["check_datasets", "build_train_loader", "build_val_loader", "build_test_loader", "build_dataset",
-           "export_mnist5k", "export",
-           "ShardedEvalSampler", "take_bad_image_count", "register_source", "unregister_source",
-           "source_names", "TensorSource", "stop_workers", "check_overlap", "shard_plan", "require_same_plan",
-           "unreadable_so_far", "balance"]
+__all__ = [
+    "check_datasets",
+    "build_train_loader",
+    "build_val_loader",
+    "build_test_loader",
+    "build_dataset",
+    "export_mnist5k",
+    "export",
+    "ShardedEvalSampler",
+    "take_bad_image_count",
+    "register_source",
+    "unregister_source",
+    "source_names",
+    "TensorSource",
+    "stop_workers",
+    "check_overlap",
+    "shard_plan",
+    "require_same_plan",
+    "unreadable_so_far",
+    "balance",
+]

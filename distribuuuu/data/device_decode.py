@@ -1,12 +1,17 @@
-"""TRAIN.IMAGE_DECODE gpu: JPEGs decoded on the training device, a batch at a time; auto: gpu on CUDA when
-the CPU cannot keep up with the model (docs/performance.md, section 6b, says how and what never ran on a GPU).
+"""TRAIN.IMAGE_DECODE gpu: JPEGs decoded on the training device, a batch
+at a time; auto: gpu on CUDA when the CPU cannot keep up with the model
+(docs/performance.md, section 6b, says how and what never ran on a GPU).
 
-The loader workers do all but the decode (DeviceDecode: the fast path's crop and flip draws, the encoded
-bytes passed on; a file the device would refuse takes the fast path there, so TRAIN.BAD_IMAGES treats it as
-today); collate_encoded keeps the bytes as a list; the main process (DecodedBatches) decodes each batch with
-one torchvision.io.decode_jpeg(list, device=...) call when the loop asks for it, overlapping the previous
-step's queued kernels, then crops, resizes, flips and normalizes on the device. DEVICE cpu runs the same
-path with libjpeg-turbo: how the tests run it. The decoder never runs in a loader worker.
+The loader workers do all but the decode (DeviceDecode: the fast path's
+crop and flip draws, the encoded bytes passed on; a file the device
+would refuse takes the fast path there, so TRAIN.BAD_IMAGES treats it as
+today); collate_encoded keeps the bytes as a list; the main process
+(DecodedBatches) decodes each batch with one
+torchvision.io.decode_jpeg(list, device=...) call when the loop asks for
+it, overlapping the previous step's queued kernels, then crops, resizes,
+flips and normalizes on the device. DEVICE cpu runs the same path with
+libjpeg-turbo: how the tests run it. The decoder never runs in a loader
+worker.
 """
 
 from __future__ import annotations
@@ -35,81 +40,119 @@ log = logging.getLogger("distribuuuu")
 
 DEVICE_FRAMES = (0xC0, 0xC1)  # baseline and extended sequential Huffman-coded JPEG frames
 JPEG_END = b"\xff\xd9"
-NO_BOX = torch.zeros(5, dtype=torch.int64)  # the box of an item finished in the worker, and of evaluation items
+NO_BOX = torch.zeros(
+    5, dtype=torch.int64
+)  # the box of an item finished in the worker, and of evaluation items
 
 
 def device_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) of a JPEG the device decodes: sequential, 8 bits, 1 or 3 channels, whole (its end
-    marker last); None for any other file, which the worker decodes itself."""
-    frame = images.jpeg_frame(data) if data[:3] == images.JPEG_MAGIC and data.endswith(JPEG_END) else None
+    """(width, height) of a JPEG the device decodes: sequential, 8 bits,
+    1 or 3 channels, whole (its end marker last); None for any other
+    file, which the worker decodes itself."""
+    frame = (
+        images.jpeg_frame(data)
+        if data[:3] == images.JPEG_MAGIC and data.endswith(JPEG_END)
+        else None
+    )
     if frame is None or frame[0] not in DEVICE_FRAMES or frame[1] != 8 or frame[4] not in (1, 3):
         return None
     return frame[2], frame[3]
 
 
 class DeviceDecode:
-    """The fast path's recipe (fast: an images.FastTrainDecode or FastEvalDecode) cut after the crop draw: the
-    worker half (__call__) and the device half (finish). Picklable, for workers started by spawn."""
+    """The fast path's recipe (fast: an images.FastTrainDecode or
+    FastEvalDecode) cut after the crop draw: the worker half (__call__)
+    and the device half (finish). Picklable, for workers started by
+    spawn."""
 
     def __init__(self, fast: images.FastTrainDecode | images.FastEvalDecode) -> None:
         self.fast, self.train = fast, isinstance(fast, images.FastTrainDecode)
         self.read_mode = tio.ImageReadMode.GRAY if fast.mode == "L" else tio.ImageReadMode.RGB
 
     def __call__(self, file: str | bytes) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """(the encoded JPEG as uint8 [N], its box [top, left, height, width, flip], the file's path ('' for a
-        record)); a file the device would refuse: (the fast path's uint8 crop [C, S, S], NO_BOX, path)."""
+        """(the encoded JPEG as uint8 [N], its box [top, left, height,
+        width, flip], the file's path ('' for a record)); a file the
+        device would refuse: (the fast path's uint8 crop [C, S, S],
+        NO_BOX, path)."""
         data = file if isinstance(file, bytes) else pathlib.Path(file).read_bytes()
         name, size = file if isinstance(file, str) else "", device_size(data)
         if size is None:
             return self.fast(data), NO_BOX, name
         box = NO_BOX
-        if self.train:  # FastTrainDecode's draws in its order: the crop from the size, then the flip
+        if (
+            self.train
+        ):  # FastTrainDecode's draws in its order: the crop from the size, then the flip
             shape_only = torch.empty(1, dtype=torch.uint8).expand(1, size[1], size[0])
-            top, left, h, w = RandomResizedCrop.get_params(shape_only, self.fast.scale, self.fast.ratio)
+            top, left, h, w = RandomResizedCrop.get_params(
+                shape_only, self.fast.scale, self.fast.ratio
+            )
             box = torch.tensor([top, left, h, w, int(torch.rand(1) < self.fast.flip)])
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, name
 
     def finish(self, image: torch.Tensor, box: list[int]) -> torch.Tensor:
-        """A decoded uint8 [C, H, W] image -> float [C, S, S] in 0-255, on its device: the fast path's geometry
-        on float pixels (the fast path rounds to uint8 after resizing; tests/test_gpu_decode.py bounds the
-        difference)."""
+        """A decoded uint8 [C, H, W] image -> float [C, S, S] in 0-255,
+        on its device: the fast path's geometry on float pixels (the
+        fast path rounds to uint8 after resizing;
+        tests/test_gpu_decode.py bounds the difference)."""
         fast = self.fast
         if not self.train:
-            resized = v2.functional.resize(image.float(), fast.resize_to, interpolation=fast.recipe.mode,
-                                           antialias=fast.recipe.antialias)
+            resized = v2.functional.resize(
+                image.float(),
+                fast.resize_to,
+                interpolation=fast.recipe.mode,
+                antialias=fast.recipe.antialias,
+            )
             return v2.functional.center_crop(resized, [fast.crop, fast.crop])
         top, left, h, w, flip = box
-        crop = image[None, :, top:top + h, left:left + w].float()
-        out = torch.nn.functional.interpolate(crop, size=(fast.size, fast.size), **fast.interpolate)[0]
+        crop = image[None, :, top : top + h, left : left + w].float()
+        out = torch.nn.functional.interpolate(
+            crop, size=(fast.size, fast.size), **fast.interpolate
+        )[0]
         return out.flip(-1) if flip else out
 
 
-def encoded_images(items: list[tuple[torch.Tensor, torch.Tensor, str]]) -> tuple[list, torch.Tensor, list]:
-    """A batch of DeviceDecode items -> (the tensors as a list: their lengths differ, the boxes stacked, names)."""
+def encoded_images(
+    items: list[tuple[torch.Tensor, torch.Tensor, str]],
+) -> tuple[list, torch.Tensor, list]:
+    """A batch of DeviceDecode items -> (the tensors as a list: their
+    lengths differ, the boxes stacked, names)."""
     datas, boxes, names = zip(*items)
     return list(datas), torch.stack(boxes), list(names)
 
 
 def collate_encoded(items: list[Any]) -> Any:
-    """A folder's (DeviceDecode item, label) pairs -> (encoded_images, labels), leaving out an evaluation
-    set's unreadable items (None) as batches.collate_readable does; None when none is left."""
+    """A folder's (DeviceDecode item, label) pairs -> (encoded_images,
+    labels), leaving out an evaluation set's unreadable items (None) as
+    batches.collate_readable does; None when none is left."""
     kept = [item for item in items if item is not None]
-    return (encoded_images([image for image, _ in kept]), torch.tensor([label for _, label in kept])) if kept else None
+    return (
+        (encoded_images([image for image, _ in kept]), torch.tensor([label for _, label in kept]))
+        if kept
+        else None
+    )
 
 
 class DecodedBatches(NormalizedBatches):
-    """NormalizedBatches (the same loader, device, normalization and erasing) whose loader yields encoded
-    batches (collate_encoded): each decoded on the device and made to images there (module docstring)."""
+    """NormalizedBatches (the same loader, device, normalization and
+    erasing) whose loader yields encoded batches (collate_encoded): each
+    decoded on the device and made to images there (module docstring)."""
 
     def __init__(self, batches: NormalizedBatches, decode: DeviceDecode) -> None:
-        self.loader, self.device, self.normalize, self.erase = batches.loader, batches.device, batches.normalize, \
-            batches.erase
+        self.loader, self.device, self.normalize, self.erase = (
+            batches.loader,
+            batches.device,
+            batches.normalize,
+            batches.erase,
+        )
         self.decode = decode
-        # CUDA: the batch is made on a side stream, which the decoder allocates from. torchvision's CUDA
-        # decode writes its outputs from a stream of its own without waiting for the current one, and nvJPEG's
-        # hardware decoder ignores stream order: a block freed on the current stream while kernels queued there
-        # still read it can be overwritten (pytorch/vision#9606). Draining the side stream before each call
-        # leaves nothing queued on it; blocks used by other streams are guarded by record_stream.
+        # CUDA: the batch is made on a side stream, which the decoder
+        # allocates from. torchvision's CUDA decode writes its outputs
+        # from a stream of its own without waiting for the current one,
+        # and nvJPEG's hardware decoder ignores stream order: a block
+        # freed on the current stream while kernels queued there still
+        # read it can be overwritten (pytorch/vision#9606). Draining the
+        # side stream before each call leaves nothing queued on it;
+        # blocks used by other streams are guarded by record_stream.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -121,16 +164,22 @@ class DecodedBatches(NormalizedBatches):
                 batch = self.normalize(batch)
                 if self.erase is not None:
                     batch = self.erase(batch)
-            if self.stream is not None:  # CUDA: the step's kernels start once the batch is made; its memory is
-                consumer = torch.cuda.current_stream(self.device)  # not reused before they have read it
+            if (
+                self.stream is not None
+            ):  # CUDA: the step's kernels start once the batch is made; its memory is
+                consumer = torch.cuda.current_stream(
+                    self.device
+                )  # not reused before they have read it
                 consumer.wait_stream(self.stream)
                 batch.record_stream(consumer)
             yield batch, target[kept].to(self.device, non_blocking=True)
 
-    def pixels(self, datas: list[torch.Tensor], boxes: list[list[int]],
-               names: list[str]) -> tuple[torch.Tensor | None, list[int]]:
-        """(float [B, C, S, S] in 0-255 on the device, the batch positions they come from): a bad image is
-        replaced by a readable one of the batch in training, left out in evaluation."""
+    def pixels(
+        self, datas: list[torch.Tensor], boxes: list[list[int]], names: list[str]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """(float [B, C, S, S] in 0-255 on the device, the batch
+        positions they come from): a bad image is replaced by a readable
+        one of the batch in training, left out in evaluation."""
         decoded = iter(self.decoded([data for data in datas if data.dim() == 1]))
         made: dict[int, torch.Tensor] = {}
         for i, (data, box, name) in enumerate(zip(datas, boxes, names)):
@@ -146,20 +195,29 @@ class DecodedBatches(NormalizedBatches):
         kept = list(made)
         if self.decode.train and len(kept) < len(datas):
             if not kept:
-                raise images.BadImageError(f"all {len(datas)} images of a training batch are unreadable")
+                raise images.BadImageError(
+                    f"all {len(datas)} images of a training batch are unreadable"
+                )
             kept = [kept[i % len(kept)] for i in range(len(datas))]
-        # clamp: bicubic overshoots, where the fast path's uint8 saturates
+        # clamp: bicubic overshoots, where the fast path's uint8
+        # saturates
         return (torch.stack([made[i] for i in kept]).clamp_(0, 255) if kept else None), kept
 
     def decoded(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
-        """Each JPEG as uint8 [C, H, W] on the device, in one call; when it fails (it returns all or nothing)
-        the batch is decoded on the CPU image by image (libjpeg-turbo, then PIL): the error where neither reads it."""
+        """Each JPEG as uint8 [C, H, W] on the device, in one call; when
+        it fails (it returns all or nothing) the batch is decoded on the
+        CPU image by image (libjpeg-turbo, then PIL): the error where
+        neither reads it."""
         if not jpegs:
             return []
         if self.stream is not None:
-            self.stream.synchronize()  # CUDA: nothing left queued on the stream the decoder allocates from
+            # CUDA: nothing left queued on the stream the decoder
+            # allocates from
+            self.stream.synchronize()
         try:
-            with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs but keeps them (images.decode)
+            with (
+                warnings.catch_warnings()
+            ):  # torchvision 0.29 deprecates its codecs but keeps them (images.decode)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return tio.decode_jpeg(jpegs, mode=self.decode.read_mode, device=self.device)
         except RuntimeError:
@@ -173,27 +231,36 @@ class DecodedBatches(NormalizedBatches):
 
 
 class DeviceDecodePipeline(LoaderPipeline):
-    """An image folder under TRAIN.IMAGE_DECODE gpu (or auto where CUDA is; pipeline.pipeline_class): the
-    LoaderPipeline with DeviceDecode as the folder's decoder, collate_encoded, and DecodedBatches. When auto
-    keeps the fast path, exactly the LoaderPipeline."""
+    """An image folder under TRAIN.IMAGE_DECODE gpu (or auto where CUDA
+    is; pipeline.pipeline_class): the LoaderPipeline with DeviceDecode
+    as the folder's decoder, collate_encoded, and DecodedBatches. When
+    auto keeps the fast path, exactly the LoaderPipeline."""
 
     decode: DeviceDecode | None = None
 
-    def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
+    def train_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> Any:
         self.place = device, rank, world_size  # what items() decides with
         return self.decoded(super().train_loader(part, rank, world_size, device))
 
-    def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
+    def eval_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> Any:
         self.place = device, rank, world_size
         return self.decoded(super().eval_loader(part, rank, world_size, device))
 
-    def items(self, train: bool, part: str | None, rank: int, world_size: int) -> tuple[Any, Any, bool]:
+    def items(
+        self, train: bool, part: str | None, rank: int, world_size: int
+    ) -> tuple[Any, Any, bool]:
         dataset, sampler, fast = super().items(train, part, rank, world_size)
         folder = getattr(dataset, "dataset", dataset)  # (a TRAIN.VAL_SPLIT part's whole folder)
         step = max(1, len(folder) // AUTO_SAMPLES)
 
         def sample() -> list[bytes]:
-            return [pathlib.Path(path).read_bytes() for path, _ in folder.samples[::step][:AUTO_SAMPLES]]
+            return [
+                pathlib.Path(path).read_bytes() for path, _ in folder.samples[::step][:AUTO_SAMPLES]
+            ]
 
         if decodes_on_device(self.cfg, *self.place, sample):
             self.decode = folder.loader = DeviceDecode(folder.loader)
@@ -208,7 +275,9 @@ class DeviceDecodePipeline(LoaderPipeline):
         return batches if self.decode is None else DecodedBatches(batches, self.decode)
 
 
-PIPELINE = DeviceDecodePipeline  # pipeline.DEVICE_DECODE names this module (imported there on first use)
+PIPELINE = (
+    DeviceDecodePipeline  # pipeline.DEVICE_DECODE names this module (imported there on first use)
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,19 +285,38 @@ PIPELINE = DeviceDecodePipeline  # pipeline.DEVICE_DECODE names this module (imp
 # ---------------------------------------------------------------------------------------------
 AUTO_SAMPLES = 32  # images whose fast-path decode times the CPU
 AUTO_STEPS = 3  # timed training steps of the model (after one to warm up)
-_decided: dict[tuple, bool] = {}  # auto's decision, once per process for the train, val and test loaders
+_decided: dict[
+    tuple, bool
+] = {}  # auto's decision, once per process for the train, val and test loaders
 
 
-def decodes_on_device(cfg: CfgNode, device: torch.device, rank: int, world_size: int,
-                      sample: Callable[[], list[bytes]]) -> bool:
-    """Whether the JPEGs are decoded on the device: TRAIN.IMAGE_DECODE gpu; auto on a CUDA device when
-    auto_choice says so (rank 0 measures, with sample()'s images, and tells the others)."""
+def decodes_on_device(
+    cfg: CfgNode,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    sample: Callable[[], list[bytes]],
+) -> bool:
+    """Whether the JPEGs are decoded on the device: TRAIN.IMAGE_DECODE
+    gpu; auto on a CUDA device when auto_choice says so (rank 0
+    measures, with sample()'s images, and tells the others)."""
     if cfg.TRAIN.IMAGE_DECODE != "auto" or device.type != "cuda":
         return cfg.TRAIN.IMAGE_DECODE == "gpu"
     t = cfg.TRAIN
-    key = (t.DATASET, cfg.MODEL.ARCH, t.IM_SIZE, t.BATCH_SIZE, t.AMP, t.CHANNELS_LAST, t.WORKERS, str(device))
+    key = (
+        t.DATASET,
+        cfg.MODEL.ARCH,
+        t.IM_SIZE,
+        t.BATCH_SIZE,
+        t.AMP,
+        t.CHANNELS_LAST,
+        t.WORKERS,
+        str(device),
+    )
     if key not in _decided:
-        with torch.random.fork_rng(devices=[device]):  # building and timing the model draws random numbers
+        with torch.random.fork_rng(
+            devices=[device]
+        ):  # building and timing the model draws random numbers
             decision = auto_choice(cfg, device, sample()) if rank == 0 else None
         on_device, why = comm.broadcast_object(decision) if world_size > 1 else decision
         if rank == 0:
@@ -238,26 +326,42 @@ def decodes_on_device(cfg: CfgNode, device: torch.device, rank: int, world_size:
 
 
 def auto_choice(cfg: CfgNode, device: torch.device, samples: list[bytes]) -> tuple[bool, str]:
-    """(decode on the device?, why): the fast path's CPU rate per worker x the workers, against the model's."""
+    """(decode on the device?, why): the fast path's CPU rate per worker
+    x the workers, against the model's."""
     if cfg.TRAIN.AUTO_AUGMENT != "none":
-        return False, "fast, since TRAIN.AUTO_AUGMENT's policies run in the workers, on decoded images"
+        return (
+            False,
+            "fast, since TRAIN.AUTO_AUGMENT's policies run in the workers, on decoded images",
+        )
     mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
-    per_worker = cpu_rate(images.FastTrainDecode(cfg.TRAIN.IM_SIZE, mode, transforms.recipe_of(cfg)), samples)
+    per_worker = cpu_rate(
+        images.FastTrainDecode(cfg.TRAIN.IM_SIZE, mode, transforms.recipe_of(cfg)), samples
+    )
     workers = max(1, cfg.TRAIN.WORKERS)
     try:
         model = model_rate(cfg, device)
     except torch.OutOfMemoryError:
-        return False, f"fast, since a batch of {cfg.TRAIN.BATCH_SIZE} does not fit {device} to time the model"
+        return (
+            False,
+            f"fast, since a batch of {cfg.TRAIN.BATCH_SIZE} does not fit {device} to time the "
+            "model",
+        )
     feed = per_worker * workers
-    rates = (f"{workers} workers x {per_worker:.0f} img/s decoded on the CPU = {feed:.0f} img/s, "
-             f"{cfg.MODEL.ARCH} trains at {model:.0f} img/s on {device} (batch {cfg.TRAIN.BATCH_SIZE}, "
-             f"AMP {cfg.TRAIN.AMP})")
-    return (True, f"gpu, since the CPU cannot keep up: {rates}") if feed < model else \
-        (False, f"fast, since the CPU keeps up: {rates}")
+    rates = (
+        f"{workers} workers x {per_worker:.0f} img/s decoded on the CPU = {feed:.0f} img/s, "
+        f"{cfg.MODEL.ARCH} trains at {model:.0f} img/s on {device} (batch {cfg.TRAIN.BATCH_SIZE}, "
+        f"AMP {cfg.TRAIN.AMP})"
+    )
+    return (
+        (True, f"gpu, since the CPU cannot keep up: {rates}")
+        if feed < model
+        else (False, f"fast, since the CPU keeps up: {rates}")
+    )
 
 
 def cpu_rate(decode: Callable[[bytes], Any], samples: list[bytes]) -> float:
-    """Images per second that one loader worker (one thread) turns into crops."""
+    """Images per second that one loader worker (one thread) turns into
+    crops."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -271,13 +375,16 @@ def cpu_rate(decode: Callable[[bytes], Any], samples: list[bytes]) -> float:
 
 
 def model_rate(cfg: CfgNode, device: torch.device) -> float:
-    """Images per second of MODEL.ARCH's forward and backward on a random batch of TRAIN.BATCH_SIZE at
-    TRAIN.IM_SIZE on device, with TRAIN.AMP and TRAIN.CHANNELS_LAST (no optimizer, no compilation): what
-    the loader must feed."""
+    """Images per second of MODEL.ARCH's forward and backward on a
+    random batch of TRAIN.BATCH_SIZE at TRAIN.IM_SIZE on device, with
+    TRAIN.AMP and TRAIN.CHANNELS_LAST (no optimizer, no compilation):
+    what the loader must feed."""
     layout = torch.channels_last if cfg.TRAIN.CHANNELS_LAST else torch.contiguous_format
     model = models.build_model(cfg, with_weights=False).to(device, memory_format=layout)
     size, batch = cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE
-    x = torch.randn(batch, cfg.MODEL.IN_CHANS, size, size, device=device).contiguous(memory_format=layout)
+    x = torch.randn(batch, cfg.MODEL.IN_CHANS, size, size, device=device).contiguous(
+        memory_format=layout
+    )
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.TRAIN.AMP)
     seconds = []
     for _ in range(1 + AUTO_STEPS):  # the first warms up

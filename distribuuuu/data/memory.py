@@ -1,30 +1,40 @@
-"""The in-memory input pipeline for small datasets (TRAIN.DATA_PIPELINE memory; auto for mnist5k, CIFAR).
+"""The in-memory input pipeline for small datasets (TRAIN.DATA_PIPELINE
+memory; auto for mnist5k, CIFAR).
 
-MemoryPipeline reads mnist5k, CIFAR and any registered TensorSource under 'auto', unless the split would
-take more than MEMORY_PIPELINE_BUDGET_BYTES on the device (CIFAR training above ~80 px: the log says so)
-or TRAIN.CROP_SCALE asks for resized crops (this path only pads and crops); forced, it also holds
-synthetic data and a registered Dataset (stacked once, not augmented).
+MemoryPipeline reads mnist5k, CIFAR and any registered TensorSource
+under 'auto', unless the split would take more than
+MEMORY_PIPELINE_BUDGET_BYTES on the device (CIFAR training above ~80 px:
+the log says so) or TRAIN.CROP_SCALE asks for resized crops (this path
+only pads and crops); forced, it also holds synthetic data and a
+registered Dataset (stacked once, not augmented).
 
-The whole split is one tensor on the training device (uint8 images, or the synthetic source's
-floats). A batch is one indexing operation: the pad-and-crop offsets and the horizontal flips of
-all its images are folded into one gather, then the batch is normalized in two in-place ops.
-No DataLoader, no worker processes, no per-sample Python or PIL: on 28-32 px images the per-sample
-path spends far more time in Python than in arithmetic.
+The whole split is one tensor on the training device (uint8 images, or
+the synthetic source's floats). A batch is one indexing operation: the
+pad-and-crop offsets and the horizontal flips of all its images are
+folded into one gather, then the batch is normalized in two in-place
+ops. No DataLoader, no worker processes, no per-sample Python or PIL: on
+28-32 px images the per-sample path spends far more time in Python than
+in arithmetic.
 
-The loader keeps the interface the engine relies on: ``len(loader)`` batches, ``loader.dataset``
-(the per-sample dataset, for its length and classes), ``loader.sampler.set_epoch(epoch, start)``,
-and iteration yielding ``(images, target)`` already on the device. The order is the sampler's: a
-ResumableDistributedSampler for training (one seeded permutation per epoch, ``start`` samples
-skipped, every W-th of the rest, the tail of fewer than W dropped) and a ShardedEvalSampler for
-validation, so a rank sees exactly the samples the DataLoader path would give it. The random crops
-and flips come from the device's default generator, seeded by the engine (RNG_SEED + rank) and
-saved in checkpoints, as the augmentations of a DataLoader without workers.
+The loader keeps the interface the engine relies on: ``len(loader)``
+batches, ``loader.dataset`` (the per-sample dataset, for its length and
+classes), ``loader.sampler.set_epoch(epoch, start)``, and iteration
+yielding ``(images, target)`` already on the device. The order is the
+sampler's: a ResumableDistributedSampler for training (one seeded
+permutation per epoch, ``start`` samples skipped, every W-th of the
+rest, the tail of fewer than W dropped) and a ShardedEvalSampler for
+validation, so a rank sees exactly the samples the DataLoader path would
+give it. The random crops and flips come from the device's default
+generator, seeded by the engine (RNG_SEED + rank) and saved in
+checkpoints, as the augmentations of a DataLoader without workers.
 
-TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE are drawn per image too. Erasing is batched
-(transforms.BatchRandomErasing, after the normalization). A policy is a torchvision transform of
-one image, so it runs in a Python loop over the batch, after the crop. That loop is the price:
-on mnist5k with one CPU thread the path fell from ~178,000 to ~2,400 img/s with RandAugment
-(docs/recipes.md, Augmentation); TRAIN.DATA_PIPELINE loader spreads that work over worker processes.
+TRAIN.AUTO_AUGMENT and TRAIN.RANDOM_ERASE are drawn per image too.
+Erasing is batched (transforms.BatchRandomErasing, after the
+normalization). A policy is a torchvision transform of one image, so it
+runs in a Python loop over the batch, after the crop. That loop is the
+price: on mnist5k with one CPU thread the path fell from ~178,000 to
+~2,400 img/s with RandAugment (docs/recipes.md, Augmentation);
+TRAIN.DATA_PIPELINE loader spreads that work over worker processes.
 """
 
 from __future__ import annotations
@@ -42,28 +52,41 @@ from yacs.config import CfgNode
 from distribuuuu.data import datasets, sources
 from distribuuuu.data.batches import BatchNormalize
 from distribuuuu.data.pipeline import Pipeline, build_split_dataset
-from distribuuuu.data.transforms import BatchRandomErasing, augment_policy, per_image, recipe_of, stats_for_channels
+from distribuuuu.data.transforms import (
+    BatchRandomErasing,
+    augment_policy,
+    per_image,
+    recipe_of,
+    stats_for_channels,
+)
 
-# 'auto' keeps a split in memory only while it fits this budget (per rank, in host memory and again on
-# the device): CIFAR's 50,000 training images are ~0.4 GB at 32 px but ~15 GB at 224 px.
+# 'auto' keeps a split in memory only while it fits this budget (per
+# rank, in host memory and again on the device): CIFAR's 50,000 training
+# images are ~0.4 GB at 32 px but ~15 GB at 224 px.
 MEMORY_PIPELINE_BUDGET_BYTES = 2 * 2**30
 
 log = logging.getLogger("distribuuuu")
 
 
 def flip_probability(flip: bool | float) -> float:
-    """True means the classic 1/2, False 0; a float is the probability itself (TRAIN.FLIP_PROB)."""
+    """True means the classic 1/2, False 0; a float is the probability
+    itself (TRAIN.FLIP_PROB)."""
     return 0.5 if flip is True else float(flip)
 
 
-def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int, flip: bool | float) -> torch.Tensor:
-    """Random size x size crops of the images padded[index] (already padded by pad on every side),
-    each mirrored left-right with probability 1/2 when flip is True (flip itself when a float).
+def pad_crop_flip(
+    padded: torch.Tensor, index: torch.Tensor, size: int, pad: int, flip: bool | float
+) -> torch.Tensor:
+    """Random size x size crops of the images padded[index] (already
+    padded by pad on every side), each mirrored left-right with
+    probability 1/2 when flip is True (flip itself when a float).
 
-    The offsets are uniform in [0, 2 * pad], as torchvision's RandomCrop(size, padding=pad) draws
-    them. The batch is copied out once (index_select), then every crop and flip is one gather over
-    the flattened planes: a mirrored crop simply reads its columns backwards. (A gather with one
-    index tensor per dimension is about 5x slower on the CPU.)
+    The offsets are uniform in [0, 2 * pad], as torchvision's
+    RandomCrop(size, padding=pad) draws them. The batch is copied out
+    once (index_select), then every crop and flip is one gather over the
+    flattened planes: a mirrored crop simply reads its columns
+    backwards. (A gather with one index tensor per dimension is about 5x
+    slower on the CPU.)
     """
     b, chans, side = index.numel(), padded.shape[1], padded.shape[-1]
     device = padded.device
@@ -73,28 +96,49 @@ def pad_crop_flip(padded: torch.Tensor, index: torch.Tensor, size: int, pad: int
     if flip:
         mirror = torch.rand(b, 1, device=device) < flip_probability(flip)
         cols = torch.where(mirror, cols.flip(1), cols)
-    flat = (rows[:, :, None] * side + cols[:, None, :]).view(b, 1, size * size).expand(b, chans, size * size)
+    flat = (
+        (rows[:, :, None] * side + cols[:, None, :])
+        .view(b, 1, size * size)
+        .expand(b, chans, size * size)
+    )
     batch = padded.index_select(0, index).view(b, chans, side * side)
     return batch.gather(2, flat).view(b, chans, size, size)
 
 
 class MemoryLoader:
-    """Batches of one rank, cut from a tensor that holds the whole split on the device."""
+    """Batches of one rank, cut from a tensor that holds the whole split
+    on the device."""
 
-    def __init__(self, dataset: Sized, images: torch.Tensor, targets: torch.Tensor, sampler: Sampler,
-                 batch_size: int, drop_last: bool, pad: int = 0, flip: bool | float = False, train: bool = True,
-                 normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 erase: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """images [N, C, S, S] and targets [N] on the training device; pad/flip only when train, as
-        the policy (of one uint8 image, applied per image after the crop) and erase (of a normalized
+    def __init__(
+        self,
+        dataset: Sized,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        sampler: Sampler,
+        batch_size: int,
+        drop_last: bool,
+        pad: int = 0,
+        flip: bool | float = False,
+        train: bool = True,
+        normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        erase: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """images [N, C, S, S] and targets [N] on the training device;
+        pad/flip only when train, as the policy (of one uint8 image,
+        applied per image after the crop) and erase (of a normalized
         batch). flip: True (probability 1/2), False, or a probability."""
         self.dataset, self.sampler = dataset, sampler
         self.batch_size, self.drop_last = batch_size, drop_last
-        self.size, self.pad, self.flip = images.shape[-1], pad if train else 0, flip_probability(flip) if train else 0.0
+        self.size, self.pad, self.flip = (
+            images.shape[-1],
+            pad if train else 0,
+            flip_probability(flip) if train else 0.0,
+        )
         self.augment = train and (pad > 0 or self.flip > 0)
         self.policy, self.erase = (policy, erase) if train else (None, None)
-        # Padded once here, so that a crop is a plain gather (no per-batch padding, no masks).
+        # Padded once here, so that a crop is a plain gather (no
+        # per-batch padding, no masks).
         self.images = F.pad(images, (self.pad,) * 4) if self.pad else images
         self.targets, self.normalize = targets, normalize
 
@@ -103,10 +147,11 @@ class MemoryLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # The sampler's own indices (one host list per epoch), so the order is the DataLoader's.
+        # The sampler's own indices (one host list per epoch), so the
+        # order is the DataLoader's.
         order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.images.device)
         for b in range(len(self)):
-            index = order[b * self.batch_size:(b + 1) * self.batch_size]
+            index = order[b * self.batch_size : (b + 1) * self.batch_size]
             if self.augment:
                 images = pad_crop_flip(self.images, index, self.size, self.pad, self.flip)
             else:
@@ -121,22 +166,30 @@ class MemoryLoader:
 
 
 def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
-    """An upper bound of the bytes the in-memory pipeline holds for cfg[key] (CIFAR or a registered
-    TensorSource such as mnist5k): the uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader).
-    A CIFAR split is counted from its files' sizes, unread (3,072 bytes per image and a little more)."""
-    if sources.source_kind(cfg[key].DATASET) != "cifar":  # a registered TensorSource: built, so counted
+    """An upper bound of the bytes the in-memory pipeline holds for
+    cfg[key] (CIFAR or a registered TensorSource such as mnist5k): the
+    uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader). A
+    CIFAR split is counted from its files' sizes, unread (3,072 bytes
+    per image and a little more)."""
+    if (
+        sources.source_kind(cfg[key].DATASET) != "cifar"
+    ):  # a registered TensorSource: built, so counted
         src = sources.build_source(cfg, key)
         samples, pad = len(src.images), src.pad
     else:
         root, variant = sources.find_cifar(cfg[key].DATASET)
         paths = [os.path.join(root, n) for n in datasets.cifar_files(root, variant, cfg[key].SPLIT)]
-        samples, pad = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3), 4
+        samples, pad = (
+            sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3),
+            4,
+        )
     side = cfg.TRAIN.IM_SIZE
     return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
 
 
 class MemoryPipeline(Pipeline):
-    """The split as one tensor on the device, batched by a MemoryLoader (module docstring)."""
+    """The split as one tensor on the device, batched by a MemoryLoader
+    (module docstring)."""
 
     name = "memory"
 
@@ -144,44 +197,69 @@ class MemoryPipeline(Pipeline):
     def refusal(cls, cfg: CfgNode, key: str) -> str | None:
         kind = sources.source_kind(cfg[key].DATASET)
         if kind in ("folder", "shards"):
-            return (f"TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but {key}.DATASET "
-                    f"{cfg[key].DATASET!r} is {'an image folder' if kind == 'folder' else 'a shard set'}; "
-                    "use TRAIN.DATA_PIPELINE auto or loader")
+            return (
+                "TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but "
+                f"{key}.DATASET "
+                f"{cfg[key].DATASET!r} is "
+                f"{'an image folder' if kind == 'folder' else 'a shard set'}; "
+                "use TRAIN.DATA_PIPELINE auto or loader"
+            )
         if key == "TRAIN" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
-            return ("TRAIN.DATA_PIPELINE memory pads and crops only; TRAIN.CROP_SCALE needs "
-                    "TRAIN.DATA_PIPELINE auto or loader (auto then uses the DataLoader)")
+            return (
+                "TRAIN.DATA_PIPELINE memory pads and crops only; TRAIN.CROP_SCALE needs "
+                "TRAIN.DATA_PIPELINE auto or loader (auto then uses the DataLoader)"
+            )
         return None
 
     @classmethod
     def auto_takes(cls, cfg: CfgNode, key: str) -> bool:
-        """CIFAR and TensorSources it can read, while they fit the budget (the log says when not)."""
+        """CIFAR and TensorSources it can read, while they fit the
+        budget (the log says when not)."""
         if cls.refusal(cfg, key) is not None:
             return False
-        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(sources.registered_data(cfg, key),
-                                                                                datasets.TensorSource):
+        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(
+            sources.registered_data(cfg, key), datasets.TensorSource
+        ):
             return False
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
-            log.warning("TRAIN.DATA_PIPELINE auto: %s.DATASET at %d px would take %.1f GB per process in memory "
-                        "(more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE memory forces it)",
-                        key, cfg.TRAIN.IM_SIZE, need / 1e9, MEMORY_PIPELINE_BUDGET_BYTES / 1e9)
+            log.warning(
+                "TRAIN.DATA_PIPELINE auto: %s.DATASET at %d px would take %.1f GB per process in "
+                "memory "
+                "(more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE memory "
+                "forces it)",
+                key,
+                cfg.TRAIN.IM_SIZE,
+                need / 1e9,
+                MEMORY_PIPELINE_BUDGET_BYTES / 1e9,
+            )
             return False
         return True
 
-    def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
+    def train_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> MemoryLoader:
         return self._loader(True, part, rank, world_size, device)
 
-    def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
+    def eval_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> MemoryLoader:
         return self._loader(False, part, rank, world_size, device)
 
-    def _loader(self, train: bool, part: str | None, rank: int, world_size: int, device: torch.device) -> MemoryLoader:
-        """The MemoryLoader of cfg[key] (or its VAL_SPLIT part), augmented when train."""
+    def _loader(
+        self, train: bool, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> MemoryLoader:
+        """The MemoryLoader of cfg[key] (or its VAL_SPLIT part),
+        augmented when train."""
         cfg, key = self.cfg, self.key
-        # The per-sample twin: len, classes, items for inspection (and the split's labels).
+        # The per-sample twin: len, classes, items for inspection (and
+        # the split's labels).
         dataset = datasets.part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
         src = sources.tensor_source(cfg, key)
         policy = erase = None
-        if src is None:  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
+        if (
+            src is None
+        ):  # synthetic or a user's Dataset: generated once, already normalized, no augmentation
             images = torch.stack([dataset[i][0] for i in range(len(dataset))])
             targets = torch.tensor([dataset[i][1] for i in range(len(dataset))])
             pad, flip, normalize = 0, 0.0, None
@@ -194,17 +272,36 @@ class MemoryPipeline(Pipeline):
             stats = stats_for_channels(recipe.stats or src.stats, cfg.MODEL.IN_CHANS)
             flip = recipe.flip_prob(flip)
             normalize = BatchNormalize(stats, device)
-            if images.shape[-1] != cfg.TRAIN.IM_SIZE:  # resized once, as the per-sample recipe resizes first
-                images = v2.functional.resize(images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode,
-                                              antialias=True)
+            if (
+                images.shape[-1] != cfg.TRAIN.IM_SIZE
+            ):  # resized once, as the per-sample recipe resizes first
+                images = v2.functional.resize(
+                    images, [cfg.TRAIN.IM_SIZE] * 2, interpolation=recipe.mode, antialias=True
+                )
             if train:
                 policy = augment_policy(cfg)
-                erase = BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE) if cfg.TRAIN.RANDOM_ERASE > 0 else None
+                erase = (
+                    BatchRandomErasing(cfg.TRAIN.RANDOM_ERASE)
+                    if cfg.TRAIN.RANDOM_ERASE > 0
+                    else None
+                )
         sampler = self.sampler(dataset, train, rank, world_size)
         batch_size = cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE
         drop_last = train and len(sampler) >= batch_size
-        return MemoryLoader(dataset, images.to(device), targets.to(device), sampler, batch_size, drop_last,
-                            pad=pad, flip=flip, train=train, normalize=normalize, policy=policy, erase=erase)
+        return MemoryLoader(
+            dataset,
+            images.to(device),
+            targets.to(device),
+            sampler,
+            batch_size,
+            drop_last,
+            pad=pad,
+            flip=flip,
+            train=train,
+            normalize=normalize,
+            policy=policy,
+            erase=erase,
+        )
 
 
 PIPELINE = MemoryPipeline  # its class in pipeline.PIPELINES (imported there on first use)

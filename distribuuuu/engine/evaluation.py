@@ -1,15 +1,19 @@
-"""Evaluation: exact counting of loss and top-k hits (Counter, also the training epoch's; ClassCounter
-adds the confusion matrix), exact metrics over a whole split (``evaluate``: the epoch's validation, the
-test of the chosen checkpoint and the ``eval`` command, api.run_eval), and the epoch's validation
-records (``validate``).
+"""Evaluation: exact counting of loss and top-k hits (Counter, also the
+training epoch's; ClassCounter adds the confusion matrix), exact metrics
+over a whole split (``evaluate``: the epoch's validation, the test of
+the chosen checkpoint and the ``eval`` command, api.run_eval), and the
+epoch's validation records (``validate``).
 
-A Counter's sums live in one float64 tensor on the training device, so the hot loop never syncs with
-the host; ``reduce()`` is its only collective and runs once, at the end of an epoch or evaluation.
+A Counter's sums live in one float64 tensor on the training device, so
+the hot loop never syncs with the host; ``reduce()`` is its only
+collective and runs once, at the end of an epoch or evaluation.
 
-``evaluate`` is exact for any world size: each rank counts its own disjoint shard, and the counts
-are summed with one all-reduce at the end. It runs the bare module: DDP's forward may broadcast
-buffers, and FSDP's forward all-gathers, collectives that would hang when ranks hold different
-numbers of batches (the strategy gives a whole replica for evaluation: Strategy.eval_model).
+``evaluate`` is exact for any world size: each rank counts its own
+disjoint shard, and the counts are summed with one all-reduce at the
+end. It runs the bare module: DDP's forward may broadcast buffers, and
+FSDP's forward all-gathers, collectives that would hang when ranks hold
+different numbers of batches (the strategy gives a whole replica for
+evaluation: Strategy.eval_model).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ log = logging.getLogger("distribuuuu")
 
 
 def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
-    """Number of samples whose label is among the k best predictions, for each k in ks."""
+    """Number of samples whose label is among the k best predictions,
+    for each k in ks."""
     maxk = min(max(ks), logits.size(1))
     top = logits.topk(maxk, dim=1).indices  # [B, maxk]
     hit = top.eq(target.view(-1, 1))  # at most one True per row
@@ -38,35 +43,45 @@ def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -
 
 
 class Counter:
-    """Sums of loss, top-1 hits, top-k hits and samples counted (on the device), and of samples seen
-    (on the host). ``skip_nonfinite``: a batch whose loss is not finite is not counted (its step was
-    skipped under TRAIN.NONFINITE skip/stop), so the epoch's loss stays a number; ``n`` then says how
-    many samples the numbers cover."""
+    """Sums of loss, top-1 hits, top-k hits and samples counted (on the
+    device), and of samples seen (on the host). ``skip_nonfinite``: a
+    batch whose loss is not finite is not counted (its step was skipped
+    under TRAIN.NONFINITE skip/stop), so the epoch's loss stays a
+    number; ``n`` then says how many samples the numbers cover."""
 
     def __init__(self, device: torch.device, topk: int, skip_nonfinite: bool = False) -> None:
         self.ks = (1, topk)
         self.skip_nonfinite = skip_nonfinite
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss_sum, hit1, hitk, counted
+        self.sums = torch.zeros(
+            4, dtype=torch.float64, device=device
+        )  # loss_sum, hit1, hitk, counted
         self.n = 0  # samples seen, known on the host: no device round trip to count it
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        """Add one batch; ``loss`` is the batch mean (as returned by the criterion)."""
+        """Add one batch; ``loss`` is the batch mean (as returned by the
+        criterion)."""
         n = target.numel()
         hits = topk_hits(logits.detach(), target, self.ks).to(torch.float64)
-        batch = torch.cat([(loss.detach().to(torch.float64) * n).reshape(1), hits, hits.new_full((1,), n)])  # a fill, not a host copy: no sync
-        if self.skip_nonfinite:  # on the device: no host sync (where, not a product: NaN * 0 is NaN)
+        batch = torch.cat(
+            [(loss.detach().to(torch.float64) * n).reshape(1), hits, hits.new_full((1,), n)]
+        )  # a fill, not a host copy: no sync
+        if (
+            self.skip_nonfinite
+        ):  # on the device: no host sync (where, not a product: NaN * 0 is NaN)
             batch = torch.where(torch.isfinite(batch[0]), batch, 0.0)
         self.sums += batch
         self.n += n
 
     def sums_with_n(self) -> torch.Tensor:
-        """[loss_sum, hit1, hitk, n, counted] as one float64 tensor (for checkpoints of a part-done epoch)."""
+        """[loss_sum, hit1, hitk, n, counted] as one float64 tensor (for
+        checkpoints of a part-done epoch)."""
         return torch.cat([self.sums[:3], self.sums.new_tensor([self.n]), self.sums[3:]])
 
     def add(self, sums_with_n: list[float]) -> None:
-        """Add sums saved by ``sums_with_n`` (after a reduce): the part of an epoch done before a restart.
-        Older checkpoints hold four numbers: every sample seen was counted."""
+        """Add sums saved by ``sums_with_n`` (after a reduce): the part
+        of an epoch done before a restart. Older checkpoints hold four
+        numbers: every sample seen was counted."""
         counted = sums_with_n[4] if len(sums_with_n) > 4 else sums_with_n[3]
         self.sums += self.sums.new_tensor([*sums_with_n[:3], counted])
         self.n += int(sums_with_n[3])
@@ -78,19 +93,27 @@ class Counter:
         return self
 
     def result(self) -> dict[str, Any]:
-        """loss (mean), top1 and topk_acc (top-k at TRAIN.TOPK) in percent, n (samples counted). One host sync."""
+        """loss (mean), top1 and topk_acc (top-k at TRAIN.TOPK) in
+        percent, n (samples counted). One host sync."""
         loss_sum, hit1, hitk, counted = self.sums.tolist()
         n = int(counted)
         if n == 0:
             return {"loss": float("nan"), "top1": float("nan"), "topk_acc": float("nan"), "n": 0}
-        return {"loss": loss_sum / n, "top1": 100.0 * hit1 / n, "topk_acc": 100.0 * hitk / n, "n": n}
+        return {
+            "loss": loss_sum / n,
+            "top1": 100.0 * hit1 / n,
+            "topk_acc": 100.0 * hitk / n,
+            "n": n,
+        }
 
 
 class ClassCounter(Counter):
-    """A Counter that also counts, for each true class, the samples predicted as each class (the
-    confusion matrix: rows true, columns predicted), summed on the device and reduced with the same
-    one all-reduce: exact under DDP. The prediction is the top-k kernel's first column, the same that
-    counts top-1 hits, so the per-class accuracies weighted by their samples give top1 exactly."""
+    """A Counter that also counts, for each true class, the samples
+    predicted as each class (the confusion matrix: rows true, columns
+    predicted), summed on the device and reduced with the same one
+    all-reduce: exact under DDP. The prediction is the top-k kernel's
+    first column, the same that counts top-1 hits, so the per-class
+    accuracies weighted by their samples give top1 exactly."""
 
     def __init__(self, device: torch.device, topk: int, num_classes: int) -> None:
         super().__init__(device, topk)
@@ -100,8 +123,12 @@ class ClassCounter(Counter):
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
         super().update(logits, target, loss)
-        pred = logits.detach().topk(min(max(self.ks), logits.size(1)), dim=1).indices[:, 0]  # as topk_hits's
-        self.confusion += torch.bincount(target * self.k + pred, minlength=self.k * self.k).to(torch.float64)
+        pred = (
+            logits.detach().topk(min(max(self.ks), logits.size(1)), dim=1).indices[:, 0]
+        )  # as topk_hits's
+        self.confusion += torch.bincount(target * self.k + pred, minlength=self.k * self.k).to(
+            torch.float64
+        )
 
     def reduce(self) -> ClassCounter:
         both = comm.all_reduce_sum(torch.cat([self.sums_with_n(), self.confusion]))
@@ -109,19 +136,29 @@ class ClassCounter(Counter):
         return self
 
     def result(self) -> dict[str, Any]:
-        """Counter's, with per_class_top1 (percent, class order; None for a class without samples) and
-        confusion (K x K counts, rows true)."""
+        """Counter's, with per_class_top1 (percent, class order; None
+        for a class without samples) and confusion (K x K counts, rows
+        true)."""
         rows = self.confusion.view(self.k, self.k)
         counts, hits = rows.sum(1).tolist(), rows.diagonal().tolist()
         per_class = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
-        return {**super().result(), "per_class_top1": per_class, "confusion": rows.to(torch.int64).tolist()}
+        return {
+            **super().result(),
+            "per_class_top1": per_class,
+            "confusion": rows.to(torch.int64).tolist(),
+        }
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext,
-             stepper: Stepper | None = None) -> dict[str, Any]:
-    """Exact loss/top-1/top-k and per-class top-1 (with the confusion matrix) over the whole split,
-    whatever the world size."""
+def evaluate(
+    model: torch.nn.Module,
+    loader: Any,
+    cfg: CfgNode,
+    ctx: DistContext,
+    stepper: Stepper | None = None,
+) -> dict[str, Any]:
+    """Exact loss/top-1/top-k and per-class top-1 (with the confusion
+    matrix) over the whole split, whatever the world size."""
     net = models.unwrap(model)
     net.eval()
     criterion = torch.nn.CrossEntropyLoss()  # plain: val loss is comparable across recipes
@@ -139,36 +176,61 @@ def evaluate(model: torch.nn.Module, loader: Any, cfg: CfgNode, ctx: DistContext
         if ctx.is_main and (it + 1) % cfg.TEST.PRINT_FREQ == 0:
             log.info("[val] iter %d/%d", it + 1, iters)
     result = counter.reduce().result()
-    # Unreadable images are left out, not replaced (data.batches.collate_readable): n counts the readable ones.
-    return {**result, "bad_images": bad_images(loader, ctx, "unreadable images left out of the evaluation")}
+    # Unreadable images are left out, not replaced
+    # (data.batches.collate_readable): n counts the readable ones.
+    return {
+        **result,
+        "bad_images": bad_images(loader, ctx, "unreadable images left out of the evaluation"),
+    }
 
 
 def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
-    """Collective: the unreadable images the loader met since the last call, over all ranks, and rank
-    0's warning (each file was named in the log when it was met)."""
-    bad = int(comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0])
+    """Collective: the unreadable images the loader met since the last
+    call, over all ranks, and rank 0's warning (each file was named in
+    the log when it was met)."""
+    bad = int(
+        comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0]
+    )
     if bad and ctx.is_main:
         log.warning("%d %s", bad, what)
     return bad
 
 
-def validate(nets: dict[str, torch.nn.Module], loader: Any, cfg: CfgNode, ctx: DistContext, stepper: Stepper,
-             epoch: int) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
-    """The epoch's evaluation of each model (``nets``: split name -> module; "val", and "val_ema" for the
-    EMA) on the validation split: their records, each logged, and each one's confusion matrix."""
+def validate(
+    nets: dict[str, torch.nn.Module],
+    loader: Any,
+    cfg: CfgNode,
+    ctx: DistContext,
+    stepper: Stepper,
+    epoch: int,
+) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
+    """The epoch's evaluation of each model (``nets``: split name ->
+    module; "val", and "val_ema" for the EMA) on the validation split:
+    their records, each logged, and each one's confusion matrix."""
     records, confusions = [], []
     for split, net in nets.items():
         result = evaluate(net, loader, cfg, ctx, stepper)
         confusions.append(result.pop("confusion"))
         records.append({"epoch": epoch, "split": split, **result, "topk": cfg.TRAIN.TOPK})
-        log.info("[%s] epoch %d/%d | loss %.4f | %s | n %d", split, epoch, cfg.OPTIM.MAX_EPOCH, result["loss"],
-                 accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"), result["n"])
+        log.info(
+            "[%s] epoch %d/%d | loss %.4f | %s | n %d",
+            split,
+            epoch,
+            cfg.OPTIM.MAX_EPOCH,
+            result["loss"],
+            accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"),
+            result["n"],
+        )
     return records, confusions
 
 
 def confusion_csv(classes: list[str], matrix: list[list[int]]) -> str:
-    """confusion.csv's text: a row per true class, a column per predicted class, class names as headers."""
-    rows = [["true \\ predicted", *classes], *([name, *map(str, counts)] for name, counts in zip(classes, matrix))]
+    """confusion.csv's text: a row per true class, a column per
+    predicted class, class names as headers."""
+    rows = [
+        ["true \\ predicted", *classes],
+        *([name, *map(str, counts)] for name, counts in zip(classes, matrix)),
+    ]
     return "".join(",".join(_csv_cell(cell) for cell in row) + "\n" for row in rows)
 
 
@@ -176,13 +238,18 @@ def _csv_cell(text: str) -> str:
     return f'"{text.replace(chr(34), chr(34) * 2)}"' if any(c in text for c in ',"\n') else text
 
 
-def worst_classes(classes: list[str], per_class: list[float | None], matrix: list[list[int]], n: int = 5) -> str:
-    """'cat 61.2% (49/80; 21 taken for dog), ...': the n classes with the lowest top-1, for the log."""
+def worst_classes(
+    classes: list[str], per_class: list[float | None], matrix: list[list[int]], n: int = 5
+) -> str:
+    """'cat 61.2% (49/80; 21 taken for dog), ...': the n classes with
+    the lowest top-1, for the log."""
     scored = sorted((acc, i) for i, acc in enumerate(per_class) if acc is not None)[:n]
     parts = []
     for acc, i in scored:
         row = matrix[i]
         wrong = max((c for c in range(len(row)) if c != i), key=row.__getitem__, default=None)
-        as_what = f"; {row[wrong]} taken for {classes[wrong]}" if wrong is not None and row[wrong] else ""
+        as_what = (
+            f"; {row[wrong]} taken for {classes[wrong]}" if wrong is not None and row[wrong] else ""
+        )
         parts.append(f"{classes[i]} {acc:.1f}% ({row[i]}/{sum(row)}{as_what})")
     return ", ".join(parts)

@@ -1,7 +1,9 @@
-"""Hooks: what happens around the training loop, in small pieces a user can add to.
+"""Hooks: what happens around the training loop, in small pieces a user
+can add to.
 
-A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets the Trainer
-(trainer.py: its attributes are read-only to hooks) and what the event produced, as arguments:
+A hook subclasses ``HookBase`` and overrides some of its six methods.
+Each gets the Trainer (trainer.py: its attributes are read-only to
+hooks) and what the event produced, as arguments:
 
     before_fit(trainer)                 after the model, the data and a resume are ready
     for each epoch:
@@ -19,20 +21,26 @@ A hook subclasses ``HookBase`` and overrides some of its six methods. Each gets 
                                         for the checkpoint chosen by TRAIN.VAL_SPLIT); a record per model
     after_fit(trainer, summary)         the run's summary
 
-Each event runs the hooks in list order: the built-in ones (``default_hooks``), then TRAIN.HOOKS
-("package.module:ClassName", made with no arguments), then those passed to ``fit``. Built-in, in order:
-TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with TRAIN.FREEZE_BACKBONE_EPOCHS),
-EarlyStopHook (only with TRAIN.TARGET_TOP1 or PATIENCE), MetricsHook (metrics.jsonl / csv / TensorBoard),
-NonFiniteEpochCheck (only with TRAIN.NONFINITE off), EvalHook (evaluation on EVAL_PERIOD epochs),
-CheckpointHook (step / time / epoch / best checkpoints and stop signals). So a user's after_epoch runs
-after the epoch's checkpoint.
+Each event runs the hooks in list order: the built-in ones
+(``default_hooks``), then TRAIN.HOOKS ("package.module:ClassName", made
+with no arguments), then those passed to ``fit``. Built-in, in order:
+TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with
+TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with
+TRAIN.TARGET_TOP1 or PATIENCE), MetricsHook (metrics.jsonl / csv /
+TensorBoard), NonFiniteEpochCheck (only with TRAIN.NONFINITE off),
+EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time
+/ epoch / best checkpoints and stop signals). So a user's after_epoch
+runs after the epoch's checkpoint.
 
-A hook's own state goes into every checkpoint with ``trainer.remember(name, state)`` (plain Python
-values); after a resume its before_fit finds it in ``trainer.state.hooks[name]``.
+A hook's own state goes into every checkpoint with
+``trainer.remember(name, state)`` (plain Python values); after a resume
+its before_fit finds it in ``trainer.state.hooks[name]``.
 
-Every rank runs every hook: a hook that does a collective (a vote, a checkpoint) does it in the same
-order everywhere. A hook ends the run with ``trainer.stop(reason)``, from values that are the same on
-every rank (reduced metrics, or a max_over_ranks vote); the loop stops after that epoch.
+Every rank runs every hook: a hook that does a collective (a vote, a
+checkpoint) does it in the same order everywhere. A hook ends the run
+with ``trainer.stop(reason)``, from values that are the same on every
+rank (reduced metrics, or a max_over_ranks vote); the loop stops after
+that epoch.
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ EVENTS = ("before_fit", "before_epoch", "after_step", "after_epoch", "after_eval
 
 
 class HookBase:
-    """Override any of the events; the defaults do nothing. See the module docstring for the order."""
+    """Override any of the events; the defaults do nothing. See the
+    module docstring for the order."""
 
     def before_fit(self, trainer: Trainer) -> None:
         pass
@@ -71,7 +80,9 @@ class HookBase:
     def before_epoch(self, trainer: Trainer) -> None:
         pass
 
-    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+    def after_step(
+        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
+    ) -> None:
         pass
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
@@ -85,13 +96,15 @@ class HookBase:
 
 
 def overrides(hook: Any, event: str) -> bool:
-    """Whether the hook does something on event (the loop calls only those: no cost per batch otherwise)."""
+    """Whether the hook does something on event (the loop calls only
+    those: no cost per batch otherwise)."""
     method = getattr(type(hook), event, None)
     return method is not None and method is not getattr(HookBase, event)
 
 
 def from_config(cfg: CfgNode) -> list[HookBase]:
-    """The hooks named in TRAIN.HOOKS ("package.module:ClassName"), each made with no arguments."""
+    """The hooks named in TRAIN.HOOKS ("package.module:ClassName"), each
+    made with no arguments."""
     return [_made(spec) for spec in cfg.TRAIN.HOOKS]
 
 
@@ -100,27 +113,39 @@ def _made(spec: str) -> HookBase:
     try:
         cls = getattr(importlib.import_module(module_name), class_name) if class_name else None
     except (ImportError, AttributeError) as e:
-        raise UserError(f"TRAIN.HOOKS: cannot import {spec} ({type(e).__name__}: {e}); give "
-                        "'package.module:ClassName' of a module on the Python path") from None
+        raise UserError(
+            f"TRAIN.HOOKS: cannot import {spec} ({type(e).__name__}: {e}); give "
+            "'package.module:ClassName' of a module on the Python path"
+        ) from None
     if cls is None:
         raise UserError(f"TRAIN.HOOKS: {spec} names no class; give 'package.module:ClassName'")
     return cls()
 
 
 def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
-    """The built-in hooks this config needs, in their order (the module docstring)."""
+    """The built-in hooks this config needs, in their order (the module
+    docstring)."""
     t = cfg.TRAIN  # TRAIN.TRACKERS is a list: [] adds nothing
-    return [*(t.TRACKERS and [TrackerHook(cfg)]), *([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
-            *([EarlyStopHook()] if t.TARGET_TOP1 or t.PATIENCE else []), MetricsHook(),
-            *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []), EvalHook(), CheckpointHook(cfg, world_size)]
+    return [
+        *(t.TRACKERS and [TrackerHook(cfg)]),
+        *([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
+        *([EarlyStopHook()] if t.TARGET_TOP1 or t.PATIENCE else []),
+        MetricsHook(),
+        *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []),
+        EvalHook(),
+        CheckpointHook(cfg, world_size),
+    ]
 
 
 class TrackerHook(HookBase):
-    """TRAIN.TRACKERS (trackers.py): global rank 0 writes one run per tracker, continued across resumes
-    (their ids are remembered in every checkpoint), with the print steps' numbers and every record against
-    the global optimizer step. The other ranks only hear whether the trackers started. First of the
-    built-in hooks: a start that fails refuses the run before MetricsHook sets any records aside, and an
-    epoch's record reaches the trackers before CheckpointHook ends the job for a stop signal."""
+    """TRAIN.TRACKERS (trackers.py): global rank 0 writes one run per
+    tracker, continued across resumes (their ids are remembered in every
+    checkpoint), with the print steps' numbers and every record against
+    the global optimizer step. The other ranks only hear whether the
+    trackers started. First of the built-in hooks: a start that fails
+    refuses the run before MetricsHook sets any records aside, and an
+    epoch's record reaches the trackers before CheckpointHook ends the
+    job for a stop signal."""
 
     def __init__(self, cfg: CfgNode) -> None:
         trackers.require_installed(cfg.TRAIN.TRACKERS)  # every rank, before anything is built
@@ -138,7 +163,9 @@ class TrackerHook(HookBase):
         if failure:
             raise UserError(failure if trainer.ctx.is_main else f"rank 0: {failure}")
 
-    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+    def after_step(
+        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
+    ) -> None:
         if printed is not None and self.runs is not None:
             self.runs.log("train_step", printed, trainer.state.global_step)
 
@@ -157,13 +184,16 @@ class TrackerHook(HookBase):
 
 
 class FreezeBackboneHook(HookBase):
-    """TRAIN.FREEZE_BACKBONE_EPOCHS N: for the first N epochs (-1: all) the backbone, every parameter
-    but the classifier (heads.py), gets no gradient (requires_grad False: no backward through it, no
-    optimizer update, no weight decay) and its BatchNorm layers run in eval mode, so its statistics stay
-    as loaded too (timm's freeze does the same); the head trains. Decided from the epoch alone, so a
-    resumed run is frozen exactly when the uninterrupted run was. Under DDP the strategy sets
-    find_unused_parameters (strategies/__init__.py's DDPStrategy): the frozen parameters are registered
-    but get no gradient.
+    """TRAIN.FREEZE_BACKBONE_EPOCHS N: for the first N epochs (-1: all)
+    the backbone, every parameter but the classifier (heads.py), gets no
+    gradient (requires_grad False: no backward through it, no optimizer
+    update, no weight decay) and its BatchNorm layers run in eval mode,
+    so its statistics stay as loaded too (timm's freeze does the same);
+    the head trains. Decided from the epoch alone, so a resumed run is
+    frozen exactly when the uninterrupted run was. Under DDP the
+    strategy sets find_unused_parameters (strategies/__init__.py's
+    DDPStrategy): the frozen parameters are registered but get no
+    gradient.
     """
 
     def __init__(self, cfg: CfgNode) -> None:
@@ -173,12 +203,31 @@ class FreezeBackboneHook(HookBase):
     def before_fit(self, trainer: Trainer) -> None:
         net = models.unwrap(trainer.model)
         self.backbone, head = heads.split_parameters(net)
-        in_head = {id(m) for layer in heads.head_layers(net) for m in net.get_submodule(layer).modules()}
-        self.norms = [m for m in net.modules()
-                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in in_head]
-        until = "for good" if self.epochs < 0 else "for epoch 1" if self.epochs == 1 else f"for epochs 1-{self.epochs}"
-        log.info("backbone frozen %s: %d parameter tensors and %d BatchNorm layers; the classifier %s (%d tensors) "
-                 "trains", until, len(self.backbone), len(self.norms), heads.describe(net), len(head))
+        in_head = {
+            id(m) for layer in heads.head_layers(net) for m in net.get_submodule(layer).modules()
+        }
+        self.norms = [
+            m
+            for m in net.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and id(m) not in in_head
+        ]
+        until = (
+            "for good"
+            if self.epochs < 0
+            else "for epoch 1"
+            if self.epochs == 1
+            else f"for epochs 1-{self.epochs}"
+        )
+        log.info(
+            "backbone frozen %s: %d parameter tensors and %d BatchNorm layers; the classifier %s "
+            "(%d tensors) "
+            "trains",
+            until,
+            len(self.backbone),
+            len(self.norms),
+            heads.describe(net),
+            len(head),
+        )
 
     def before_epoch(self, trainer: Trainer) -> None:
         frozen = self.epochs < 0 or trainer.state.epoch < self.epochs
@@ -186,7 +235,11 @@ class FreezeBackboneHook(HookBase):
             for p in self.backbone:
                 p.requires_grad_(not frozen)
             if self.frozen is not None or not frozen:
-                log.info("epoch %d: backbone %s", trainer.state.epoch + 1, "frozen" if frozen else "unfrozen")
+                log.info(
+                    "epoch %d: backbone %s",
+                    trainer.state.epoch + 1,
+                    "frozen" if frozen else "unfrozen",
+                )
             self.frozen = frozen
         if frozen:  # after the trainer's model.train(): the statistics stay fixed this epoch
             for m in self.norms:
@@ -194,21 +247,30 @@ class FreezeBackboneHook(HookBase):
 
 
 class MetricsHook(HookBase):
-    """Rank 0 appends the records to metrics.jsonl / metrics.csv and TensorBoard (run_folder/metrics_files.py),
-    and every TRAIN.PRINT_FREQ iterations the printed numbers as TensorBoard scalars by global step."""
+    """Rank 0 appends the records to metrics.jsonl / metrics.csv and
+    TensorBoard (run_folder/metrics_files.py), and every
+    TRAIN.PRINT_FREQ iterations the printed numbers as TensorBoard
+    scalars by global step."""
 
     def before_fit(self, trainer: Trainer) -> None:
-        state = trainer.state  # a fresh start sets an earlier run's records aside; a resume repairs them
-        self.writer = trainer.folder.metrics(trainer.ctx.is_main, state.epoch if trainer.resumed else None,
-                                             state.global_step)
+        state = (
+            trainer.state
+        )  # a fresh start sets an earlier run's records aside; a resume repairs them
+        self.writer = trainer.folder.metrics(
+            trainer.ctx.is_main, state.epoch if trainer.resumed else None, state.global_step
+        )
 
-    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+    def after_step(
+        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
+    ) -> None:
         if printed is not None:  # a print step of rank 0
             self.writer.write_step(trainer.state.global_step, printed)
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         state = trainer.state
-        self.writer.write({"epoch": state.epoch, "split": "train", **metrics, "step": state.global_step})
+        self.writer.write(
+            {"epoch": state.epoch, "split": "train", **metrics, "step": state.global_step}
+        )
 
     def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
         for record in records:
@@ -219,20 +281,24 @@ class MetricsHook(HookBase):
 
 
 class NonFiniteEpochCheck(HookBase):
-    """TRAIN.NONFINITE off checks no step; the epoch's loss (reduced: the same on every rank) is
-    checked, after its record and before a checkpoint of the broken weights could replace the last good one."""
+    """TRAIN.NONFINITE off checks no step; the epoch's loss (reduced:
+    the same on every rank) is checked, after its record and before a
+    checkpoint of the broken weights could replace the last good one."""
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         cfg, state = trainer.cfg, trainer.state
         if metrics["n"] and not math.isfinite(metrics["loss"]):
-            raise NonFiniteLoss(f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
-                                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
-                                f"checks every step); {advice(cfg)}")
+            raise NonFiniteLoss(
+                f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
+                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
+                f"checks every step); {advice(cfg)}"
+            )
 
 
 class EvalHook(HookBase):
-    """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw and EMA), tell the trainer the
-    TRAIN.BEST_METRIC value (a new best makes best.pth, and its confusion matrix OUT_DIR/confusion.csv),
+    """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw
+    and EMA), tell the trainer the TRAIN.BEST_METRIC value (a new best
+    makes best.pth, and its confusion matrix OUT_DIR/confusion.csv),
     then after_eval."""
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
@@ -243,20 +309,31 @@ class EvalHook(HookBase):
             nets = {"val": trainer.strategy.eval_model(trainer.model)}
             if trainer.stepper.ema is not None:
                 nets["val_ema"] = trainer.stepper.ema.module
-            records, confusions = evaluation.validate(nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper,
-                                                      state.epoch)
-            i = [r["split"] for r in records].index("val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema")
+            records, confusions = evaluation.validate(
+                nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper, state.epoch
+            )
+            i = [r["split"] for r in records].index(
+                "val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"
+            )
             if trainer.update_best(records[i]["top1"]) and trainer.ctx.is_main:  # best.pth's matrix
-                trainer.folder.write_confusion(evaluation.confusion_csv(trainer.card.classes, confusions[i]))
-            log.info("best %s %.2f%% (epoch %d)", cfg.TRAIN.BEST_METRIC, state.best_metric, state.best_epoch)
+                trainer.folder.write_confusion(
+                    evaluation.confusion_csv(trainer.card.classes, confusions[i])
+                )
+            log.info(
+                "best %s %.2f%% (epoch %d)",
+                cfg.TRAIN.BEST_METRIC,
+                state.best_metric,
+                state.best_epoch,
+            )
             trainer.call("after_eval", "val", records)
         finally:
             trainer.strategy.release_eval()  # e.g. FSDP's replica: its GPU memory back to training
 
 
 class EarlyStopHook(HookBase):
-    """TRAIN.TARGET_TOP1 (stop once reached; its record gets time_to_target_s) and TRAIN.PATIENCE
-    (stop after that many evaluations without a better TRAIN.BEST_METRIC)."""
+    """TRAIN.TARGET_TOP1 (stop once reached; its record gets
+    time_to_target_s) and TRAIN.PATIENCE (stop after that many
+    evaluations without a better TRAIN.BEST_METRIC)."""
 
     def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
         cfg = trainer.cfg
@@ -264,54 +341,79 @@ class EarlyStopHook(HookBase):
             return
         best_split = "val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"
         for record in records:
-            if record["split"] == best_split and cfg.TRAIN.TARGET_TOP1 and record["top1"] >= cfg.TRAIN.TARGET_TOP1:
+            if (
+                record["split"] == best_split
+                and cfg.TRAIN.TARGET_TOP1
+                and record["top1"] >= cfg.TRAIN.TARGET_TOP1
+            ):
                 record["time_to_target_s"] = time.perf_counter() - trainer.wall_start
-                trainer.stop(f"target top-1 {cfg.TRAIN.TARGET_TOP1:g}% reached after "
-                             f"{format_seconds(record['time_to_target_s'])}")
+                trainer.stop(
+                    f"target top-1 {cfg.TRAIN.TARGET_TOP1:g}% reached after "
+                    f"{format_seconds(record['time_to_target_s'])}"
+                )
                 return
         if cfg.TRAIN.PATIENCE and trainer.state.evals_since_best >= cfg.TRAIN.PATIENCE:
-            trainer.stop(f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations")
+            trainer.stop(
+                f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations"
+            )
 
 
 def vote_period(cfg: CfgNode, world_size: int) -> int:
-    """Optimizer steps between two stop/checkpoint votes: DIST.VOTE_PERIOD_STEPS, or with 0 (auto)
-    every step up to 8 processes and every 10 beyond (a vote's latency grows with the processes)."""
+    """Optimizer steps between two stop/checkpoint votes:
+    DIST.VOTE_PERIOD_STEPS, or with 0 (auto) every step up to 8
+    processes and every 10 beyond (a vote's latency grows with the
+    processes)."""
     if cfg.DIST.VOTE_PERIOD_STEPS:
         return cfg.DIST.VOTE_PERIOD_STEPS
     return 1 if world_size <= 8 else 10
 
 
 class CheckpointHook(HookBase):
-    """Checkpoints by step (TRAIN.CKPT_PERIOD_STEPS), by time (CKPT_PERIOD_MIN), at each epoch's end
-    (best.pth too), and the stop signals (preemption): one vote decides both, so they live together.
+    """Checkpoints by step (TRAIN.CKPT_PERIOD_STEPS), by time
+    (CKPT_PERIOD_MIN), at each epoch's end (best.pth too), and the stop
+    signals (preemption): one vote decides both, so they live together.
 
-    A signal mid-epoch: a step checkpoint, then Preempted; at an epoch's last steps or during its
-    evaluation: the epoch ends, its checkpoint is written, then Preempted.
+    A signal mid-epoch: a step checkpoint, then Preempted; at an epoch's
+    last steps or during its evaluation: the epoch ends, its checkpoint
+    is written, then Preempted.
     """
 
     def __init__(self, cfg: CfgNode, world_size: int) -> None:
-        self.every_steps, self.every_s = cfg.TRAIN.CKPT_PERIOD_STEPS, cfg.TRAIN.CKPT_PERIOD_MIN * 60.0
+        self.every_steps, self.every_s = (
+            cfg.TRAIN.CKPT_PERIOD_STEPS,
+            cfg.TRAIN.CKPT_PERIOD_MIN * 60.0,
+        )
         self.vote_every, self.last_save = vote_period(cfg, world_size), time.monotonic()
 
     def before_fit(self, trainer: Trainer) -> None:
-        self.last_save = time.monotonic()  # CKPT_PERIOD_MIN counts from the start of training, after setup
+        self.last_save = (
+            time.monotonic()
+        )  # CKPT_PERIOD_MIN counts from the start of training, after setup
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
         self.last_save = time.monotonic()
         trainer.save(**kwargs)
 
-    def after_step(self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None) -> None:
+    def after_step(
+        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
+    ) -> None:
         state = trainer.state
         if not step.last or state.samples_in_epoch >= trainer.epoch_samples:
-            return  # not an optimizer-step boundary, or the epoch's last: after_epoch checkpoints and votes
+            # not an optimizer-step boundary, or the epoch's last:
+            # after_epoch checkpoints and votes
+            return
         stop, by_time = 0, 0
-        # One small all-reduce: all ranks must take the same decision (and stop for the same signal: the
-        # highest number any rank got), or a collective would hang. Its latency grows with the ranks, so
-        # they vote every vote_period() steps: a signal or a due time-based checkpoint (rank 0's clock)
-        # is acted on at the next vote.
+        # One small all-reduce: all ranks must take the same decision
+        # (and stop for the same signal: the highest number any rank
+        # got), or a collective would hang. Its latency grows with the
+        # ranks, so they vote every vote_period() steps: a signal or a
+        # due time-based checkpoint (rank 0's clock) is acted on at the
+        # next vote.
         if state.global_step % self.vote_every == 0:
             due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-            stop, by_time = comm.max_over_ranks([signals.received or 0, trainer.ctx.rank == 0 and due])
+            stop, by_time = comm.max_over_ranks(
+                [signals.received or 0, trainer.ctx.rank == 0 and due]
+            )
         if stop or by_time or (self.every_steps and state.global_step % self.every_steps == 0):
             trainer.settle()  # a run past TRAIN.NONFINITE's limits ends before it is saved
             self.save(trainer, train_sums=trainer.counter.sums_with_n())
@@ -319,7 +421,11 @@ class CheckpointHook(HookBase):
             raise Preempted(stop)
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        self.save(trainer, is_best=trainer.state.best_epoch == trainer.state.epoch)  # this epoch's eval: a new best
-        stop = comm.max_over_ranks([signals.received or 0])[0]  # since the last vote, or during the evaluation
+        self.save(
+            trainer, is_best=trainer.state.best_epoch == trainer.state.epoch
+        )  # this epoch's eval: a new best
+        stop = comm.max_over_ranks([signals.received or 0])[
+            0
+        ]  # since the last vote, or during the evaluation
         if stop:
             raise Preempted(stop)

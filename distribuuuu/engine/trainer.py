@@ -1,20 +1,30 @@
-"""The training loop, read top to bottom: ``fit(cfg, ctx, hooks=()) -> summary``, and the state it
-carries, saved to and resumed from a checkpoint.
+"""The training loop, read top to bottom: ``fit(cfg, ctx, hooks=()) ->
+summary``, and the state it carries, saved to and resumed from a
+checkpoint.
 
-  1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and logged; a resumed run keeps its seed)
-  2. model: build_model -> the strategy wraps it (SyncBN, device, channels_last, activation
-     checkpointing, DDP / FSDP / DataParallel, torch.compile) -> its optimizer -> the Stepper
-     (AMP, accumulation, mixup, clipping, the non-finite guard, EMA: optim.py, nonfinite.py)
-  3. data: training loader (resumable shuffled shards), validation (and test) loaders (exact)
-  4. resume from the run folder's latest checkpoint (TRAIN.AUTO_RESUME), at the very next batch
-  5. per epoch: train_epoch -> the hooks' after_epoch (metrics, evaluation, checkpoint, ...)
-  6. the test of the chosen checkpoint (TRAIN.VAL_SPLIT), a one-line summary
-What happens around the loop (checkpoints, evaluation, early stopping, metrics files) are hooks
-(hooks.py: the events, their order and their arguments). Only this module writes the Trainer and
-its TrainState: hooks read them, and act through ``stop``, ``update_best``, ``settle``, ``save`` and
-``remember`` (a hook's own state, kept in every checkpoint).
+  1. seed every RNG (RNG_SEED, or a fresh seed chosen by rank 0 and
+     logged; a resumed run keeps its seed)
+  2. model: build_model -> the strategy wraps it (SyncBN, device,
+     channels_last, activation checkpointing, DDP / FSDP / DataParallel,
+     torch.compile) -> its optimizer -> the Stepper (AMP, accumulation,
+     mixup, clipping, the non-finite guard, EMA: optim.py, nonfinite.py)
+  3. data: training loader (resumable shuffled shards), validation (and
+     test) loaders (exact)
+  4. resume from the run folder's latest checkpoint (TRAIN.AUTO_RESUME),
+     at the very next batch
+  5. per epoch: train_epoch -> the hooks' after_epoch (metrics,
+     evaluation, checkpoint, ...)
+  6. the test of the chosen checkpoint (TRAIN.VAL_SPLIT), a one-line
+     summary
+What happens around the loop (checkpoints, evaluation, early stopping,
+metrics files) are hooks (hooks.py: the events, their order and their
+arguments). Only this module writes the Trainer and its TrainState:
+hooks read them, and act through ``stop``, ``update_best``, ``settle``,
+``save`` and ``remember`` (a hook's own state, kept in every
+checkpoint).
 
-A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoints: run_folder):
+A checkpoint is a plain dict (the file format: weights.py; the folder's
+checkpoints: run_folder):
   model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
   scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
   epoch in progress, all ranks together), global_step (optimizer steps of the schedule, a skipped
@@ -24,7 +34,8 @@ A checkpoint is a plain dict (the file format: weights.py; the folder's checkpoi
   (what the run trained on, checked on resume), seed, card (model_card: the config, class names and
   preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's own state by
   name, from ``Trainer.remember``: e.g. the tracker run ids).
-Saving is collective (every rank calls ``Trainer.save``); only rank 0 writes the .pth file.
+Saving is collective (every rank calls ``Trainer.save``); only rank 0
+writes the .pth file.
 """
 
 from __future__ import annotations
@@ -56,7 +67,8 @@ log = logging.getLogger(LOGGER_NAME)
 
 @dataclass
 class TrainState:
-    """Counters of the run (the model, optimizer, scaler and EMA hold the rest)."""
+    """Counters of the run (the model, optimizer, scaler and EMA hold
+    the rest)."""
 
     epoch: int = 0  # epochs completed
     samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
@@ -65,28 +77,52 @@ class TrainState:
     best_epoch: int = 0
     evals_since_best: int = 0  # for TRAIN.PATIENCE
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
-    data_identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, checked on resume
-    hooks: dict[str, Any] = field(default_factory=dict)  # hooks' own state by name (Trainer.remember)
-    unreadable: list[int] = field(default_factory=list)  # the epoch's unreadable samples so far (data.unreadable_so_far)
+    data_identity: dict[str, Any] = field(
+        default_factory=dict
+    )  # what the run trains on, checked on resume
+    hooks: dict[str, Any] = field(
+        default_factory=dict
+    )  # hooks' own state by name (Trainer.remember)
+    unreadable: list[int] = field(
+        default_factory=list
+    )  # the epoch's unreadable samples so far (data.unreadable_so_far)
 
-    SAVED = ("epoch", "samples_in_epoch", "global_step", "best_metric", "best_epoch", "evals_since_best", "hooks",
-             "unreadable")
+    SAVED = (
+        "epoch",
+        "samples_in_epoch",
+        "global_step",
+        "best_metric",
+        "best_epoch",
+        "evals_since_best",
+        "hooks",
+        "unreadable",
+    )
 
 
 class Trainer:
-    """The run and its loop. Hooks read its attributes: cfg, ctx, strategy, folder (the RunFolder),
-    model (wrapped), optimizer, stepper, state (TrainState), train_loader / val_loader / test_loader,
-    card (the checkpoints' model card), seed, resumed, wall_start, epoch_samples, counter (the
-    running epoch's sums)."""
+    """The run and its loop. Hooks read its attributes: cfg, ctx,
+    strategy, folder (the RunFolder), model (wrapped), optimizer,
+    stepper, state (TrainState), train_loader / val_loader /
+    test_loader, card (the checkpoints' model card), seed, resumed,
+    wall_start, epoch_samples, counter (the running epoch's sums)."""
 
     def __init__(self, cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.strategy = strategies.build(cfg, ctx)
-        self.folder = RunFolder(cfg)  # OUT_DIR: the loop reads and writes it only through this object
+        self.folder = RunFolder(
+            cfg
+        )  # OUT_DIR: the loop reads and writes it only through this object
         self.state = TrainState()
-        # Built-in hooks first (their order is the contract in hooks.py), then TRAIN.HOOKS, then these.
-        self.hooks: list[HookBase] = [*hooks_.default_hooks(cfg, ctx.world_size), *hooks_.from_config(cfg), *hooks]
-        self._callers = {e: [getattr(h, e) for h in self.hooks if hooks_.overrides(h, e)] for e in hooks_.EVENTS}
+        # Built-in hooks first (their order is the contract in
+        # hooks.py), then TRAIN.HOOKS, then these.
+        self.hooks: list[HookBase] = [
+            *hooks_.default_hooks(cfg, ctx.world_size),
+            *hooks_.from_config(cfg),
+            *hooks,
+        ]
+        self._callers = {
+            e: [getattr(h, e) for h in self.hooks if hooks_.overrides(h, e)] for e in hooks_.EVENTS
+        }
         self.stop_reason = ""  # set by stop(): the run ends after this epoch
         self.wall_start = time.perf_counter()
         self.resumed, self.seed, self.first_step_s = False, 0, 0.0
@@ -97,14 +133,17 @@ class Trainer:
         for method in self._callers[event]:
             method(self, *args)
 
-    # -- what hooks may ask ------------------------------------------------------------------------
+    # -- what hooks may ask
+    # ------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
-        """End the run after the current epoch. Call it on every rank with a reason decided from
-        values that are the same everywhere (reduced metrics, a vote), or ranks would part."""
+        """End the run after the current epoch. Call it on every rank
+        with a reason decided from values that are the same everywhere
+        (reduced metrics, a vote), or ranks would part."""
         self.stop_reason = reason
 
     def update_best(self, value: float) -> bool:
-        """An evaluation's TRAIN.BEST_METRIC value: whether it is the best so far (then best.pth follows)."""
+        """An evaluation's TRAIN.BEST_METRIC value: whether it is the
+        best so far (then best.pth follows)."""
         state = self.state
         if value > state.best_metric:
             state.best_metric, state.best_epoch, state.evals_since_best = value, state.epoch, 0
@@ -113,111 +152,191 @@ class Trainer:
         return False
 
     def remember(self, hook: str, state: Any) -> None:
-        """A hook's own state (plain Python values), written into every checkpoint from now on and back in
-        ``state.hooks[hook]`` after a resume (before before_fit): e.g. a tracker's run id (TrackerHook)."""
+        """A hook's own state (plain Python values), written into every
+        checkpoint from now on and back in ``state.hooks[hook]`` after a
+        resume (before before_fit): e.g. a tracker's run id
+        (TrackerHook)."""
         self.state.hooks[hook] = state
 
     def settle(self) -> None:
-        """The guard's exact count of skipped steps, and NonFiniteLoss past TRAIN.NONFINITE's limits (on
-        the device path, one host sync: print steps, checkpoints, an epoch's end)."""
+        """The guard's exact count of skipped steps, and NonFiniteLoss
+        past TRAIN.NONFINITE's limits (on the device path, one host
+        sync: print steps, checkpoints, an epoch's end)."""
         self.stepper.guard.settle(self.state.global_step)
 
-    # -- building -------------------------------------------------------------------------------
+    # -- building
+    # -------------------------------------------------------------------------------
     def build_model(self, bare: torch.nn.Module | None = None) -> None:
-        """The model wrapped by the strategy, its optimizer and the stepper (``bare``: a given CPU model)."""
+        """The model wrapped by the strategy, its optimizer and the
+        stepper (``bare``: a given CPU model)."""
         cfg, ctx = self.cfg, self.ctx
-        self.model = self.strategy.wrap_model(bare if bare is not None else models.build_model(cfg, new_head=True))
+        self.model = self.strategy.wrap_model(
+            bare if bare is not None else models.build_model(cfg, new_head=True)
+        )
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
         self.schedule = optim.Schedule(cfg, optim.peak_lr(cfg, self.global_batch))
         if cfg.OPTIM.BACKBONE_LR_SCALE != 1:
-            log.info("OPTIM.BACKBONE_LR_SCALE %g: %s", cfg.OPTIM.BACKBONE_LR_SCALE, optim.describe_groups(self.optimizer))
-        self.stepper = Stepper(cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy)
+            log.info(
+                "OPTIM.BACKBONE_LR_SCALE %g: %s",
+                cfg.OPTIM.BACKBONE_LR_SCALE,
+                optim.describe_groups(self.optimizer),
+            )
+        self.stepper = Stepper(
+            cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy
+        )
 
     def build_data(self) -> None:
-        cfg, ctx = rng.seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle follows the run's one seed
-        data.check_overlap(cfg, ctx.is_main)  # val images that are train images: rank 0 looks, every rank hears
+        cfg, ctx = (
+            rng.seeded_cfg(self.cfg, self.seed),
+            self.ctx,
+        )  # the shuffle follows the run's one seed
+        data.check_overlap(
+            cfg, ctx.is_main
+        )  # val images that are train images: rank 0 looks, every rank hears
         self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-        self.val_loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)  # TRAIN.VAL_SPLIT: held out
-        if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(cfg):  # a folder of class folders: no test set
+        self.val_loader = data.build_val_loader(
+            cfg, ctx.rank, ctx.world_size, ctx.device
+        )  # TRAIN.VAL_SPLIT: held out
+        if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(
+            cfg
+        ):  # a folder of class folders: no test set
             self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         if cfg.TRAIN.CLASS_BALANCE == "loss":  # weights from the labels trained on, known only now
-            self.stepper.weigh_classes(cfg, data.balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES))
-        # What every checkpoint says about the model: class names of the data trained on, preprocessing
+            self.stepper.weigh_classes(
+                cfg, data.balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES)
+            )
+        # What every checkpoint says about the model: class names of the
+        # data trained on, preprocessing
         self.card = model_card.describe(self.cfg, self.train_loader.dataset)
 
     def log_setup(self) -> None:
         """The run's sizes, computed and logged once."""
         cfg, ctx, train, val = self.cfg, self.ctx, self.train_loader, self.val_loader
-        log.info("world size %d | batch %d per process x %d accumulation = %d global | peak LR %g (BASE_LR %g, "
-                 "LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per epoch",
-                 ctx.world_size, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.ACCUM_STEPS, self.global_batch, self.schedule.peak,
-                 cfg.OPTIM.BASE_LR, cfg.OPTIM.LR_SCALING, len(train.dataset), len(val.dataset),
-                 len(train) // cfg.TRAIN.ACCUM_STEPS)
+        log.info(
+            "world size %d | batch %d per process x %d accumulation = %d global | peak LR %g "
+            "(BASE_LR %g, "
+            "LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per epoch",
+            ctx.world_size,
+            cfg.TRAIN.BATCH_SIZE,
+            cfg.TRAIN.ACCUM_STEPS,
+            self.global_batch,
+            self.schedule.peak,
+            cfg.OPTIM.BASE_LR,
+            cfg.OPTIM.LR_SCALING,
+            len(train.dataset),
+            len(val.dataset),
+            len(train) // cfg.TRAIN.ACCUM_STEPS,
+        )
         if ctx.device.type == "cuda":
-            log.info("TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
-                     "on" if cfg.CUDNN.TF32 else "off", cfg.CUDNN.TF32)
-        test = self.test_loader  # with a test set, the val set is held out of the training data: "valid"
-        held_out = f"val: {len(val.dataset)}" if test is None else f"valid: {len(val.dataset)} - test: {len(test.dataset)}"
+            log.info(
+                "TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
+                "on" if cfg.CUDNN.TF32 else "off",
+                cfg.CUDNN.TF32,
+            )
+        test = (
+            self.test_loader
+        )  # with a test set, the val set is held out of the training data: "valid"
+        held_out = (
+            f"val: {len(val.dataset)}"
+            if test is None
+            else f"valid: {len(val.dataset)} - test: {len(test.dataset)}"
+        )
         log.info("train: %d - %s", len(train.dataset), held_out)
         if len(train) < cfg.TRAIN.ACCUM_STEPS:
-            raise UserError("an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
-                            "TRAIN.ACCUM_STEPS, or use more data")
+            raise UserError(
+                "an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
+                "TRAIN.ACCUM_STEPS, or use more data"
+            )
 
-    # -- the run --------------------------------------------------------------------------------
+    # -- the run
+    # --------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return the run's summary."""
+        """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return
+        the run's summary."""
         cfg, state, folder = self.cfg, self.state, self.folder
         self.wall_start = time.perf_counter()
-        self.seed = rng.seed_everything(cfg, self.ctx.rank, folder.previous_seed() if self.ctx.is_main else None)
-        # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another class count is re-initialised);
-        # a run about to resume takes its weights from its checkpoint instead, so they are not read.
+        self.seed = rng.seed_everything(
+            cfg, self.ctx.rank, folder.previous_seed() if self.ctx.is_main else None
+        )
+        # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another
+        # class count is re-initialised); a run about to resume takes
+        # its weights from its checkpoint instead, so they are not read.
         bare = models.build_model(cfg, new_head=True, with_weights=not folder.has_checkpoint())
         record = folder.prepare_record(self.ctx, bare)  # model.txt before sharding; a collective
         self.build_model(bare)
         self.build_data()
         self.log_setup()
-        state.data_identity = folder.data_identity(len(self.train_loader.dataset), len(self.val_loader.dataset),
-                                                   self.card.classes)
+        state.data_identity = folder.data_identity(
+            len(self.train_loader.dataset), len(self.val_loader.dataset), self.card.classes
+        )
         ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
         if ckpt is not None:
             self.resume(ckpt, path)
         folder.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
-            self.stepper.model.train()  # before before_epoch: a hook may put parts in eval mode (a frozen backbone)
+            # before before_epoch: a hook may put parts in eval mode (a
+            # frozen backbone)
+            self.stepper.model.train()
             self.call("before_epoch")
             metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-            log.info("[train] epoch %d/%d done | loss %.4f | %s | %.0f img/s | %.1fs", state.epoch, cfg.OPTIM.MAX_EPOCH,
-                     metrics["loss"], accuracies(metrics["top1"], cfg.TRAIN.TOPK, metrics["topk_acc"]),
-                     metrics["img_per_s"], metrics["time_s"])
-            self.call("after_epoch", metrics)  # metrics, evaluation (after_eval), checkpoint, stop signals
+            log.info(
+                "[train] epoch %d/%d done | loss %.4f | %s | %.0f img/s | %.1fs",
+                state.epoch,
+                cfg.OPTIM.MAX_EPOCH,
+                metrics["loss"],
+                accuracies(metrics["top1"], cfg.TRAIN.TOPK, metrics["topk_acc"]),
+                metrics["img_per_s"],
+                metrics["time_s"],
+            )
+            self.call(
+                "after_epoch", metrics
+            )  # metrics, evaluation (after_eval), checkpoint, stop signals
 
         self.stepper.guard.require_saved(folder.checkpoints)
-        summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch,
-                   "wall_s": time.perf_counter() - self.wall_start, "out_dir": os.path.abspath(cfg.OUT_DIR)}
+        summary = {
+            "best": state.best_metric,
+            "best_epoch": state.best_epoch,
+            "epochs": state.epoch,
+            "wall_s": time.perf_counter() - self.wall_start,
+            "out_dir": os.path.abspath(cfg.OUT_DIR),
+        }
         if self.test_loader is not None:  # once, on the checkpoint that the validation split chose
             summary["test"] = self.test_chosen_checkpoint()
         self.call("after_fit", summary)
-        log.info("done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
-                 f" ({self.stop_reason})" if self.stop_reason else "", "top-1" if cfg.TRAIN.BEST_METRIC == "top1"
-                 else "EMA top-1", summary["best"], summary["best_epoch"], summary["epochs"],
-                 format_seconds(summary["wall_s"]), cfg.OUT_DIR)
+        log.info(
+            "done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
+            f" ({self.stop_reason})" if self.stop_reason else "",
+            "top-1" if cfg.TRAIN.BEST_METRIC == "top1" else "EMA top-1",
+            summary["best"],
+            summary["best_epoch"],
+            summary["epochs"],
+            format_seconds(summary["wall_s"]),
+            cfg.OUT_DIR,
+        )
         return summary
 
     def train_epoch(self, loader: Any) -> dict[str, float]:
-        """Train on this rank's shard from state.samples_in_epoch to the end of the epoch; returns
-        the epoch's metrics summed over all ranks. Hooks see every batch (after_step)."""
+        """Train on this rank's shard from state.samples_in_epoch to the
+        end of the epoch; returns the epoch's metrics summed over all
+        ranks. Hooks see every batch (after_step)."""
         cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
-        self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK, skip_nonfinite=cfg.TRAIN.NONFINITE != "off")
-        if state.resumed_sums is not None and ctx.is_main:  # the part of the epoch done before a restart
+        self.counter = counter = Counter(
+            ctx.device, cfg.TRAIN.TOPK, skip_nonfinite=cfg.TRAIN.NONFINITE != "off"
+        )
+        if (
+            state.resumed_sums is not None and ctx.is_main
+        ):  # the part of the epoch done before a restart
             counter.add(state.resumed_sums)
         state.resumed_sums = None
         micro_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size  # samples per micro-step, all ranks
         self.epoch_samples = _epoch_samples(loader, micro_batch, cfg.TRAIN.ACCUM_STEPS)
-        loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # same shuffle on all ranks
+        loader.sampler.set_epoch(
+            state.epoch, start=state.samples_in_epoch
+        )  # same shuffle on all ranks
         iters = (self.epoch_samples - state.samples_in_epoch) // micro_batch
         progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
         lr, data_total, gpus = self.schedule.peak, 0.0, self.strategy.gpus()
@@ -225,22 +344,36 @@ class Trainer:
         epoch_start = tick = time.perf_counter()
         try:
             for it, (images, target) in zip(range(iters), loader):
-                images, target = images.to(ctx.device, non_blocking=True), target.to(ctx.device, non_blocking=True)
+                images, target = (
+                    images.to(ctx.device, non_blocking=True),
+                    target.to(ctx.device, non_blocking=True),
+                )
                 data_s = time.perf_counter() - tick
                 data_total += data_s
-                lr = self.schedule.apply(stepper.optimizer, state.epoch + state.samples_in_epoch / self.epoch_samples)
+                lr = self.schedule.apply(
+                    stepper.optimizer, state.epoch + state.samples_in_epoch / self.epoch_samples
+                )
                 step = stepper.micro_step(images, target)
                 state.samples_in_epoch += micro_batch
                 state.global_step += step.last
-                counter.update(step.logits, step.target, step.loss)  # on-device sums: no host sync here
-                if step.last and cfg.TRAIN.COMPILE and not self.first_step_s:  # compile time is not throughput
+                counter.update(
+                    step.logits, step.target, step.loss
+                )  # on-device sums: no host sync here
+                if (
+                    step.last and cfg.TRAIN.COMPILE and not self.first_step_s
+                ):  # compile time is not throughput
                     self.first_step_s = time.perf_counter() - tick
-                    log.info("torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s)
+                    log.info(
+                        "torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s
+                    )
                 if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank
                     self.settle()
-                # Shows rank 0's running averages every PRINT_FREQ iterations: a host sync on print steps.
+                # Shows rank 0's running averages every PRINT_FREQ
+                # iterations: a host sync on print steps.
                 printed = progress.step(it, data_s, images.size(0), lr, counter.result)
-                self.call("after_step", step, printed)  # step checkpoints, stop signals (at optimizer-step boundaries)
+                self.call(
+                    "after_step", step, printed
+                )  # step checkpoints, stop signals (at optimizer-step boundaries)
                 tick = time.perf_counter()
         finally:
             progress.close()  # also when a hook ends the run (Preempted): the bar is left finished
@@ -248,113 +381,203 @@ class Trainer:
         seconds = time.perf_counter() - epoch_start - self.first_step_s
         self.settle()
         result = counter.reduce().result()
-        bad, state.unreadable = len(data.unreadable_so_far(loader, state.unreadable)), []  # each file once
+        bad, state.unreadable = (
+            len(data.unreadable_so_far(loader, state.unreadable)),
+            [],
+        )  # each file once
         if bad and ctx.is_main:
-            log.warning("%d unreadable training images skipped in epoch %d (TRAIN.BAD_IMAGES skip)", bad, state.epoch + 1)
-        result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds, bad_images=bad,
-                      skipped_steps=stepper.guard.take_epoch_skips(), data_frac=data_total / max(seconds, 1e-9),
-                      peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
+            log.warning(
+                "%d unreadable training images skipped in epoch %d (TRAIN.BAD_IMAGES skip)",
+                bad,
+                state.epoch + 1,
+            )
+        result.update(
+            lr=lr,
+            img_per_s=result["n"] / max(seconds, 1e-9),
+            time_s=seconds,
+            bad_images=bad,
+            skipped_steps=stepper.guard.take_epoch_skips(),
+            data_frac=data_total / max(seconds, 1e-9),
+            peak_mem_mb=_peak_memory_mb(ctx.device, gpus),
+        )
         return result
 
     def test_chosen_checkpoint(self) -> dict:
-        """Evaluate best.pth (the best on the validation split; last.pth if none) on the test set once,
-        then the after_eval hooks (split "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of
-        that checkpoint are tested."""
+        """Evaluate best.pth (the best on the validation split; last.pth
+        if none) on the test set once, then the after_eval hooks (split
+        "test"). With TRAIN.BEST_METRIC ema_top1 the EMA weights of that
+        checkpoint are tested."""
         cfg, ctx, folder = self.cfg, self.ctx, self.folder
-        # A finished run whose start trained nothing more (a resume moves records after its checkpoint
-        # away): testing the same checkpoint again would only add the same row. Rank 0 reads, all hear.
-        done = comm.broadcast_object(folder.recorded_test() if self.resumed and ctx.is_main else None)
+        # A finished run whose start trained nothing more (a resume
+        # moves records after its checkpoint away): testing the same
+        # checkpoint again would only add the same row. Rank 0 reads,
+        # all hear.
+        done = comm.broadcast_object(
+            folder.recorded_test() if self.resumed and ctx.is_main else None
+        )
         if done is not None:
-            log.info("[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was finished)",
-                     done.get("epoch"), done.get("top1") or 0.0)
+            log.info(
+                "[test] already recorded in metrics.jsonl: epoch %s, top-1 %.2f%% (the run was "
+                "finished)",
+                done.get("epoch"),
+                done.get("top1") or 0.0,
+            )
             return done
         path = folder.best()
         if path is None:
-            raise UserError(f"no checkpoint in {folder.checkpoints} to test (the weights were never finite)")
+            raise UserError(
+                f"no checkpoint in {folder.checkpoints} to test (the weights were never finite)"
+            )
         ckpt = folder.load(path)
         weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
         net = self.strategy.test_model(self.model, ckpt, weights, folder.checkpoints)
         result = evaluation.evaluate(net, self.test_loader, cfg, ctx, self.stepper)
-        result.pop("confusion")  # the record keeps the per-class top-1; confusion.csv is the best val's
-        record = {"epoch": ckpt.get("epoch"), "split": "test", **result, "topk": cfg.TRAIN.TOPK,
-                  "weights": os.path.basename(path)}
-        log.info("[test] %s (epoch %s, chosen on the validation split) | loss %.4f | %s | n %d", path, record["epoch"],
-                 result["loss"], accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"), result["n"])
+        result.pop(
+            "confusion"
+        )  # the record keeps the per-class top-1; confusion.csv is the best val's
+        record = {
+            "epoch": ckpt.get("epoch"),
+            "split": "test",
+            **result,
+            "topk": cfg.TRAIN.TOPK,
+            "weights": os.path.basename(path),
+        }
+        log.info(
+            "[test] %s (epoch %s, chosen on the validation split) | loss %.4f | %s | n %d",
+            path,
+            record["epoch"],
+            result["loss"],
+            accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"),
+            result["n"],
+        )
         self.call("after_eval", "test", [record])
         return record
 
-    # -- the state: save and resume -------------------------------------------------------------
+    # -- the state: save and resume
+    # -------------------------------------------------------------
     def save(self, is_best: bool = False, train_sums: torch.Tensor | None = None) -> None:
-        """Collective: every rank calls it. Rank 0 writes everything that decides the rest of the run:
-        the counters, every rank's RNG streams, the stepper's state (scaler, EMA) and the strategy's
-        model/optimizer entries. ``train_sums``: the part-done epoch's metrics (a mid-epoch checkpoint)."""
+        """Collective: every rank calls it. Rank 0 writes everything
+        that decides the rest of the run: the counters, every rank's RNG
+        streams, the stepper's state (scaler, EMA) and the strategy's
+        model/optimizer entries. ``train_sums``: the part-done epoch's
+        metrics (a mid-epoch checkpoint)."""
         cfg, ctx, state = self.cfg, self.ctx, self.state
         rngs = comm.all_gather_object(rng.rng_state())  # each rank's own streams
         if train_sums is not None:  # mid-epoch: the epoch's sums and counters so far
             train_sums = comm.all_reduce_sum(train_sums.clone()).tolist()
             state.unreadable = data.unreadable_so_far(self.train_loader, state.unreadable)
         saved = {k: getattr(state, k) for k in TrainState.SAVED}
-        record = {**self.stepper.state_dict(), **saved, "cfg": cfg.dump(), "rng": rngs, "world_size": ctx.world_size,
-                  "train_sums": train_sums, "epoch_skips": self.stepper.guard.epoch_skips,
-                  "facts": state.data_identity, "seed": self.seed,
-                  model_card.CARD_KEY: self.card.to_dict(), "shard_plan": data.shard_plan(self.train_loader)}
-        entries, finite = self.strategy.checkpoint_state(self.model, self.optimizer, self.folder.shards_path(saved))
+        record = {
+            **self.stepper.state_dict(),
+            **saved,
+            "cfg": cfg.dump(),
+            "rng": rngs,
+            "world_size": ctx.world_size,
+            "train_sums": train_sums,
+            "epoch_skips": self.stepper.guard.epoch_skips,
+            "facts": state.data_identity,
+            "seed": self.seed,
+            model_card.CARD_KEY: self.card.to_dict(),
+            "shard_plan": data.shard_plan(self.train_loader),
+        }
+        entries, finite = self.strategy.checkpoint_state(
+            self.model, self.optimizer, self.folder.shards_path(saved)
+        )
         record.update(entries)
         if ctx.is_main:
             if finite:
-                log.info("saved %s%s", self.folder.save(record, is_best=is_best), " (best)" if is_best else "")
+                log.info(
+                    "saved %s%s",
+                    self.folder.save(record, is_best=is_best),
+                    " (best)" if is_best else "",
+                )
             else:
-                log.error("not saving a checkpoint at step %d: the weights are not finite", state.global_step)
-            self.stepper.guard.saved(finite)  # the end asks whether the run could save (require_saved)
+                log.error(
+                    "not saving a checkpoint at step %d: the weights are not finite",
+                    state.global_step,
+                )
+            self.stepper.guard.saved(
+                finite
+            )  # the end asks whether the run could save (require_saved)
         comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
     def resume(self, ckpt: dict[str, Any], path: str) -> None:
-        """Continue from the run folder's newest intact checkpoint (TRAIN.AUTO_RESUME), at the very next
-        batch. A checkpoint that does not fit this run (config, data, model or optimizer) is refused
-        before anything is loaded."""
+        """Continue from the run folder's newest intact checkpoint
+        (TRAIN.AUTO_RESUME), at the very next batch. A checkpoint that
+        does not fit this run (config, data, model or optimizer) is
+        refused before anything is loaded."""
         cfg, state, strategy = self.cfg, self.state, self.strategy
         net, opt = models.unwrap(self.model), self.optimizer if cfg.TRAIN.LOAD_OPT else None
-        plain = strategy.checkable(ckpt)  # the shapes of sharded state: torch checks them while loading
-        self.folder.check_resume(ckpt, path, state.data_identity, net if plain else None, opt if plain else None)
+        plain = strategy.checkable(
+            ckpt
+        )  # the shapes of sharded state: torch checks them while loading
+        self.folder.check_resume(
+            ckpt, path, state.data_identity, net if plain else None, opt if plain else None
+        )
         strategy.load_checkpoint(self.model, opt, ckpt, path, self.folder.checkpoints)
         for key in TrainState.SAVED:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
         data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
-        state.resumed_sums, self.stepper.guard.epoch_skips = ckpt.get("train_sums"), ckpt.get("epoch_skips", 0)
-        # A checkpoint of an older version has no seed: its RNG_SEED None run shuffled with seed 0
+        state.resumed_sums, self.stepper.guard.epoch_skips = (
+            ckpt.get("train_sums"),
+            ckpt.get("epoch_skips", 0),
+        )
+        # A checkpoint of an older version has no seed: its RNG_SEED
+        # None run shuffled with seed 0
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
         self._restore_rng(ckpt)
-        log.info("resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
-                 path, state.epoch, state.samples_in_epoch, state.epoch + 1, state.global_step,
-                 cfg.TRAIN.BEST_METRIC, state.best_metric)
+        log.info(
+            "resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
+            path,
+            state.epoch,
+            state.samples_in_epoch,
+            state.epoch + 1,
+            state.global_step,
+            cfg.TRAIN.BEST_METRIC,
+            state.best_metric,
+        )
         self.stepper.load_state_dict(ckpt)
         self.resumed = True
 
     def _restore_rng(self, ckpt: dict[str, Any]) -> None:
-        """This rank's RNG streams, as saved; after a change of world size they cannot be carried over
-        and keep their fresh seeds (the sampler position is in samples: the epoch goes on with the
-        next unseen samples)."""
+        """This rank's RNG streams, as saved; after a change of world
+        size they cannot be carried over and keep their fresh seeds (the
+        sampler position is in samples: the epoch goes on with the next
+        unseen samples)."""
         ctx, saved_world = self.ctx, ckpt.get("world_size", self.ctx.world_size)
         if saved_world == ctx.world_size:
             rng.set_rng_state(ckpt["rng"][ctx.rank])
             return
-        log.warning("resuming %d processes from a checkpoint of %d: the global batch and the LR are "
-                    "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
-                    "are re-seeded", ctx.world_size, saved_world, self.state.samples_in_epoch)
+        log.warning(
+            "resuming %d processes from a checkpoint of %d: the global batch and the LR are "
+            "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
+            "are re-seeded",
+            ctx.world_size,
+            saved_world,
+            self.state.samples_in_epoch,
+        )
 
     def _keep_seed(self, seed: int | None) -> None:
-        """A resumed run shuffles with the seed it started with (RNG_SEED None: env.json normally hands
-        it over before the data is built; this covers a run folder whose env.json is gone)."""
+        """A resumed run shuffles with the seed it started with
+        (RNG_SEED None: env.json normally hands it over before the data
+        is built; this covers a run folder whose env.json is gone)."""
         if seed is None or seed == self.seed:
             return
-        log.warning("resume: the checkpoint's run used seed %d, not %d: its shuffle continues", seed, self.seed)
+        log.warning(
+            "resume: the checkpoint's run used seed %d, not %d: its shuffle continues",
+            seed,
+            self.seed,
+        )
         self.seed = seed
-        self.train_loader.sampler.seed = seed  # env.json is written after the resume, with this seed
+        self.train_loader.sampler.seed = (
+            seed  # env.json is written after the resume, with this seed
+        )
 
 
 def _epoch_samples(loader: Any, micro_batch: int, accum: int) -> int:
-    """A full epoch in samples: whole optimizer steps only (a partial accumulation is dropped); a
-    shard loader plans its own steps, which run every sample (data/shards/plan.py)."""
+    """A full epoch in samples: whole optimizer steps only (a partial
+    accumulation is dropped); a shard loader plans its own steps, which
+    run every sample (data/shards/plan.py)."""
     planned = getattr(loader, "epoch_steps", None)
     if planned is not None:
         return planned * micro_batch
@@ -372,7 +595,8 @@ def _synchronize(gpus: list[torch.device]) -> None:
 
 
 def _peak_memory_mb(device: torch.device, gpus: list[torch.device] | None = None) -> float:
-    """Peak GPU memory of this epoch (the fullest GPU's, under dp), or this process's peak resident set on CPU."""
+    """Peak GPU memory of this epoch (the fullest GPU's, under dp), or
+    this process's peak resident set on CPU."""
     if device.type == "cuda":
         return max(torch.cuda.max_memory_allocated(g) for g in (gpus or [device])) / 2**20
     import resource
@@ -381,6 +605,7 @@ def _peak_memory_mb(device: torch.device, gpus: list[torch.device] | None = None
 
 
 def fit(cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> dict[str, Any]:
-    """Train for OPTIM.MAX_EPOCH epochs (resuming if asked) with the built-in hooks, TRAIN.HOOKS and
-    ``hooks``; return the run's summary (best, best_epoch, epochs, wall_s, out_dir[, test])."""
+    """Train for OPTIM.MAX_EPOCH epochs (resuming if asked) with the
+    built-in hooks, TRAIN.HOOKS and ``hooks``; return the run's summary
+    (best, best_epoch, epochs, wall_s, out_dir[, test])."""
     return Trainer(cfg, ctx, hooks).fit()

@@ -1,4 +1,5 @@
-"""DataParallel: one process drives all its GPUs (the seed's snmc_dp); plain with one GPU or none."""
+"""DataParallel: one process drives all its GPUs (the seed's snmc_dp);
+plain with one GPU or none."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from distribuuuu.strategies import Strategy
 
 
 class _AutocastReplica(nn.Module):
-    """One DataParallel replica whose forward re-enters autocast with the run's dtype."""
+    """One DataParallel replica whose forward re-enters autocast with
+    the run's dtype."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
@@ -30,10 +32,12 @@ class _AutocastReplica(nn.Module):
 class AutocastDataParallel(nn.DataParallel):
     """DataParallel that keeps TRAIN.AMP's dtype in its worker threads.
 
-    torch's parallel_apply re-enters ``autocast(device_type, enabled=...)`` in each worker thread
-    without a dtype, so the replicas run in the device's default dtype (float16 on CUDA) while the
-    main thread asked for bfloat16, and no GradScaler guards that fp16. Each replica here enters
-    autocast with the dtype itself. State-dict keys are DataParallel's (the wrapper is per call).
+    torch's parallel_apply re-enters ``autocast(device_type,
+    enabled=...)`` in each worker thread without a dtype, so the
+    replicas run in the device's default dtype (float16 on CUDA) while
+    the main thread asked for bfloat16, and no GradScaler guards that
+    fp16. Each replica here enters autocast with the dtype itself.
+    State-dict keys are DataParallel's (the wrapper is per call).
     """
 
     def __init__(self, module: nn.Module, amp_dtype: torch.dtype | None) -> None:
@@ -54,8 +58,11 @@ class DP(Strategy):
     def check_config(cls, cfg: Any, world_size: int) -> None:
         super().check_config(cfg, world_size)
         if world_size > 1:
-            raise UserError(f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} processes "
-                            "were started; run it with plain python, or use DIST.STRATEGY ddp")
+            raise UserError(
+                f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} "
+                "processes "
+                "were started; run it with plain python, or use DIST.STRATEGY ddp"
+            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if torch.cuda.device_count() > 1:  # its replicas keep TRAIN.AMP's dtype
@@ -64,7 +71,8 @@ class DP(Strategy):
         return model
 
     def gpus(self) -> list[torch.device]:
-        """DataParallel's every device (the engine syncs and measures them all)."""
+        """DataParallel's every device (the engine syncs and measures
+        them all)."""
         if self.ctx.device.type == "cuda" and self.dp is not None:
             return [torch.device("cuda", i) for i in self.dp.device_ids]
         return super().gpus()

@@ -1,14 +1,20 @@
-"""FSDP2 (``fully_shard``), with optional CPU offload: each rank holds 1/world of every parameter.
+"""FSDP2 (``fully_shard``), with optional CPU offload: each rank holds
+1/world of every parameter.
 
-Order (Strategy.wrap_model): bare model on its device -> activation checkpointing -> ``shard``
-(every block, then the root) -> optimizer over the sharded parameters. Each rank holds 1/world of
-every parameter, its gradient and its optimizer state (ZeRO-3, Rajbhandari et al., 2020); whole
-parameters exist only while a block runs. Three things differ from DDP and live here:
-  * state dicts are collectives (``full_state`` gathers them; ``save_sharded``/``load_sharded``
-    write and read each rank's shards with torch.distributed.checkpoint);
-  * the forward pass is a collective, so exact evaluation with uneven shards runs on a plain
-    replica (``EvalReplica``) instead of the sharded model;
-  * gradient checks must combine the ranks' shards (local shards + an all-reduce).
+Order (Strategy.wrap_model): bare model on its device -> activation
+checkpointing -> ``shard`` (every block, then the root) -> optimizer
+over the sharded parameters. Each rank holds 1/world of every parameter,
+its gradient and its optimizer state (ZeRO-3, Rajbhandari et al., 2020);
+whole parameters exist only while a block runs. Three things differ from
+DDP and live here:
+  * state dicts are collectives (``full_state`` gathers them;
+    ``save_sharded``/``load_sharded`` write and read each rank's shards
+    with torch.distributed.checkpoint);
+  * the forward pass is a collective, so exact evaluation with uneven
+    shards runs on a plain replica (``EvalReplica``) instead of the
+    sharded model;
+  * gradient checks must combine the ranks' shards (local shards + an
+    all-reduce).
 """
 
 from __future__ import annotations
@@ -41,46 +47,70 @@ from distribuuuu.strategies import Strategy, blocks
 log = logging.getLogger("distribuuuu")
 
 
-def shard(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
-    """FSDP2: shard every unit (``blocks(model)``), then the root (which takes the stem and the head). Parameters
-    become DTensors sharded on dim 0 over the default process group."""
+def shard(
+    model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool
+) -> nn.Module:
+    """FSDP2: shard every unit (``blocks(model)``), then the root (which
+    takes the stem and the head). Parameters become DTensors sharded on
+    dim 0 over the default process group."""
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if cpu_offload:  # parameters, gradients and the optimizer step live on the CPU
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for unit in units:
-        # A checkpoint wrapper may hold the unit: shard the wrapper, so both act on the same unit.
-        holder = next((w for w in model.modules() if getattr(w, "_checkpoint_wrapped_module", None) is unit), unit)
+        # A checkpoint wrapper may hold the unit: shard the wrapper, so
+        # both act on the same unit.
+        holder = next(
+            (w for w in model.modules() if getattr(w, "_checkpoint_wrapped_module", None) is unit),
+            unit,
+        )
         fully_shard(holder, **kwargs)
     fully_shard(model, **kwargs)
-    log.info("FSDP: %d blocks sharded over the process group (reshard after forward %s, CPU offload %s)",
-             len(units), reshard_after_forward, cpu_offload)
+    log.info(
+        "FSDP: %d blocks sharded over the process group (reshard after forward %s, CPU offload %s)",
+        len(units),
+        reshard_after_forward,
+        cpu_offload,
+    )
     return model
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """Collective: the whole model and optimizer state dicts, on rank 0's CPU only (other ranks get
-    empty dicts). The optimizer state is keyed by parameter name."""
+    """Collective: the whole model and optimizer state dicts, on rank
+    0's CPU only (other ranks get empty dicts). The optimizer state is
+    keyed by parameter name."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
         return get_model_state_dict(model, options=options), {}
     return get_state_dict(model, optimizer, options=options)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
-                    optim_state: dict | None) -> None:
-    """Collective: load whole state dicts (as ``full_state`` returns them, read on every rank)
-    into the sharded model and optimizer."""
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    model_state: dict,
+    optim_state: dict | None,
+) -> None:
+    """Collective: load whole state dicts (as ``full_state`` returns
+    them, read on every rank) into the sharded model and optimizer."""
     options = StateDictOptions(full_state_dict=True)
     if optimizer is None or not optim_state:
-        set_state_dict(model, (), model_state_dict=model_state, optim_state_dict={}, options=options)
+        set_state_dict(
+            model, (), model_state_dict=model_state, optim_state_dict={}, options=options
+        )
     else:
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=options)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=options,
+        )
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
-    """Collective: each rank writes its own shards into folder (torch.distributed.checkpoint);
-    nothing is gathered, so no rank ever holds the whole state."""
+    """Collective: each rank writes its own shards into folder
+    (torch.distributed.checkpoint); nothing is gathered, so no rank ever
+    holds the whole state."""
     model_state, optim_state = get_state_dict(model, optimizer)
     existed = os.path.exists(folder)
     try:
@@ -92,12 +122,15 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str
         if interrupt is not None:  # Ctrl-C / SIGTERM mid-write: a stop (130 / 143), not a crash
             raise interrupt from None
         rank, (error, _) = next(iter(e.failures.items()))
-        raise OSError(f"writing the sharded checkpoint {folder} failed (rank {rank}: {type(error).__name__}: "
-                      f"{error}); the previous checkpoint is intact") from e
+        raise OSError(
+            f"writing the sharded checkpoint {folder} failed (rank {rank}: {type(error).__name__}: "
+            f"{error}); the previous checkpoint is intact"
+        ) from e
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str) -> None:
-    """Collective: read this rank's shards from a ``save_sharded`` folder (any world size)."""
+    """Collective: read this rank's shards from a ``save_sharded``
+    folder (any world size)."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=folder)
@@ -106,29 +139,38 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, fold
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def host_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the whole model state dict in host memory, on every rank, gathered one tensor at
-    a time (peak device memory: the largest tensor, not the model)."""
+    """Collective: the whole model state dict in host memory, on every
+    rank, gathered one tensor at a time (peak device memory: the largest
+    tensor, not the model)."""
     out = {}
     for name, value in get_model_state_dict(model).items():  # this rank's shards, clean names
-        full = value.full_tensor() if isinstance(value, DTensor) else value  # one all-gather per tensor
+        full = (
+            value.full_tensor() if isinstance(value, DTensor) else value
+        )  # one all-gather per tensor
         out[name] = full.detach().to("cpu", copy=True)
         del full
     return out
 
 
 class EvalReplica:
-    """A plain (unsharded) copy of an FSDP model, refreshed before each evaluation.
+    """A plain (unsharded) copy of an FSDP model, refreshed before each
+    evaluation.
 
-    FSDP's forward all-gathers parameters, so every rank would have to run the same number of
-    batches; exact evaluation gives ranks shards that differ by one sample or more. Evaluating a
-    whole copy keeps evaluation free of collectives. GPU memory: the weights are gathered one
-    tensor at a time into host memory (``host_full_state``), so no whole state dict ever sits on
-    the device; the copy moves to the device for the evaluation only and back to host memory after
-    it (``release``), so between evaluations the GPU holds the shards alone, as FSDP promises.
+    FSDP's forward all-gathers parameters, so every rank would have to
+    run the same number of batches; exact evaluation gives ranks shards
+    that differ by one sample or more. Evaluating a whole copy keeps
+    evaluation free of collectives. GPU memory: the weights are gathered
+    one tensor at a time into host memory (``host_full_state``), so no
+    whole state dict ever sits on the device; the copy moves to the
+    device for the evaluation only and back to host memory after it
+    (``release``), so between evaluations the GPU holds the shards
+    alone, as FSDP promises.
     """
 
     def __init__(self, build: Callable[[], nn.Module], device: torch.device) -> None:
@@ -141,7 +183,8 @@ class EvalReplica:
         return self.module.to(self.device)
 
     def refresh(self, model: nn.Module) -> nn.Module:
-        """Collective: gather the whole weights (via host memory) into the copy; returns it on the device."""
+        """Collective: gather the whole weights (via host memory) into
+        the copy; returns it on the device."""
         state = host_full_state(model)
         if self.module is None:
             self.module = self.build().to("cpu")
@@ -150,7 +193,8 @@ class EvalReplica:
         return self.on_device()
 
     def release(self) -> None:
-        """After an evaluation: back to host memory, and the freed blocks back to the GPU."""
+        """After an evaluation: back to host memory, and the freed
+        blocks back to the GPU."""
         if self.module is not None and self.device.type == "cuda":
             self.module.to("cpu")
             torch.cuda.empty_cache()
@@ -168,25 +212,34 @@ class FSDP(Strategy):
     @classmethod
     def check_config(cls, cfg: Any, world_size: int) -> None:
         if cfg.TRAIN.EMA_DECAY != 0:
-            raise UserError("TRAIN.EMA_DECAY needs whole parameters on every rank, which DIST.STRATEGY fsdp does "
-                            "not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0")
+            raise UserError(
+                "TRAIN.EMA_DECAY needs whole parameters on every rank, which DIST.STRATEGY fsdp "
+                "does "
+                "not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0"
+            )
         if cfg.TRAIN.AMP == "fp16":
-            raise UserError("DIST.STRATEGY fsdp supports TRAIN.AMP off or bf16 (fp16 needs a sharded gradient "
-                            "scaler); use TRAIN.AMP bf16")
+            raise UserError(
+                "DIST.STRATEGY fsdp supports TRAIN.AMP off or bf16 (fp16 needs a sharded gradient "
+                "scaler); use TRAIN.AMP bf16"
+            )
         if cfg.TRAIN.FREEZE_BACKBONE_EPOCHS:
-            raise UserError("TRAIN.FREEZE_BACKBONE_EPOCHS works with DIST.STRATEGY ddp, zero1 or dp, not fsdp "
-                            "(its shards are made for the parameters that train at the start)")
+            raise UserError(
+                "TRAIN.FREEZE_BACKBONE_EPOCHS works with DIST.STRATEGY ddp, zero1 or dp, not fsdp "
+                "(its shards are made for the parameters that train at the start)"
+            )
 
     @classmethod
     def group_backend(cls, cfg: Any, backend: str) -> str:
-        """Under nccl with CPU offload the gradients, their norm (clipping) and the non-finite vote are
-        CPU tensors, which nccl cannot reduce ("No backend type associated with device type cpu"): gloo
-        takes the CPU tensors then."""
+        """Under nccl with CPU offload the gradients, their norm
+        (clipping) and the non-finite vote are CPU tensors, which nccl
+        cannot reduce ("No backend type associated with device type
+        cpu"): gloo takes the CPU tensors then."""
         return "cpu:gloo,cuda:nccl" if backend == "nccl" and cfg.DIST.CPU_OFFLOAD else backend
 
     @classmethod
     def collectives(cls, cfg: Any) -> list[str]:
-        # with CPU offload too: FSDP copies the shards to the GPU to gather them
+        # with CPU offload too: FSDP copies the shards to the GPU to
+        # gather them
         return [*super().collectives(cfg), "all_gather_single", "reduce_scatter_single (AVG)"]
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -195,13 +248,15 @@ class FSDP(Strategy):
         return self.sharded
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        # torch has no DTensor rule for aten._fused_sgd_: SGD runs its multi-tensor kernels and keeps
-        # the synced non-finite check; fused Adam/AdamW have one and skip on the device.
+        # torch has no DTensor rule for aten._fused_sgd_: SGD runs its
+        # multi-tensor kernels and keeps the synced non-finite check;
+        # fused Adam/AdamW have one and skip on the device.
         return optim.build_optimizer(self.cfg, model, fused_sgd=False)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        # FSDP's counterpart of DDP's no_sync: no reduce-scatter on an accumulation micro-step.
+        # FSDP's counterpart of DDP's no_sync: no reduce-scatter on an
+        # accumulation micro-step.
         self.sharded.set_requires_gradient_sync(False)
         try:
             yield
@@ -209,16 +264,19 @@ class FSDP(Strategy):
             self.sharded.set_requires_gradient_sync(True)
 
     def grads_finite(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Each rank checks its shards; the answers are combined with one all-reduce."""
+        """Each rank checks its shards; the answers are combined with
+        one all-reduce."""
         finite = all_finite([local_tensor(p.grad) for p in params if p.grad is not None])
         bad = (~finite).to(torch.int32).reshape(1)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return bad[0] == 0
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         shards: str) -> tuple[dict[str, Any], bool]:
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, shards: str
+    ) -> tuple[dict[str, Any], bool]:
         if self.cfg.DIST.FSDP_STATE_DICT == "sharded":
-            # Every rank writes its shards; rank 0's .pth holds the rest and names the folder.
+            # Every rank writes its shards; rank 0's .pth holds the rest
+            # and names the folder.
             local = [local_tensor(v) for v in self.sharded.state_dict().values()]
             if comm.max_over_ranks([not bool(all_finite(local))])[0]:
                 return {}, False
@@ -231,21 +289,30 @@ class FSDP(Strategy):
     def checkable(self, ckpt: dict[str, Any]) -> bool:
         return False  # shapes of sharded state: torch checks them while loading
 
-    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: dict[str, Any],
-                        path: str, folder: str) -> None:
+    def load_checkpoint(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        ckpt: dict[str, Any],
+        path: str,
+        folder: str,
+    ) -> None:
         if ckpt.get("sharded"):
             load_sharded(self.sharded, optimizer, os.path.join(folder, ckpt["sharded"]))
         else:
             load_full_state(self.sharded, optimizer, ckpt["model"], ckpt.get("optimizer"))
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """FSDP's forward is a collective: evaluate a whole replica instead (EvalReplica)."""
+        """FSDP's forward is a collective: evaluate a whole replica
+        instead (EvalReplica)."""
         return self.replica.refresh(self.sharded)
 
     def release_eval(self) -> None:
         self.replica.release()  # its GPU memory goes back to the sharded training
 
-    def test_model(self, model: nn.Module, ckpt: dict[str, Any], weights: str, folder: str) -> nn.Module:
+    def test_model(
+        self, model: nn.Module, ckpt: dict[str, Any], weights: str, folder: str
+    ) -> nn.Module:
         if ckpt.get("sharded"):  # training is over: the sharded model may take the chosen weights
             load_sharded(self.sharded, None, os.path.join(folder, ckpt["sharded"]))
             return self.replica.refresh(self.sharded)

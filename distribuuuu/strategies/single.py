@@ -1,4 +1,5 @@
-"""One process, one device: the base Strategy as it is (also what fsdp/zero1/ddp become alone)."""
+"""One process, one device: the base Strategy as it is (also what
+fsdp/zero1/ddp become alone)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""ZeRO stage 1: DDP's replicas, with the optimizer state sharded over the ranks.
+"""ZeRO stage 1: DDP's replicas, with the optimizer state sharded over
+the ranks.
 
-Each rank keeps the optimizer state of its share of the parameters only and broadcasts its
-updated share after the step (torch's ZeroRedundancyOptimizer). Checkpoints gather that state
-on rank 0 first, so the file is the same as ddp's.
+Each rank keeps the optimizer state of its share of the parameters only
+and broadcasts its updated share after the step (torch's
+ZeroRedundancyOptimizer). Checkpoints gather that state on rank 0 first,
+so the file is the same as ddp's.
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ class Zero1(DDPStrategy):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         cls, kwargs = optimizer_class(self.cfg)
         o = self.cfg.OPTIM
-        return ZeroRedundancyOptimizer(param_groups(self.cfg, model), optimizer_class=cls, lr=o.BASE_LR,
-                                       weight_decay=o.WEIGHT_DECAY, **kwargs)
+        return ZeroRedundancyOptimizer(
+            param_groups(self.cfg, model),
+            optimizer_class=cls,
+            lr=o.BASE_LR,
+            weight_decay=o.WEIGHT_DECAY,
+            **kwargs,
+        )
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         shards: str) -> tuple[dict[str, Any], bool]:
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, shards: str
+    ) -> tuple[dict[str, Any], bool]:
         optimizer.consolidate_state_dict(to=0)  # a collective: the shards of the state, on rank 0
         return super().checkpoint_state(model, optimizer, shards)
 

@@ -1,4 +1,5 @@
-"""The tools around training: what users look at and measure, apart from the core.
+"""The tools around training: what users look at and measure, apart from
+the core.
 
     bench.py     `distribuuuu bench`: model, data loader and whole-step timings of one process
     scaling.py   `distribuuuu bench --scaling 1,2,4`: the same run with each process count
@@ -8,7 +9,8 @@
     predict.py   `distribuuuu predict`: top-k classes of image files
     export.py    `distribuuuu export`: TorchScript, ONNX and safetensors files, each checked
 
-Tools import the core (config, data, models, engine, dist); the core never imports a tool, and
-no tool imports cli.py (cli.py imports each tool lazily, when its command runs). This file
-imports nothing, so that one tool loads only what it needs.
+Tools import the core (config, data, models, engine, dist); the core
+never imports a tool, and no tool imports cli.py (cli.py imports each
+tool lazily, when its command runs). This file imports nothing, so that
+one tool loads only what it needs.
 """

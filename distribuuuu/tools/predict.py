@@ -1,17 +1,22 @@
-"""`distribuuuu predict`: the top-k classes of image files, with probabilities.
+"""`distribuuuu predict`: the top-k classes of image files, with
+probabilities.
 
     distribuuuu predict MODEL.WEIGHTS CKPT [KEY VALUE ...] INPUT [INPUT ...] [--topk 5] [--output preds.csv|.json]
     distribuuuu predict --cfg FILE MODEL.WEIGHTS PATH [KEY VALUE ...] INPUT ...
 
-An INPUT is an image file, a folder (its images, recursively: image extensions only) or a glob
-in quotes ('photos/*.jpg', 'data/**/*.png'), expanded here (predict_io.py). Without --cfg the
-checkpoint's model card (model_card.py) prepares the images and names the classes, and its stored
-config builds the model (inference.py). With --cfg, or for a checkpoint of an older version
-without a card, both are described from the config: images go through the validation transform
-of its data source, class names come from the ImageFolder tree TRAIN.DATASET/TRAIN.SPLIT when
-TRAIN.DATASET is a folder, else from the built-in source (TEST.DATASET: mnist5k digits, CIFAR
-names, synthetic class numbers). The top-k classes are printed per image, or written with
---output FILE (CSV or JSON from the suffix, or --format; --format without --output writes to stdout).
+An INPUT is an image file, a folder (its images, recursively: image
+extensions only) or a glob in quotes ('photos/*.jpg', 'data/**/*.png'),
+expanded here (predict_io.py). Without --cfg the checkpoint's model card
+(model_card.py) prepares the images and names the classes, and its
+stored config builds the model (inference.py). With --cfg, or for a
+checkpoint of an older version without a card, both are described from
+the config: images go through the validation transform of its data
+source, class names come from the ImageFolder tree
+TRAIN.DATASET/TRAIN.SPLIT when TRAIN.DATASET is a folder, else from the
+built-in source (TEST.DATASET: mnist5k digits, CIFAR names, synthetic
+class numbers). The top-k classes are printed per image, or written with
+--output FILE (CSV or JSON from the suffix, or --format; --format
+without --output writes to stdout).
 """
 
 from __future__ import annotations
@@ -28,21 +33,27 @@ from distribuuuu.errors import UserError
 from distribuuuu.files import output_problem
 from distribuuuu.tools import predict_io as outputs
 
-# torch, and the modules that import it (checkpoint, data, models), are imported inside the
-# functions, after the checks of the arguments and files: a mistyped path is reported at once,
-# not after torch's start-up (seconds). predict and export both start this way.
+# torch, and the modules that import it (checkpoint, data, models), are
+# imported inside the functions, after the checks of the arguments and
+# files: a mistyped path is reported at once, not after torch's start-up
+# (seconds). predict and export both start this way.
 
 
 def split_opts_and_images(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
     """Separate KEY VALUE pairs from image paths, in any order.
 
-    A token is a key when it names a config key, or when it starts with a key group (MODEL., TRAIN.,
-    ...) and is not an existing file, so that a typo gets the config's "did you mean" message.
+    A token is a key when it names a config key, or when it starts with
+    a key group (MODEL., TRAIN., ...) and is not an existing file, so
+    that a typo gets the config's "did you mean" message.
     """
 
     def flat(node: Any, prefix: str = "") -> set[str]:
-        return set().union(*[flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
-                             for k, v in node.items()])
+        return set().union(
+            *[
+                flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+                for k, v in node.items()
+            ]
+        )
 
     keys = flat(config.get_defaults())
     groups = {k.split(".")[0] for k in keys if "." in k}
@@ -71,24 +82,36 @@ def _check_images(image_paths: Sequence[str]) -> None:
         try:
             Image.open(path).close()  # reads the header only
         except OSError:  # PIL's UnidentifiedImageError is an OSError
-            hint = (f"; to predict with a checkpoint, pass it as --checkpoint {path} (MODEL.WEIGHTS)"
-                    if path.endswith((".pth", ".pt")) else "")
-            raise UserError(f"cannot read {path!r} as an image: its format is not one PIL can read; "
-                            f"give PNG, JPEG or another image file{hint}") from None
+            hint = (
+                f"; to predict with a checkpoint, pass it as --checkpoint {path} (MODEL.WEIGHTS)"
+                if path.endswith((".pth", ".pt"))
+                else ""
+            )
+            raise UserError(
+                f"cannot read {path!r} as an image: its format is not one PIL can read; "
+                f"give PNG, JPEG or another image file{hint}"
+            ) from None
 
 
-def predict(cfg: Any, card: Any, image_paths: Sequence[str], topk: int = 5) -> list[list[tuple[str, float]]]:
-    """The top-k (class name, probability) of each image; cfg and card: inference.prepared's (the
-    weights resolved; the card prepares the images and names the classes)."""
+def predict(
+    cfg: Any, card: Any, image_paths: Sequence[str], topk: int = 5
+) -> list[list[tuple[str, float]]]:
+    """The top-k (class name, probability) of each image; cfg and card:
+    inference.prepared's (the weights resolved; the card prepares the
+    images and names the classes)."""
     import torch  # inside: main checks the arguments and files before torch starts (see above)
 
     from distribuuuu import inference
 
     if card.in_chans not in (1, 3):
-        raise UserError(f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels")
+        raise UserError(
+            f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels"
+        )
     if len(card.classes) > cfg.MODEL.NUM_CLASSES:
-        raise UserError(f"the data source has {len(card.classes)} classes but MODEL.NUM_CLASSES is "
-                        f"{cfg.MODEL.NUM_CLASSES}; use the config the weights were trained with")
+        raise UserError(
+            f"the data source has {len(card.classes)} classes but MODEL.NUM_CLASSES is "
+            f"{cfg.MODEL.NUM_CLASSES}; use the config the weights were trained with"
+        )
     device = inference.device_for(cfg)
     loaded = inference.build(cfg, card, device)
     model, classes = loaded.model, loaded.classes
@@ -98,7 +121,7 @@ def predict(cfg: Any, card: Any, image_paths: Sequence[str], topk: int = 5) -> l
     batch = max(1, cfg.TEST.BATCH_SIZE)
     for start in range(0, len(image_paths), batch):
         tensors = []
-        for path in image_paths[start: start + batch]:
+        for path in image_paths[start : start + batch]:
             try:
                 tensors.append(loaded.transform(Image.open(path)))
             except OSError as e:  # a file whose header was fine but whose data is not (truncated)
@@ -106,21 +129,34 @@ def predict(cfg: Any, card: Any, image_paths: Sequence[str], topk: int = 5) -> l
         with torch.no_grad():
             probs = model(torch.stack(tensors).to(device)).float().softmax(dim=1)
         top_p, top_i = probs.topk(k, dim=1)
-        results += [[(names[i], p) for p, i in zip(ps.tolist(), idx.tolist())] for ps, idx in zip(top_p, top_i)]
+        results += [
+            [(names[i], p) for p, i in zip(ps.tolist(), idx.tolist())]
+            for ps, idx in zip(top_p, top_i)
+        ]
     return results
 
 
-def main(cfg_file: str | None, tokens: Sequence[str], topk: int, output: str | None = None,
-         fmt: str | None = None) -> int:
-    """`distribuuuu predict`: each image's top-k classes, printed, or written as CSV / JSON."""
+def main(
+    cfg_file: str | None,
+    tokens: Sequence[str],
+    topk: int,
+    output: str | None = None,
+    fmt: str | None = None,
+) -> int:
+    """`distribuuuu predict`: each image's top-k classes, printed, or
+    written as CSV / JSON."""
     opts, inputs = split_opts_and_images(tokens)
     if not inputs:
-        raise UserError("give one or more image files, folders or quoted globs after the KEY VALUE pairs, e.g. "
-                        "`distribuuuu predict MODEL.WEIGHTS best.pth photos/`")
+        raise UserError(
+            "give one or more image files, folders or quoted globs after the KEY VALUE pairs, e.g. "
+            "`distribuuuu predict MODEL.WEIGHTS best.pth photos/`"
+        )
     if topk < 1:
         raise UserError(f"--topk must be at least 1, got {topk}")
     fmt = outputs.output_format(output, fmt)
-    if output is not None and (problem := output_problem(output, folder=False)):  # before the model is loaded
+    if output is not None and (
+        problem := output_problem(output, folder=False)
+    ):  # before the model is loaded
         raise UserError(f"--output {problem}")
     images = outputs.expand_inputs(inputs)
     _check_images(images)  # before torch starts: a wrong path is reported at once
@@ -135,5 +171,7 @@ def main(cfg_file: str | None, tokens: Sequence[str], topk: int, output: str | N
     else:
         with open(output, "w", newline="", encoding="utf-8") as f:
             outputs.write(f, fmt, images, results)
-        print(f"wrote the top-{len(results[0])} classes of {len(images)} image(s) to {output} ({fmt})")
+        print(
+            f"wrote the top-{len(results[0])} classes of {len(images)} image(s) to {output} ({fmt})"
+        )
     return 0

@@ -1,8 +1,10 @@
-"""predict's inputs and outputs: files, folders and globs expanded to image paths; the top-k
-classes printed as a table or written as CSV or JSON.
+"""predict's inputs and outputs: files, folders and globs expanded to
+image paths; the top-k classes printed as a table or written as CSV or
+JSON.
 
-CSV: a header ``path,class_1,prob_1,...,class_k,prob_k``, then one row per image. JSON: a list of
-``{"path": ..., "classes": [k names, most likely first], "probs": [k probabilities]}``, one per image.
+CSV: a header ``path,class_1,prob_1,...,class_k,prob_k``, then one row
+per image. JSON: a list of ``{"path": ..., "classes": [k names, most
+likely first], "probs": [k probabilities]}``, one per image.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import TextIO
 
 from distribuuuu.errors import UserError
 
-# torchvision's ImageFolder extensions: what a folder or a glob contributes (a file named alone is
-# tried whatever its name)
+# torchvision's ImageFolder extensions: what a folder or a glob
+# contributes (a file named alone is tried whatever its name)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 FORMATS = ("csv", "json")
 
@@ -29,8 +31,8 @@ def is_image_name(path: str) -> bool:
 
 
 def _folder_images(folder: str) -> list[str]:
-    """The images under folder, recursively (following symlinks, as ImageFolder does), sorted;
-    hidden entries skipped."""
+    """The images under folder, recursively (following symlinks, as
+    ImageFolder does), sorted; hidden entries skipped."""
     found, seen = [], set()
     for root, dirs, files in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
@@ -39,30 +41,46 @@ def _folder_images(folder: str) -> list[str]:
             continue
         seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(root, f) for f in sorted(files) if is_image_name(f) and not f.startswith(".")]
+        found += [
+            os.path.join(root, f)
+            for f in sorted(files)
+            if is_image_name(f) and not f.startswith(".")
+        ]
     return found
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Image paths, in the order given: a file as it is, a folder's images (recursively), a glob's
-    matches (expanded here, so quoted globs work; ** crosses folders). A folder or a glob without
-    images, and a path that does not exist, are a UserError naming it."""
+    """Image paths, in the order given: a file as it is, a folder's
+    images (recursively), a glob's matches (expanded here, so quoted
+    globs work; ** crosses folders). A folder or a glob without images,
+    and a path that does not exist, are a UserError naming it."""
     images: list[str] = []
     for item in inputs:
         if os.path.isdir(item):
             found = _folder_images(item)
             if not found:
-                raise UserError(f"folder {item!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}, "
-                                "searched recursively)")
+                raise UserError(
+                    f"folder {item!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}, "
+                    "searched recursively)"
+                )
         elif os.path.exists(item):
             found = [item]
         elif glob.has_magic(item):
             matches = sorted(glob.glob(item, recursive=True))
-            found = [p for m in matches for p in (_folder_images(m) if os.path.isdir(m) else [m]) if is_image_name(p)]
+            found = [
+                p
+                for m in matches
+                for p in (_folder_images(m) if os.path.isdir(m) else [m])
+                if is_image_name(p)
+            ]
             if not found:
-                what = f"matches {len(matches)} path(s) but no image" if matches else "matches nothing"
-                raise UserError(f"the pattern {item!r} {what}; give image files, folders, or a glob such as "
-                                "'photos/*.jpg' (in quotes)")
+                what = (
+                    f"matches {len(matches)} path(s) but no image" if matches else "matches nothing"
+                )
+                raise UserError(
+                    f"the pattern {item!r} {what}; give image files, folders, or a glob such as "
+                    "'photos/*.jpg' (in quotes)"
+                )
         else:
             raise UserError(f"image file {item!r} does not exist")
         images += found
@@ -70,7 +88,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 
 
 def output_format(output: str | None, fmt: str | None) -> str | None:
-    """csv / json from --format, else from --output's suffix; None: print the table."""
+    """csv / json from --format, else from --output's suffix; None:
+    print the table."""
     if fmt is not None:
         if fmt not in FORMATS:
             raise UserError(f"--format must be csv or json, got {fmt!r}")
@@ -79,8 +98,10 @@ def output_format(output: str | None, fmt: str | None) -> str | None:
         return None
     suffix = os.path.splitext(output)[1].lower().lstrip(".")
     if suffix not in FORMATS:
-        raise UserError(f"--output {output!r}: cannot tell the format from its suffix; name it .csv or .json, "
-                        "or add --format csv|json")
+        raise UserError(
+            f"--output {output!r}: cannot tell the format from its suffix; name it .csv or .json, "
+            "or add --format csv|json"
+        )
     if os.path.isdir(output):
         raise UserError(f"--output {output!r} is a folder; give a file name such as preds.csv")
     return suffix
@@ -98,8 +119,10 @@ def print_table(images: Sequence[str], results: Results) -> None:
 def write(f: TextIO, fmt: str, images: Sequence[str], results: Results) -> None:
     """The predictions as CSV or JSON (see the module docstring)."""
     if fmt == "json":
-        rows = [{"path": path, "classes": [n for n, _ in top], "probs": [p for _, p in top]}
-                for path, top in zip(images, results)]
+        rows = [
+            {"path": path, "classes": [n for n, _ in top], "probs": [p for _, p in top]}
+            for path, top in zip(images, results)
+        ]
         f.write("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")  # one image per line
         return
     k = max((len(top) for top in results), default=0)

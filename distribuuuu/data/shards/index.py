@@ -1,12 +1,15 @@
-"""Finding a shard set from TRAIN.DATASET / TEST.DATASET and checking it before any rank reads it.
+"""Finding a shard set from TRAIN.DATASET / TEST.DATASET and checking it
+before any rank reads it.
 
-Accepted forms (recognised by sources.is_shard_set): a shard root (DEST of `data shard`, holding
-<SPLIT>/index.json), a split folder holding index.json, the index.json path itself, or a brace pattern
-``.../train-{000000..000127}.tar``.
-A brace pattern takes its counts and classes from the index.json beside the tars; without one it is
-refused: exactly-once splitting and equal step counts need every shard's sample count before the
-first read, and scanning every tar's headers on every rank at start would cost a full pass over
-the metadata of the data set (write an index with `distribuuuu data shard`).
+Accepted forms (recognised by sources.is_shard_set): a shard root (DEST
+of `data shard`, holding <SPLIT>/index.json), a split folder holding
+index.json, the index.json path itself, or a brace pattern
+``.../train-{000000..000127}.tar``. A brace pattern takes its counts and
+classes from the index.json beside the tars; without one it is refused:
+exactly-once splitting and equal step counts need every shard's sample
+count before the first read, and scanning every tar's headers on every
+rank at start would cost a full pass over the metadata of the data set
+(write an index with `distribuuuu data shard`).
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """'a-{000..002}.tar' -> ['a-000.tar', 'a-001.tar', 'a-002.tar'] (zero padding kept; one range)."""
+    """'a-{000..002}.tar' -> ['a-000.tar', 'a-001.tar', 'a-002.tar']
+    (zero padding kept; one range)."""
     m = BRACE.search(pattern)
     if not m:
         return [pattern]
     lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
-    return [pattern[:m.start()] + f"{i:0{width}d}" + pattern[m.end():] for i in range(lo, hi + 1)]
+    return [pattern[: m.start()] + f"{i:0{width}d}" + pattern[m.end() :] for i in range(lo, hi + 1)]
 
 
 def _read_index(path: str, key: str) -> dict:
@@ -61,8 +65,10 @@ def _read_index(path: str, key: str) -> dict:
     except (OSError, ValueError) as e:
         raise UserError(f"{key}.DATASET: cannot read the shard index {path} ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise UserError(f"{key}.DATASET: {path} is not a distribuuuu shard index (format {FORMAT}); "
-                        "write shards with `distribuuuu data shard SRC DEST`")
+        raise UserError(
+            f"{key}.DATASET: {path} is not a distribuuuu shard index (format {FORMAT}); "
+            "write shards with `distribuuuu data shard SRC DEST`"
+        )
     return index
 
 
@@ -73,22 +79,34 @@ def index_path(dataset: str, split: str, key: str) -> str:
     if BRACE.search(dataset) or dataset.endswith(".tar"):
         beside = os.path.join(os.path.dirname(dataset), INDEX)
         if not os.path.isfile(beside):
-            raise UserError(f"{key}.DATASET {dataset!r}: no {INDEX} beside the tars, so the per-shard sample counts "
-                            "are unknown (needed for exactly-once splitting over ranks); point at shards written by "
-                            "`distribuuuu data shard`, or at the folder holding their index.json")
+            raise UserError(
+                f"{key}.DATASET {dataset!r}: no {INDEX} beside the tars, so the per-shard sample "
+                "counts "
+                "are unknown (needed for exactly-once splitting over ranks); point at shards "
+                "written by "
+                "`distribuuuu data shard`, or at the folder holding their index.json"
+            )
         return beside
     if os.path.isfile(os.path.join(dataset, INDEX)):
         return os.path.join(dataset, INDEX)
     path = os.path.join(dataset, split, INDEX)
     if not os.path.isfile(path):
-        have = sorted(e.name for e in os.scandir(dataset) if e.is_dir() and os.path.isfile(os.path.join(e.path, INDEX)))
-        raise UserError(f"{key}.DATASET {dataset!r} is a shard root without split {split!r} ({path} is missing); "
-                        f"its splits: {', '.join(have) or 'none'}; set {key}.SPLIT to one of them")
+        have = sorted(
+            e.name
+            for e in os.scandir(dataset)
+            if e.is_dir() and os.path.isfile(os.path.join(e.path, INDEX))
+        )
+        raise UserError(
+            f"{key}.DATASET {dataset!r} is a shard root without split {split!r} ({path} is "
+            "missing); "
+            f"its splits: {', '.join(have) or 'none'}; set {key}.SPLIT to one of them"
+        )
     return path
 
 
 def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
-    """The shards cfg[key].DATASET names (a brace pattern: those it lists, in its order), checked."""
+    """The shards cfg[key].DATASET names (a brace pattern: those it
+    lists, in its order), checked."""
     path = index_path(dataset, split, key)
     index = _read_index(path, key)
     folder = os.path.dirname(os.path.abspath(path))
@@ -97,27 +115,36 @@ def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
         names = [os.path.basename(p) for p in expand_braces(dataset)]
         unknown = [n for n in names if n not in listed]
         if unknown:
-            raise UserError(f"{key}.DATASET {dataset!r}: shard {unknown[0]} is not in {path} "
-                            f"({len(unknown)} of {len(names)} unknown); the index lists {len(listed)} shards")
+            raise UserError(
+                f"{key}.DATASET {dataset!r}: shard {unknown[0]} is not in {path} "
+                f"({len(unknown)} of {len(names)} unknown); the index lists {len(listed)} shards"
+            )
     else:
         names = [s["name"] for s in index["shards"]]
-    shards = tuple(Shard(os.path.join(folder, n), int(listed[n]["num_samples"]), int(listed[n]["bytes"]))
-                   for n in names)
+    shards = tuple(
+        Shard(os.path.join(folder, n), int(listed[n]["num_samples"]), int(listed[n]["bytes"]))
+        for n in names
+    )
     result = ShardSet(path, list(index["classes"]), shards)
     verify(result, key)
     return result
 
 
 def verify(shard_set: ShardSet, key: str) -> None:
-    """Every shard present with the size its index records: a missing or truncated shard is found
-    here, by every rank alike, before any reads (so no rank waits for another that failed)."""
+    """Every shard present with the size its index records: a missing or
+    truncated shard is found here, by every rank alike, before any reads
+    (so no rank waits for another that failed)."""
     for s in shard_set.shards:
         if not os.path.isfile(s.path):
-            raise UserError(f"{key}.DATASET: shard {s.path} is missing (listed in {shard_set.index_path}); "
-                            "restore it or re-run `distribuuuu data shard`")
+            raise UserError(
+                f"{key}.DATASET: shard {s.path} is missing (listed in {shard_set.index_path}); "
+                "restore it or re-run `distribuuuu data shard`"
+            )
         size = os.path.getsize(s.path)
         if size != s.bytes:
-            raise UserError(f"{key}.DATASET: shard {s.path} is {size} bytes but its index records {s.bytes}: "
-                            "truncated or rewritten; restore it or re-run `distribuuuu data shard`")
+            raise UserError(
+                f"{key}.DATASET: shard {s.path} is {size} bytes but its index records {s.bytes}: "
+                "truncated or rewritten; restore it or re-run `distribuuuu data shard`"
+            )
     if shard_set.num_samples == 0:
         raise UserError(f"{key}.DATASET: the shard set {shard_set.index_path} holds no samples")

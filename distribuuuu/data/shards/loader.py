@@ -1,15 +1,20 @@
-"""The train / val / test loaders of a shard set (TRAIN.DATASET or TEST.DATASET naming one).
+"""The train / val / test loaders of a shard set (TRAIN.DATASET or
+TEST.DATASET naming one).
 
-The images go through the folder pipeline's recipe (transforms.py): with TRAIN.IMAGE_DECODE fast the
-records are decoded and cropped to uint8 in the workers (images.FastTrainDecode / FastEvalDecode)
-and normalized per batch on the device (batches.NormalizedBatches); with 'gpu' (or auto's choice on
-CUDA) the workers crop the encoded JPEGs, which the main process decodes on the device
-(device_decode.py); with 'pil', torchvision's per-sample PIL recipe. The loader has what the engine
-uses of every train loader: len() (batches left this epoch), .dataset, .sampler.set_epoch(epoch,
-start), and `epoch_steps`, the steps of a whole epoch, which the trainer takes instead of len(dataset) // global batch: the shard plan runs
-every sample once, in equal step counts on every rank (plan.py), dropping none. ShardPipeline is this
-pipeline's face on the seam (data/pipeline.py): a shard set is read this way whatever TRAIN.DATA_PIPELINE
-says (memory refuses it).
+The images go through the folder pipeline's recipe (transforms.py): with
+TRAIN.IMAGE_DECODE fast the records are decoded and cropped to uint8 in
+the workers (images.FastTrainDecode / FastEvalDecode) and normalized per
+batch on the device (batches.NormalizedBatches); with 'gpu' (or auto's
+choice on CUDA) the workers crop the encoded JPEGs, which the main
+process decodes on the device (device_decode.py); with 'pil',
+torchvision's per-sample PIL recipe. The loader has what the engine uses
+of every train loader: len() (batches left this epoch), .dataset,
+.sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
+whole epoch, which the trainer takes instead of len(dataset) // global
+batch: the shard plan runs every sample once, in equal step counts on
+every rank (plan.py), dropping none. ShardPipeline is this pipeline's
+face on the seam (data/pipeline.py): a shard set is read this way
+whatever TRAIN.DATA_PIPELINE says (memory refuses it).
 """
 
 from __future__ import annotations
@@ -24,8 +29,19 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources
-from distribuuuu.data.batches import NormalizedBatches, quiet_worker, stop_loader_workers, track_workers
-from distribuuuu.data.device_decode import AUTO_SAMPLES, DecodedBatches, DeviceDecode, decodes_on_device, encoded_images
+from distribuuuu.data.batches import (
+    NormalizedBatches,
+    quiet_worker,
+    stop_loader_workers,
+    track_workers,
+)
+from distribuuuu.data.device_decode import (
+    AUTO_SAMPLES,
+    DecodedBatches,
+    DeviceDecode,
+    decodes_on_device,
+    encoded_images,
+)
 from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, open_image
 from distribuuuu.data.pipeline import Pipeline
 from distribuuuu.data.shards import tar
@@ -36,7 +52,8 @@ from distribuuuu.errors import UserError
 
 
 class ShardLoader:
-    """A DataLoader over a ShardDataset, with the engine's loader interface (module docstring)."""
+    """A DataLoader over a ShardDataset, with the engine's loader
+    interface (module docstring)."""
 
     def __init__(self, loader: DataLoader) -> None:
         self.loader, self.dataset = loader, loader.dataset
@@ -58,14 +75,20 @@ class ShardLoader:
     def __iter__(self) -> Iterator[Any]:
         try:
             yield from self.loader
-        except (tar.ShardError, BadRecordError) as e:  # from a worker: its message, without the worker's traceback
-            stop_loader_workers(self.loader)  # now, not when the garbage collector frees the failed loader
+        except (
+            tar.ShardError,
+            BadRecordError,
+        ) as e:  # from a worker: its message, without the worker's traceback
+            stop_loader_workers(
+                self.loader
+            )  # now, not when the garbage collector frees the failed loader
             raise type(e)(_original_message(str(e))) from None
 
 
 def _original_message(text: str) -> str:
-    """A worker's exception as the DataLoader re-raises it ('Caught X in DataLoader worker process 0.
-    Original Traceback ... X: message') -> message."""
+    """A worker's exception as the DataLoader re-raises it ('Caught X in
+    DataLoader worker process 0. Original Traceback ... X: message') ->
+    message."""
     if "Original Traceback" not in text:
         return text
     last = text.rstrip().splitlines()[-1]
@@ -73,21 +96,33 @@ def _original_message(text: str) -> str:
 
 
 def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor], bool]:
-    """(bytes -> image tensor, whether the images are uint8 to be normalized per batch)."""
+    """(bytes -> image tensor, whether the images are uint8 to be
+    normalized per batch)."""
     size, recipe = cfg.TRAIN.IM_SIZE, recipe_of(cfg)
     mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
     policy = augment_policy(cfg) if train else None
     if cfg.TRAIN.IMAGE_DECODE != "pil":
-        crop = (FastTrainDecode(size, mode, recipe) if train else
-                FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe))
+        crop = (
+            FastTrainDecode(size, mode, recipe)
+            if train
+            else FastEvalDecode(recipe.eval_resize(size, cfg.TEST.IM_SIZE), size, mode, recipe)
+        )
         return (v2.Compose([crop, policy]) if policy is not None else crop), True
-    tf = folder_transform(train, size, cfg.TEST.IM_SIZE, cfg.MODEL.IN_CHANS, policy=policy,
-                          erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0, recipe=recipe)
+    tf = folder_transform(
+        train,
+        size,
+        cfg.TEST.IM_SIZE,
+        cfg.MODEL.IN_CHANS,
+        policy=policy,
+        erase=cfg.TRAIN.RANDOM_ERASE if train else 0.0,
+        recipe=recipe,
+    )
     return v2.Compose([functools.partial(open_image, mode=mode), *tf.transforms]), False
 
 
 def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
-    """TEST shards' labels in the TRAIN shards' numbering (a val split may lack classes), by class name."""
+    """TEST shards' labels in the TRAIN shards' numbering (a val split
+    may lack classes), by class name."""
     if key == "TRAIN" or sources.source_kind(cfg.TRAIN.DATASET) != "shards":
         return None
     train = load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes
@@ -96,38 +131,67 @@ def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
     position = {name: i for i, name in enumerate(train)}
     extra = [c for c in shard_set.classes if c not in position]
     if extra:
-        raise UserError(f"TEST.DATASET has classes that the training shards lack: {', '.join(extra[:5])}; "
-                        "val classes must be a subset of the train classes")
+        raise UserError(
+            f"TEST.DATASET has classes that the training shards lack: {', '.join(extra[:5])}; "
+            "val classes must be a subset of the train classes"
+        )
     return [position[c] for c in shard_set.classes]
 
 
-def build_shard_loader(cfg: CfgNode, key: str, train: bool, rank: int, world_size: int,
-                       device: torch.device, seed: int) -> Any:
-    """The loader of the shard set cfg[key].DATASET names: training batches (train) or exact evaluation."""
+def build_shard_loader(
+    cfg: CfgNode, key: str, train: bool, rank: int, world_size: int, device: torch.device, seed: int
+) -> Any:
+    """The loader of the shard set cfg[key].DATASET names: training
+    batches (train) or exact evaluation."""
     group = cfg[key]
     shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
     decode, batched = _decoder(cfg, train)
-    on_device = batched and decodes_on_device(cfg, device, rank, world_size, lambda: _first_images(shard_set))
+    on_device = batched and decodes_on_device(
+        cfg, device, rank, world_size, lambda: _first_images(shard_set)
+    )
     if on_device:
         decode = DeviceDecode(decode)
     dataset = ShardDataset(
-        shard_set, decode, rank=rank, world_size=world_size, train=train, seed=seed,
-        batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE, accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
-        workers=cfg.TRAIN.WORKERS, shuffle_block=cfg.TRAIN.SHARD_SHUFFLE, bad_images=cfg.TRAIN.BAD_IMAGES,
-        label_map=_label_map(cfg, key, shard_set), collate_images=encoded_images if on_device else default_collate)
-    # Batches come whole from the workers (batch_size=None); the workers live as long as the loader.
-    # The workers leave stop signals to the main process (batches.quiet_worker).
-    loader = ShardLoader(track_workers(DataLoader(dataset, batch_size=None, num_workers=cfg.TRAIN.WORKERS,
-                                                  persistent_workers=cfg.TRAIN.WORKERS > 0, worker_init_fn=quiet_worker,
-                                                  pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda")))
+        shard_set,
+        decode,
+        rank=rank,
+        world_size=world_size,
+        train=train,
+        seed=seed,
+        batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE,
+        accum=cfg.TRAIN.ACCUM_STEPS if train else 1,
+        workers=cfg.TRAIN.WORKERS,
+        shuffle_block=cfg.TRAIN.SHARD_SHUFFLE,
+        bad_images=cfg.TRAIN.BAD_IMAGES,
+        label_map=_label_map(cfg, key, shard_set),
+        collate_images=encoded_images if on_device else default_collate,
+    )
+    # Batches come whole from the workers (batch_size=None); the workers
+    # live as long as the loader. The workers leave stop signals to the
+    # main process (batches.quiet_worker).
+    loader = ShardLoader(
+        track_workers(
+            DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=cfg.TRAIN.WORKERS,
+                persistent_workers=cfg.TRAIN.WORKERS > 0,
+                worker_init_fn=quiet_worker,
+                pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
+            )
+        )
+    )
     if not batched:
         return loader
-    batches = NormalizedBatches(loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0)
+    batches = NormalizedBatches(
+        loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0
+    )
     return DecodedBatches(batches, decode) if on_device else batches
 
 
 def _first_images(shard_set: ShardSet) -> list[bytes]:
-    """The image bytes of the first shard's first records: what TRAIN.IMAGE_DECODE auto times the CPU on."""
+    """The image bytes of the first shard's first records: what
+    TRAIN.IMAGE_DECODE auto times the CPU on."""
     found: list[bytes] = []
     for _, fields in tar.samples(shard_set.shards[0].path):
         found += [fields[e] for e in tar.IMAGE_EXTS if e in fields][:1]
@@ -137,15 +201,22 @@ def _first_images(shard_set: ShardSet) -> list[bytes]:
 
 
 class ShardPipeline(Pipeline):
-    """A shard set (pipeline.pipeline_class chooses it by the source's kind). part is always None:
-    check_datasets refuses TRAIN.VAL_SPLIT with shards."""
+    """A shard set (pipeline.pipeline_class chooses it by the source's
+    kind). part is always None: check_datasets refuses TRAIN.VAL_SPLIT
+    with shards."""
 
     name = "shards"
 
-    def train_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
-        return build_shard_loader(self.cfg, self.key, True, rank, world_size, device, self.cfg.RNG_SEED or 0)
+    def train_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> Any:
+        return build_shard_loader(
+            self.cfg, self.key, True, rank, world_size, device, self.cfg.RNG_SEED or 0
+        )
 
-    def eval_loader(self, part: str | None, rank: int, world_size: int, device: torch.device) -> Any:
+    def eval_loader(
+        self, part: str | None, rank: int, world_size: int, device: torch.device
+    ) -> Any:
         return build_shard_loader(self.cfg, self.key, False, rank, world_size, device, 0)
 
 

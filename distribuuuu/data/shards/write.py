@@ -1,15 +1,20 @@
-"""`distribuuuu data shard SRC DEST`: an image dataset as WebDataset-layout tar shards + index.json.
+"""`distribuuuu data shard SRC DEST`: an image dataset as
+WebDataset-layout tar shards + index.json.
 
-Each sample is two tar members, ``<key>.<ext>`` (the file's original encoded bytes, never
-re-encoded) and ``<key>.cls`` (the class index as ASCII), the layout webdataset.WebDataset reads.
-Samples are shuffled ONCE with ``seed`` before writing, so that a shard holds every class and not
-one (folders list class by class); the reader shuffles again per epoch. Keys are the sample's
-position in the sorted source listing ("%08d"), so a key names the same image in every run.
+Each sample is two tar members, ``<key>.<ext>`` (the file's original
+encoded bytes, never re-encoded) and ``<key>.cls`` (the class index as
+ASCII), the layout webdataset.WebDataset reads. Samples are shuffled
+ONCE with ``seed`` before writing, so that a shard holds every class and
+not one (folders list class by class); the reader shuffles again per
+epoch. Keys are the sample's position in the sorted source listing
+("%08d"), so a key names the same image in every run.
 
-The tars are written by hand with tarfile rather than webdataset.TarWriter: TarWriter stamps
-each member with the current time and the user's name, so two runs would differ; here the mtime,
-uid/gid, names, mode and member order are fixed, and the same input + seed give byte-identical
-shards. A shard is written to a temporary name and renamed when complete.
+The tars are written by hand with tarfile rather than
+webdataset.TarWriter: TarWriter stamps each member with the current time
+and the user's name, so two runs would differ; here the mtime, uid/gid,
+names, mode and member order are fixed, and the same input + seed give
+byte-identical shards. A shard is written to a temporary name and
+renamed when complete.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ _BLOCK = 512  # tar block: every member is a header block plus its data padded t
 
 
 def member_bytes(size: int) -> int:
-    """The bytes one tar member of `size` data bytes takes (header + padded data)."""
+    """The bytes one tar member of `size` data bytes takes (header +
+    padded data)."""
     return _BLOCK + (size + _BLOCK - 1) // _BLOCK * _BLOCK
 
 
@@ -46,7 +52,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-# A sample to write: (key, extension, a function returning its encoded bytes, class index)
+# A sample to write: (key, extension, a function returning its encoded
+# bytes, class index)
 Sample = tuple[str, str, Callable[[], bytes], int]
 
 
@@ -72,8 +79,9 @@ def _mnist5k_samples(split: str) -> tuple[list[str], list[Sample]]:
     # The digits exist only as pixels: encoded as PNG (lossless), once.
     digits, labels = datasets.load_mnist5k(split, "SRC")
     arr = digits[:, 0].numpy()
-    return list(datasets.MNIST_CLASSES), [(f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i]))
-                                         for i in range(len(arr))]
+    return list(datasets.MNIST_CLASSES), [
+        (f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i])) for i in range(len(arr))
+    ]
 
 
 def _splits_of(src: str) -> dict[str, Callable[[], tuple[list[str], list[Sample]]]]:
@@ -81,8 +89,11 @@ def _splits_of(src: str) -> dict[str, Callable[[], tuple[list[str], list[Sample]
     if src == "mnist5k":
         return {s: (lambda s=s: _mnist5k_samples(s)) for s in datasets.MNIST_SPLITS}
     if not os.path.isdir(src):
-        raise UserError(f"data shard: SRC {src!r} is neither a folder nor a built-in source; give an image folder "
-                        "(<class>/<image>), a dataset root holding train/ val/, or mnist5k")
+        raise UserError(
+            f"data shard: SRC {src!r} is neither a folder nor a built-in source; give an image "
+            "folder "
+            "(<class>/<image>), a dataset root holding train/ val/, or mnist5k"
+        )
     roots = [s for s in SPLIT_NAMES if os.path.isdir(os.path.join(src, s))]
     if roots:  # a dataset root, laid out like TRAIN.DATASET
         return {s: functools.partial(_folder_samples, os.path.join(src, s)) for s in roots}
@@ -98,9 +109,19 @@ def _bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, unit="img")
 
 
-def write_split(name: str, classes: list[str], samples: list[Sample], dest: str, *, shard_bytes: int,
-                shard_samples: int | None, seed: int, progress: bool) -> pathlib.Path:
-    """Write one split's shards and index.json into dest; returns the index path."""
+def write_split(
+    name: str,
+    classes: list[str],
+    samples: list[Sample],
+    dest: str,
+    *,
+    shard_bytes: int,
+    shard_samples: int | None,
+    seed: int,
+    progress: bool,
+) -> pathlib.Path:
+    """Write one split's shards and index.json into dest; returns the
+    index path."""
     if not samples:
         raise UserError(f"data shard: split {name!r} has no images")
     order = np.random.default_rng(seed).permutation(len(samples))
@@ -113,7 +134,10 @@ def write_split(name: str, classes: list[str], samples: list[Sample], dest: str,
             key, ext, read, label = samples[order[pos]]
             blob = read()  # one shard's bytes in memory at a time
             size = member_bytes(len(blob)) + member_bytes(len(str(label)))
-            if chunk and (used + size > shard_bytes or (shard_samples is not None and len(chunk) >= shard_samples)):
+            if chunk and (
+                used + size > shard_bytes
+                or (shard_samples is not None and len(chunk) >= shard_samples)
+            ):
                 break
             chunk.append((key, ext, blob, label))
             used, pos = used + size, pos + 1
@@ -124,38 +148,73 @@ def write_split(name: str, classes: list[str], samples: list[Sample], dest: str,
                 _add(tar, f"{key}.{ext}", blob)
                 _add(tar, f"{key}.cls", str(label).encode())
         os.replace(tmp, os.path.join(dest, shard))
-        shards.append({"name": shard, "num_samples": len(chunk), "bytes": os.path.getsize(os.path.join(dest, shard))})
+        shards.append(
+            {
+                "name": shard,
+                "num_samples": len(chunk),
+                "bytes": os.path.getsize(os.path.join(dest, shard)),
+            }
+        )
         if bar is not None:
             bar.update(len(chunk))
         k += 1
     if bar is not None:
         bar.close()
-    index = {"format": FORMAT, "split": name, "num_samples": len(samples), "classes": classes,
-             "shards": shards, "seed": seed}
+    index = {
+        "format": FORMAT,
+        "split": name,
+        "num_samples": len(samples),
+        "classes": classes,
+        "shards": shards,
+        "seed": seed,
+    }
     path = pathlib.Path(dest) / INDEX
     path.write_text(json.dumps(index, indent=1) + "\n")
     return path
 
 
-def write_shards(src: str, dest: str, *, shard_bytes: int = 256 * 2**20, shard_samples: int | None = None,
-                 seed: int = 0, progress: bool = True) -> list[pathlib.Path]:
-    """Shard every split of src into dest/<split>/ (see the module docstring); returns the index files.
+def write_shards(
+    src: str,
+    dest: str,
+    *,
+    shard_bytes: int = 256 * 2**20,
+    shard_samples: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[pathlib.Path]:
+    """Shard every split of src into dest/<split>/ (see the module
+    docstring); returns the index files.
 
-    src: an ImageFolder split (class folders), a dataset root holding train/ val/ [test/], or mnist5k.
+    src: an ImageFolder split (class folders), a dataset root holding
+    train/ val/ [test/], or mnist5k.
     """
     if shard_bytes < 1 or (shard_samples is not None and shard_samples < 1):
         raise UserError("data shard: --shard-size and --shard-samples must be positive")
     splits = _splits_of(src)
     for name in splits:
         out = os.path.join(dest, name)
-        # Writing into a folder with other files would mix old shards into the set.
+        # Writing into a folder with other files would mix old shards
+        # into the set.
         if os.path.isdir(out) and os.listdir(out):
-            raise UserError(f"data shard: {out} already exists and is not empty; remove it or choose another DEST")
+            raise UserError(
+                f"data shard: {out} already exists and is not empty; remove it or choose another "
+                "DEST"
+            )
     written = []
     for name, listing in splits.items():
         classes, samples = listing()
-        written.append(write_split(name, classes, samples, os.path.join(dest, name), shard_bytes=shard_bytes,
-                                   shard_samples=shard_samples, seed=seed, progress=progress))
+        written.append(
+            write_split(
+                name,
+                classes,
+                samples,
+                os.path.join(dest, name),
+                shard_bytes=shard_bytes,
+                shard_samples=shard_samples,
+                seed=seed,
+                progress=progress,
+            )
+        )
     return written
 
 
@@ -167,7 +226,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(t[:-1] if unit else t)
     except ValueError:
-        raise UserError(f"data shard: --shard-size {text!r} is not a size; write e.g. 256MB, 64M, 1G or 500K") from None
+        raise UserError(
+            f"data shard: --shard-size {text!r} is not a size; write e.g. 256MB, 64M, 1G or 500K"
+        ) from None
     if value <= 0:
         raise UserError(f"data shard: --shard-size must be positive, got {text!r}")
     return int(value * units[unit])
