@@ -115,9 +115,9 @@ def decode_rates(root: str, device_name: str, n: int, batch: int, size: int) -> 
     images per CPU-second of that thread (unmoved by other processes on the cores); the GPU's by the clock."""
     import torch
 
-    from distribuuuu.data.batches import NormalizedBatches
-    from distribuuuu.data.device_decode import DecodedBatches, DeviceDecode, encoded_images
-    from distribuuuu.data.images import FastTrainDecode
+    from distribuuuu.data.decoding.cpu import FastTrainDecode
+    from distribuuuu.data.decoding.device import DecodedBatches, DeviceDecode, encoded_images
+    from distribuuuu.data.loading.batches import NormalizedBatches
     from distribuuuu.data.transforms import IMAGENET_STATS
 
     torch.set_num_threads(1)

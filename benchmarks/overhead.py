@@ -43,6 +43,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from distribuuuu.data.decoding import cpu
+
 RESULTS: list[tuple[str, str, str]] = []  # (section, figure, value) for the final table
 
 
@@ -421,7 +423,7 @@ def _cpu_throughput(loader: Any, n_batches: int) -> float:
 
 def section_jpeg(args: argparse.Namespace) -> None:
     from distribuuuu import data
-    from distribuuuu.data import images as dtf
+    from distribuuuu.data.decoding import cpu
 
     torch.set_num_threads(1)
     n_images = 128 if args.quick else 256
@@ -449,8 +451,8 @@ def section_jpeg(args: argparse.Namespace) -> None:
                 report("jpeg", f"{size} px: {name} img/CPU-s", f"{med(xs):.1f}  [{min(xs):.1f} .. {max(xs):.1f}]")
             report("jpeg", f"{size} px: ratio fast / torchvision default (per core)",
                    f"{med(res['distribuuuu IMAGE_DECODE fast']) / med(res['torchvision default ImageFolder pipeline']):.2f}x")
-            _jpeg_distribution(tmp, size, dtf)
-    _jpeg_reduced_decoding(args, dtf)
+            _jpeg_distribution(tmp, size, cpu)
+    _jpeg_reduced_decoding(args, cpu)
 
 
 def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
@@ -461,15 +463,15 @@ def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
         paths = sorted(glob.glob(f"{tmp}/train/*/*.jpg"))
         print(f"\n[jpeg] {n} JPEGs 1000x750, RandomResizedCrop(224): reduced-size decoding on / off, "
               f"img per CPU-second of FastTrainDecode ({load()})", flush=True)
-        decode, threshold = dtf.FastTrainDecode(224, "RGB"), dtf.HALF_SCALE_MIN_PIXELS
+        decode, threshold = cpu.FastTrainDecode(224, "RGB"), cpu.HALF_SCALE_MIN_PIXELS
 
         def run(on: bool) -> float:
-            dtf.HALF_SCALE_MIN_PIXELS = threshold if on else 10**12  # off: never 1/2 (1/4 needs >= 896 px crops)
+            cpu.HALF_SCALE_MIN_PIXELS = threshold if on else 10**12  # off: never 1/2 (1/4 needs >= 896 px crops)
             torch.manual_seed(0)
             start = time.process_time()
             for p in paths:
                 decode(p)
-            dtf.HALF_SCALE_MIN_PIXELS = threshold
+            cpu.HALF_SCALE_MIN_PIXELS = threshold
             return len(paths) / (time.process_time() - start)
 
         res = interleaved({"on": lambda: run(True), "off": lambda: run(False)}, 3 if args.quick else 5)
@@ -484,7 +486,7 @@ def _jpeg_distribution(root: str, size: int, dtf: Any) -> None:
     from PIL import Image
 
     ref_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
-    fast = dtf.FastTrainDecode(size, "RGB")
+    fast = cpu.FastTrainDecode(size, "RGB")
     paths = sorted(glob.glob(f"{root}/train/*/*.jpg"))
     diffs, refs, fasts, drafted = [], [], [], 0
     for i, path in enumerate(paths):
@@ -496,7 +498,7 @@ def _jpeg_distribution(root: str, size: int, dtf: Any) -> None:
         width, height = Image.open(path).size
         _, _, h, w = T.RandomResizedCrop.get_params(torch.empty(1).expand(1, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
         with open(path, "rb") as f:
-            drafted += dtf.decode_scale(f.read(), width, height, w, h, size) > 1
+            drafted += cpu.decode_scale(f.read(), width, height, w, h, size) > 1
         diffs.append((r - x).abs().mean().item())
         refs.append(r)
         fasts.append(x)

@@ -21,7 +21,8 @@ import shutil
 import tempfile
 import time
 
-from distribuuuu.data import checks, images, sources
+from distribuuuu.data.checks import overlap
+from distribuuuu.data.sources import folder
 
 
 def _write_files(root: str, n: int) -> None:
@@ -55,10 +56,10 @@ def main() -> None:
             paths = []
             for split in ("train", "val"):
                 split_dir = os.path.join(root, split)
-                listing = images.list_split(split_dir, sources.folder_classes(split_dir))
+                listing = folder.list_split(split_dir, folder.folder_classes(split_dir))
                 paths.append([p for p, _ in listing.samples()])
             t1 = time.perf_counter()
-            found = checks.find(*paths)
+            found = overlap.find(*paths)
             t2 = time.perf_counter()
             best = (t1 - t0, t2 - t1) if best is None else (min(best[0], t1 - t0), min(best[1], t2 - t1))
     finally:

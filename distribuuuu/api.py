@@ -46,6 +46,7 @@ from distribuuuu import (
 from distribuuuu.engine import HookBase, evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.inference import LoadedModel
+from distribuuuu.inferred.data import training_data_is_test_data
 from distribuuuu.launch import comm, launcher, signals, store
 from distribuuuu.logger import LOGGER_NAME, accuracies, discard_log, release_log, setup_logging
 
@@ -84,11 +85,9 @@ def _check_batch_fits(command: str, cfg: Any) -> None:
         if size > limit:
             raise UserError(
                 f"one {'training' if key == 'TRAIN' else 'evaluation'} batch ({key}.BATCH_SIZE "
-                f"{batch} images of "
-                f"{cfg.MODEL.IN_CHANS}x{side}x{side}, float32) is {_gib(size)}, more than this "
-                f"host's {_gib(limit)} "
-                f"of memory before any activation; lower {key}.IM_SIZE (e.g. 224) or "
-                f"{key}.BATCH_SIZE"
+                f"{batch} images of {cfg.MODEL.IN_CHANS}x{side}x{side}, float32) is {_gib(size)}, "
+                f"more than this host's {_gib(limit)} of memory before any activation; lower "
+                f"{key}.IM_SIZE (e.g. 224) or {key}.BATCH_SIZE"
             )
 
 
@@ -141,8 +140,8 @@ def _as_cfg(cfg: ConfigLike) -> CfgNode:
     if isinstance(cfg, (str, os.PathLike)):
         return config.load_config(os.fspath(cfg))
     raise TypeError(
-        f"cfg must be a CfgNode from distribuuuu.config.load_config or a YAML path, "
-        f"not {type(cfg).__name__}"
+        "cfg must be a CfgNode from distribuuuu.config.load_config or a YAML path, not "
+        f"{type(cfg).__name__}"
     )
 
 
@@ -240,12 +239,12 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     run = run_folder.RunFolder(cfg)
     engine.seed_everything(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
-    if cfg.TRAIN.VAL_SPLIT and inferred.test_is_training_data(
+    if cfg.TRAIN.VAL_SPLIT and training_data_is_test_data(
         cfg
     ):  # a folder of class folders: its held-out part
         log.info(
-            "[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g held "
-            "out",
+            "[eval] TEST.DATASET is the training data: evaluating the part TRAIN.VAL_SPLIT %g "
+            "held out",
             cfg.TRAIN.VAL_SPLIT,
         )
         loader = data.build_val_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
@@ -290,8 +289,8 @@ def _check_eval_overlap(cfg: CfgNode, is_main: bool) -> None:
         return data.check_overlap(cfg, is_main)
     if is_main and t.OVERLAP != "off":
         log.warning(
-            "TRAIN.DATASET %r is not here, so whether TEST.DATASET %r holds training images is not "
-            "checked",
+            "TRAIN.DATASET %r is not here, so whether TEST.DATASET %r holds training images is "
+            "not checked",
             t.DATASET,
             cfg.TEST.DATASET,
         )

@@ -159,8 +159,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _spawn(args.command, args.cfg_file, opts, _nproc(args.nproc), args.master_port)
     if args.master_port is not None:
         raise UserError(
-            "--master-port goes with --nproc-per-node; under torchrun or "
-            "torch.distributed.launch give it to the launcher, elsewhere set MASTER_PORT"
+            "--master-port goes with --nproc-per-node; under torchrun or torch.distributed.launch "
+            "give it to the launcher, elsewhere set MASTER_PORT"
         )
     return run(args.command, args.cfg_file, opts)
 
@@ -236,8 +236,7 @@ def _with_checkpoint(command: str, checkpoint: str | None, opts: list[str]) -> l
         if bare:
             raise UserError(
                 f"{command} takes the checkpoint as --checkpoint PATH (or MODEL.WEIGHTS PATH), not "
-                "as a "
-                f"bare word: distribuuuu {command} --checkpoint {bare[0]}"
+                f"as a bare word: distribuuuu {command} --checkpoint {bare[0]}"
             )
     return opts
 
@@ -289,8 +288,8 @@ def _spawn(
 
     if launcher.detect().launcher != "plain":
         raise UserError(
-            "--nproc-per-node starts its own processes; drop it when running under "
-            "torchrun, torch.distributed.launch or srun"
+            "--nproc-per-node starts its own processes; drop it when running under torchrun, "
+            "torch.distributed.launch or srun"
         )
     cfg = inferred.resolve(
         command_config(command, cfg_file, opts), nproc
@@ -370,8 +369,8 @@ def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
     if args.list_shipped:
         if args.cfg_file or opts:
             raise UserError(
-                "config --list lists the shipped configs; it takes no --cfg or KEY VALUE "
-                "(drop them, or drop --list to print a merged config)"
+                "config --list lists the shipped configs; it takes no --cfg or KEY VALUE (drop "
+                "them, or drop --list to print a merged config)"
             )
         from distribuuuu.config import shipped
 

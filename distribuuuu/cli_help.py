@@ -46,8 +46,7 @@ CHECKPOINT: Option = (
         metavar="PATH",
         help=(
             "the checkpoint (or weights file) to use: the same as MODEL.WEIGHTS PATH (default: "
-            "none, MODEL.WEIGHTS, else "
-            "the checkpoint OUT_DIR's run chose)"
+            "none, MODEL.WEIGHTS, else the checkpoint OUT_DIR's run chose)"
         ),
     ),
 )
@@ -58,8 +57,7 @@ NPROC: Option = (
         default=None,
         help=(
             "start N processes on this machine with the built-in spawner ('auto': one per GPU, "
-            "else one per CPU core); "
-            "default: none, one process (or what torchrun / srun started)"
+            "else one per CPU core); default: none, one process (or what torchrun / srun started)"
         ),
     ),
 )
@@ -71,8 +69,7 @@ MASTER_PORT: Option = (
         default=None,
         help=(
             "with --nproc-per-node: the rendezvous port (default: MASTER_PORT if set, else a free "
-            "one); a port in use is "
-            "replaced by a free one"
+            "one); a port in use is replaced by a free one"
         ),
     ),
 )
@@ -92,9 +89,8 @@ IMPORT: Option = (
         metavar="MODULE",
         help=(
             "import MODULE (a dotted name or a .py file) in every process before the model and "
-            "data are built, e.g. to "
-            "register a timm model; repeatable, adds to IMPORTS (default: none beyond the config's "
-            "IMPORTS)"
+            "data are built, e.g. to register a timm model; repeatable, adds to IMPORTS (default: "
+            "none beyond the config's IMPORTS)"
         ),
     ),
 )
@@ -110,9 +106,8 @@ BENCH_OPTIONS: list[Option] = [
             type=int,
             default=20,
             help=(
-                "timed iterations per measurement (the model's: at least this many calls' time, in "
-                "blocks chosen by "
-                "torch.utils.benchmark.Timer)"
+                "timed iterations per measurement (the model's: at least this many calls' time, "
+                "in blocks chosen by torch.utils.benchmark.Timer)"
             ),
         ),
     ),
@@ -187,8 +182,7 @@ BENCH_OPTIONS: list[Option] = [
             action="store_true",
             help=(
                 "time the training data loader alone against the number of loader workers, image "
-                "folder vs shards of the "
-                "same images (io.csv, io.png)"
+                "folder vs shards of the same images (io.csv, io.png)"
             ),
         ),
     ),
@@ -215,8 +209,7 @@ BENCH_OPTIONS: list[Option] = [
             metavar="DIR",
             help=(
                 "--io: keep the shards of a folder dataset in DIR and reuse them (default: none, "
-                "written to a temporary "
-                "folder and removed)"
+                "written to a temporary folder and removed)"
             ),
         ),
     ),
@@ -229,8 +222,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
     "train": ("train a model", [CFG, NPROC, MASTER_PORT, LOCAL_RANK, IMPORT, OPTS]),
     "eval": (
         "evaluate a checkpoint (--checkpoint PATH) on the val split (without --cfg: with the "
-        "config stored "
-        "in the checkpoint)",
+        "config stored in the checkpoint)",
         [
             CFG_STORED,
             CHECKPOINT,
@@ -244,8 +236,8 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
                     default=None,
                     metavar="DIR",
                     help=(
-                        "also write confusion.csv (rows: true class, columns: predicted) into DIR: "
-                        "the same as TEST.OUT_DIR DIR (default: none)"
+                        "also write confusion.csv (rows: true class, columns: predicted) into "
+                        "DIR: the same as TEST.OUT_DIR DIR (default: none)"
                     ),
                 ),
             ),
@@ -294,8 +286,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
     ),
     "predict": (
         "top-k classes of image files, folders and globs (without --cfg: the checkpoint's config, "
-        "class "
-        "names and preprocessing)",
+        "class names and preprocessing)",
         [
             CFG_STORED,
             CHECKPOINT,
@@ -319,8 +310,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
                     metavar="FILE",
                     help=(
                         "write the predictions to FILE, CSV or JSON by its suffix (preds.csv, "
-                        "preds.json); "
-                        "default: none, a table on stdout"
+                        "preds.json); default: none, a table on stdout"
                     ),
                 ),
             ),
@@ -332,8 +322,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
                     choices=["csv", "json"],
                     help=(
                         "csv or json, whatever --output's suffix; without --output: to stdout "
-                        "(default: from "
-                        "--output's suffix)"
+                        "(default: from --output's suffix)"
                     ),
                 ),
             ),
@@ -341,8 +330,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
     ),
     "export": (
         "TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model "
-        "card "
-        "(without --cfg: the checkpoint's config)",
+        "card (without --cfg: the checkpoint's config)",
         [
             CFG_STORED,
             CHECKPOINT,
@@ -376,9 +364,8 @@ DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
                     metavar="SOURCE",
                     help=(
                         "mnist5k (28x28), digits: scikit-learn's 1,797 8x8 digits (needs "
-                        "scikit-learn), or faces: "
-                        "scikit-image's 200 25x25 gray crops of LFW photos, faces and backgrounds "
-                        "(needs scikit-image)"
+                        "scikit-learn), or faces: scikit-image's 200 25x25 gray crops of LFW "
+                        "photos, faces and backgrounds (needs scikit-image)"
                     ),
                 ),
             ),

@@ -15,8 +15,8 @@ import sys
 import warnings
 
 warnings.warn(
-    "distribuuuu.dist is now distribuuuu.launch (and dist.launch is launch.launcher); "
-    "the old name goes in the next release",
+    "distribuuuu.dist is now distribuuuu.launch (and dist.launch is launch.launcher); the old "
+    "name goes in the next release",
     DeprecationWarning,
     stacklevel=2,
 )

@@ -52,8 +52,8 @@ def write_failure(path: str, error: BaseException | None, kept: str = "") -> Wri
         return None
     failure = WriteFailed(
         f"cannot write {path}: {os.strerror(error.errno)} ({errno.errorcode[error.errno]}); "
-        f"{kept + '; ' if kept else ''}{_REMEDIES[error.errno]}, or give another OUT_DIR, "
-        "and run the same command again"
+        f"{kept + '; ' if kept else ''}{_REMEDIES[error.errno]}, or give another OUT_DIR, and run "
+        "the same command again"
     )
     failure.errno = (
         error.errno

@@ -145,8 +145,7 @@ def split_parameters(
         raise UserError(
             f"cannot find the classifier of this {type(model).__name__} (no Linear or conv layer), "
             "which TRAIN.FREEZE_BACKBONE_EPOCHS and OPTIM.BACKBONE_LR_SCALE leave training; set "
-            "them "
-            "to 0 and 1.0"
+            "them to 0 and 1.0"
         )
     params = list(model.parameters()) if params is None else list(params)
     return [p for p in params if id(p) not in head_ids], [p for p in params if id(p) in head_ids]

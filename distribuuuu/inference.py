@@ -126,8 +126,8 @@ def config_from_text(text: str, source: str, opts: list[str]) -> CfgNode:
         config.merge_text(cfg, text, f"the config stored in {source}")
     except UserError as e:
         raise UserError(
-            f"the config stored in {source} does not fit this version of distribuuuu ({e}); "
-            "give the run's config with --cfg FILE"
+            f"the config stored in {source} does not fit this version of distribuuuu ({e}); give "
+            "the run's config with --cfg FILE"
         ) from None
     config.merge_opts(cfg, opts)
     config.validate(cfg)
@@ -149,10 +149,8 @@ def _require_imported_files(cfg: CfgNode, source: str) -> None:
     if gone:
         raise UserError(
             f"{source}: the run imported {gone[0]} (IMPORTS; it registers code the model or data "
-            "need, "
-            f"e.g. MODEL.ARCH {cfg.MODEL.ARCH!r}), and that file is gone; put it back there, or "
-            "name "
-            "the module that registers it with --import FILE (replacing IMPORTS)"
+            f"need, e.g. MODEL.ARCH {cfg.MODEL.ARCH!r}), and that file is gone; put it back there, "
+            "or name the module that registers it with --import FILE (replacing IMPORTS)"
         )
 
 
@@ -173,13 +171,13 @@ def require_weights_file(weights: str) -> None:
     which."""
     if os.path.isdir(weights):  # a run folder, most likely: name its file
         raise UserError(
-            f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file "
-            f"(e.g. {best_path(weights)})"
+            f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file (e.g. "
+            f"{best_path(weights)})"
         )
     if not os.path.isfile(weights):
         raise UserError(
-            f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint "
-            f"(e.g. {best_path('OUT_DIR')}) or of a weights file"
+            f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint (e.g. "
+            f"{best_path('OUT_DIR')}) or of a weights file"
         )
 
 
@@ -200,8 +198,8 @@ def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
         example += " photo.png" if command == "predict" else ""
         raise UserError(
             f"{command} needs {needs}: give --checkpoint PATH (or MODEL.WEIGHTS PATH), e.g. "
-            f"`{example}`, or the OUT_DIR of a run ({os.path.join(cfg.OUT_DIR, CHECKPOINTS)} "
-            f"holds no {BEST} or {LAST})"
+            f"`{example}`, or the OUT_DIR of a run ({os.path.join(cfg.OUT_DIR, CHECKPOINTS)} holds "
+            f"no {BEST} or {LAST})"
         )
     cfg = cfg.clone()
     cfg.defrost()
@@ -260,19 +258,18 @@ def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCar
     """The card described from the config's data: the TRAIN folder's
     class names when it is here (else numbers), or the TEST data of a
     built-in / registered source (as predict always did)."""
-    from distribuuuu.data import build_dataset, shards, sources
+    from distribuuuu.data import build_dataset, sources
+    from distribuuuu.data.shards.index import load_shard_set
+    from distribuuuu.data.sources.folder import folder_classes
 
-    kind = "dummy" if cfg.MODEL.DUMMY_INPUT else sources.source_kind(cfg.TRAIN.DATASET)
-    if kind == "shards":
-        return describe(
-            cfg,
-            None,
-            classes or shards.load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes,
-        )
+    kind = sources.kind_of(cfg, "TRAIN")
+    if kind == "shards" and classes is None:
+        classes = load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes
     if kind == "folder":
         train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         if classes is None and os.path.isdir(train_dir):
-            classes = sources.folder_classes(train_dir)
+            classes = folder_classes(train_dir)
+    if kind in ("shards", "folder"):
         return describe(cfg, None, classes)
     return describe(cfg, build_dataset(cfg, train=False), classes)
 

@@ -279,8 +279,8 @@ class Progress:
 
     def _show_on_bar(self, loss: float, top1: float, topk: float, img_s: float, eta: str) -> None:
         self.bar.set_postfix_str(
-            f"loss {loss:.4f}, {accuracies(top1, self.topk, topk).replace(' |', ',')}, "
-            f"{img_s:.0f} img/s, run eta {eta}",
+            f"loss {loss:.4f}, {accuracies(top1, self.topk, topk).replace(' |', ',')}, {img_s:.0f} "
+            f"img/s, run eta {eta}",
             refresh=False,
         )
 

@@ -38,8 +38,10 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.data import images, sources
+from distribuuuu.data.decoding.cpu import as_mode
+from distribuuuu.data.loading.items import ImageDataset
 from distribuuuu.data.shards.reader import ShardDataset
+from distribuuuu.data.sources import registry
 from distribuuuu.data.transforms import image_stats, recipe_of, stats_for_channels
 from distribuuuu.errors import UserError
 from distribuuuu.weights import CARD_KEY  # the checkpoint entry (weights.py: the checkpoint format)
@@ -92,8 +94,8 @@ class ModelCard:
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
         if missing:
             raise UserError(
-                f"the model card lacks {', '.join(missing)}: "
-                "it was not written by this version of distribuuuu"
+                f"the model card lacks {', '.join(missing)}: it was not written by this version of "
+                "distribuuuu"
             )
         kept = {k: v for k, v in data.items() if k in names}
         return cls(
@@ -139,8 +141,8 @@ class ModelCard:
         """One line for logs and messages."""
         return (
             f"{self.arch}, {self.num_classes} classes, "
-            f"{self.in_chans}x{self.image_size}x{self.image_size} "
-            f"(resize {self.resize}, {self.interpolation}, mean {self.mean} std {self.std})"
+            f"{self.in_chans}x{self.image_size}x{self.image_size} (resize {self.resize}, "
+            f"{self.interpolation}, mean {self.mean} std {self.std})"
         )
 
     def fill_unset(self, cfg: CfgNode) -> list[str]:
@@ -186,7 +188,7 @@ class ToMode:
         self.mode = mode
 
     def __call__(self, image: Image.Image) -> Image.Image:
-        return images.as_mode(image, self.mode)
+        return as_mode(image, self.mode)
 
     def __repr__(self) -> str:
         return f"ToMode({self.mode!r})"
@@ -208,7 +210,7 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
     recipe, chans, size = recipe_of(cfg), cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE
     names = [str(c) for c in (classes if classes is not None else getattr(dataset, "classes", []))]
     names += [str(c) for c in range(len(names), cfg.MODEL.NUM_CLASSES)]
-    if dataset is None or isinstance(dataset, (images.FolderDataset, ShardDataset)):  # image files
+    if dataset is None or isinstance(dataset, (ImageDataset, ShardDataset)):  # image files
         stats, resize, crop_pct = (
             image_stats(cfg),
             recipe.eval_resize(size, cfg.TEST.IM_SIZE),
@@ -218,7 +220,7 @@ def describe(cfg: CfgNode, dataset: Any | None, classes: list[str] | None = None
     # the tensor sources resize to TRAIN.IM_SIZE, no crop; ready items:
     # the stats their source states
     else:
-        stated = sources.stated_stats(cfg.TRAIN.DATASET, dataset)
+        stated = registry.stated_stats(cfg.TRAIN.DATASET, dataset)
         stats = _normalize_of(dataset) or (
             stats_for_channels(stated, chans) if stated else ([0.0] * chans, [1.0] * chans)
         )

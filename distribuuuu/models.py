@@ -155,8 +155,7 @@ def _check_timm_tag(arch: str) -> None:
         tags = ", ".join(sorted(known)) if known else "none"
         raise UserError(
             f"MODEL.ARCH {arch!r}: timm has no pretrained tag {tag!r} for {name} (its tags: "
-            f"{tags}); "
-            f"use one of those as {name}.TAG, or {name} alone for its default"
+            f"{tags}); use one of those as {name}.TAG, or {name} alone for its default"
         )
 
 
@@ -168,10 +167,8 @@ def _unknown_arch(arch: str) -> UserError:
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     return UserError(
         f"unknown MODEL.ARCH {arch!r}{hint}; any torchvision or timm classification model name "
-        "works, "
-        f"or one of {', '.join(ALIASES)}, or a function registered with "
-        "distribuuuu.models.register_model in a "
-        "module that IMPORTS names"
+        f"works, or one of {', '.join(ALIASES)}, or a function registered with "
+        "distribuuuu.models.register_model in a module that IMPORTS names"
     )
 
 
@@ -264,8 +261,8 @@ def _with_in_chans(model: nn.Module, name: str, in_chans: int) -> nn.Module:
     conv_name, conv = _first_conv(model)
     if conv.in_channels != 3 or conv.groups != 1:
         raise UserError(
-            f"MODEL.IN_CHANS {in_chans} is not supported for {name}: its first "
-            "convolution is not a plain 3-channel one; use MODEL.IN_CHANS 3"
+            f"MODEL.IN_CHANS {in_chans} is not supported for {name}: its first convolution is not "
+            "a plain 3-channel one; use MODEL.IN_CHANS 3"
         )
     new = nn.Conv2d(
         in_chans,
@@ -287,8 +284,8 @@ def _use_small_stem(model: nn.Module, arch: str) -> None:
     if not isinstance(model, (torchvision.models.ResNet, TimmResNet)):
         raise UserError(
             "MODEL.SMALL_STEM True supports the ResNet family only (torchvision or timm ResNets "
-            "such as "
-            f"resnet18, resnet50, resnet_tiny), not MODEL.ARCH {arch}; set MODEL.SMALL_STEM False"
+            f"such as resnet18, resnet50, resnet_tiny), not MODEL.ARCH {arch}; set "
+            "MODEL.SMALL_STEM False"
         )
     _, first = _first_conv(model.conv1)  # conv1 is a Sequential in timm's deep stems
     out_chans = model.bn1.num_features  # what the stem hands to layer1
@@ -438,10 +435,8 @@ def pretrained_file(arch: str) -> str:
         hint = f" ({'; '.join(hints)})" if hints else ""
         raise UserError(
             f"MODEL.PRETRAINED True needs the weights of {arch} as a local file (nothing is "
-            "downloaded): "
-            f"put them at {paths[0]}{hint}, or give a file's path: MODEL.PRETRAINED PATH (or "
-            "MODEL.WEIGHTS PATH "
-            "for weights of this very model)"
+            f"downloaded): put them at {paths[0]}{hint}, or give a file's path: MODEL.PRETRAINED "
+            "PATH (or MODEL.WEIGHTS PATH for weights of this very model)"
         )
     return found[0]
 

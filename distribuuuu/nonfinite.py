@@ -71,8 +71,7 @@ def advice(cfg: CfgNode) -> str:
     )
     return (
         f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad "
-        "values; "
-        f"the checkpoints and metrics so far are kept in {cfg.OUT_DIR}"
+        f"values; the checkpoints and metrics so far are kept in {cfg.OUT_DIR}"
     )
 
 
@@ -308,8 +307,7 @@ class Synced(Unguarded):
         if skips:
             log.warning(
                 "non-finite loss or gradients: step skipped on every rank (%d in a row, at most "
-                "%d; %d "
-                "skipped before step %d)",
+                "%d; %d skipped before step %d)",
                 longest,
                 self.max_skips,
                 skips,

@@ -151,10 +151,9 @@ def load_checkpoint(path: str, label: str = "checkpoint") -> Any:
         if bad:
             raise DamagedCheckpoint(
                 f"{label} {path} is damaged: its contents changed after it was written (SHA-256 "
-                "mismatch in "
-                f"{', '.join(map(str, bad))}; bit rot or a bad copy), so it is not used. Use an "
-                "older "
-                "checkpoint of the run (epoch_NNNN.pth) or an intact copy of this file"
+                f"mismatch in {', '.join(map(str, bad))}; bit rot or a bad copy), so it is not "
+                "used. Use an older checkpoint of the run (epoch_NNNN.pth) or an intact copy of "
+                "this file"
             )
     return obj
 
@@ -177,10 +176,8 @@ def _unreadable(path: str, label: str, error: Exception) -> UserError:
         )
     return UserError(
         f"refused to load {label} {path}: it holds Python objects besides tensors, and unpickling "
-        "them "
-        f"could run code, so torch.load(weights_only=True) refused it ({why}). If you trust the "
-        "file, "
-        "re-save its state dict: torch.save(model.state_dict(), 'clean.pth')"
+        f"them could run code, so torch.load(weights_only=True) refused it ({why}). If you trust "
+        "the file, re-save its state dict: torch.save(model.state_dict(), 'clean.pth')"
     )
 
 
@@ -209,9 +206,8 @@ def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
         )
     if not os.path.isfile(path):
         raise UserError(
-            f"{label} {path} does not exist; give the path of a weights file "
-            "(a checkpoint such as OUT_DIR/checkpoints/best.pth, a state dict .pth, "
-            "or .safetensors)"
+            f"{label} {path} does not exist; give the path of a weights file (a checkpoint such as "
+            "OUT_DIR/checkpoints/best.pth, a state dict .pth, or .safetensors)"
         )
     if path.endswith(".safetensors"):
         try:
@@ -357,9 +353,9 @@ def _check_shapes(
         more = f" (and {len(others) - 1} more tensors)" if len(others) > 1 else ""
         raise UserError(
             f"{where}: layer {k} has shape {_fmt_shape(state[k])} in the file but "
-            f"{_fmt_shape(own[k])} in the model"
-            f"{more}; the file was saved from another architecture or with other MODEL.IN_CHANS, "
-            f"MODEL.SMALL_STEM or TRAIN.IM_SIZE settings{trained_as(path)}"
+            f"{_fmt_shape(own[k])} in the model{more}; the file was saved from another "
+            "architecture or with other MODEL.IN_CHANS, MODEL.SMALL_STEM or TRAIN.IM_SIZE "
+            f"settings{trained_as(path)}"
         )
 
 
@@ -383,10 +379,8 @@ def _drop_head(
         k, theirs, _ = _head_classes(bad, state, own)
         raise UserError(
             f"{where}: {k} has shape {_fmt_shape(state[k])} in the file but {_fmt_shape(own[k])} "
-            "in the model; "
-            f"set MODEL.NUM_CLASSES {theirs} to match (training from these weights re-initialises "
-            "the "
-            "classifier instead)"
+            f"in the model; set MODEL.NUM_CLASSES {theirs} to match (training from these weights "
+            "re-initialises the classifier instead)"
         )
     if not drop:
         return set(), ""
@@ -394,8 +388,7 @@ def _drop_head(
     why = "; a weights file given as MODEL.PRETRAINED starts a new task" if fresh_head else ""
     line = (
         f"{where}: the classifier {heads.describe(model)} is re-initialised ({theirs} classes in "
-        "the file, "
-        f"{mine} in the model{why}); every other tensor is loaded"
+        f"the file, {mine} in the model{why}); every other tensor is loaded"
     )
     for key in drop:
         del state[key]

@@ -374,12 +374,30 @@ def write_image(path: str, size: tuple[int, int], mode: str, seed: int) -> None:
     Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(path)
 
 
+def write_glyph(path: str, size: tuple[int, int], seed: int) -> None:
+    """A gray glyph: a white stroke on a black background (two-toned, as digits and letters are)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    image = Image.new("L", size, 0)
+    w, h = size
+    points = [(int(rng.integers(0, w)), int(rng.integers(0, h))) for _ in range(3)]
+    ImageDraw.Draw(image).line(points, fill=255, width=max(1, min(size) // 6))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    image.save(path)
+
+
 def write_image_tree(root: str, split: str, classes: dict[str, int], mode: str = "RGB",
                      ext: str = "png", size: tuple[int, int] = (12, 10)) -> None:
-    """root/split/<class>/<i>.<ext> with classes[name] images each."""
+    """root/split/<class>/<i>.<ext> with classes[name] images each (mode "glyph": gray glyphs)."""
     for c_idx, (name, n) in enumerate(sorted(classes.items())):
         for i in range(n):
-            write_image(os.path.join(root, split, name, f"{i}.{ext}"), size, mode, seed=100 * c_idx + i)
+            path = os.path.join(root, split, name, f"{i}.{ext}")
+            if mode == "glyph":
+                write_glyph(path, size, seed=100 * c_idx + i)
+            else:
+                write_image(path, size, mode, seed=100 * c_idx + i)
 
 
 def write_constant_image_tree(root: str, split: str, classes: dict[str, int], value: int = 120,
@@ -506,3 +524,12 @@ def wait_job(job_id: str, timeout: float) -> dict[str, str]:
 def cancel(name: str) -> None:
     """scancel every job named `name` (cleanup after a failed or timed-out test)."""
     subprocess.run(["scancel", "-n", name], capture_output=True, timeout=30)
+
+
+def pipeline_name(cfg, key: str) -> str:
+    """The pipeline that reads cfg[key], by its short name: memory, loader, shards or gpu."""
+    from distribuuuu.data.loading import pipeline_class
+
+    names = {"MemoryPipeline": "memory", "LoaderPipeline": "loader", "ShardPipeline": "shards",
+             "DeviceDecodePipeline": "gpu"}
+    return names[pipeline_class(cfg, key).__name__]

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from distribuuuu import data
-from distribuuuu.data import batches, datasets, transforms
-from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
-from distribuuuu.data.pipeline import ResumableDistributedSampler
+from distribuuuu.data import transforms
+from distribuuuu.data.loading import batches
+from distribuuuu.data.loading.memory import MemoryLoader, pad_crop_flip
+from distribuuuu.data.loading.samplers import ResumableDistributedSampler
+from distribuuuu.data.sources import builtin
 from tests.conftest import (
     TINY,
     check,
@@ -33,7 +35,7 @@ MNIST_NORM = batches.BatchNormalize(transforms.MNIST_STATS)
 
 def _digit_copies(n: int) -> torch.Tensor:
     """n copies of one mnist5k digit, uint8 [n, 1, 28, 28]."""
-    images, _ = datasets.load_mnist5k("train", "TRAIN")
+    images, _ = builtin.load_mnist5k("train", "TRAIN")
     return images[:1].expand(n, -1, -1, -1).contiguous()
 
 
@@ -175,7 +177,7 @@ def test_off_by_default_memory_batches_equal_crop_flip_normalize():
     torch.manual_seed(0)
     got = [x for _, (x, _) in zip(range(3), loader)]
     after = torch.rand(4)
-    images, _ = datasets.load_mnist5k("train", "TRAIN")
+    images, _ = builtin.load_mnist5k("train", "TRAIN")
     padded, order = F.pad(images, (2,) * 4), torch.tensor(list(loader.sampler))
     torch.manual_seed(0)
     want = [MNIST_NORM(pad_crop_flip(padded, order[b * 16:(b + 1) * 16], 28, 2, False)) for b in range(3)]
@@ -190,7 +192,7 @@ def test_off_by_default_per_sample_and_fast_paths_add_nothing(tmp_path):
     assert [type(s) for s in steps] == [v2.RandomCrop, v2.ToDtype, v2.Normalize]
     ref = v2.Compose([v2.RandomCrop(28, padding=2, fill=0), v2.ToDtype(torch.float32, scale=True),
                       v2.Normalize(mean=[0.1307], std=[0.3081])])
-    images, _ = datasets.load_mnist5k("train", "TRAIN")
+    images, _ = builtin.load_mnist5k("train", "TRAIN")
     torch.manual_seed(0)
     x, _ = next(iter(loader))
     after = torch.rand(4)

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from distribuuuu import data, engine, models
-from distribuuuu.data import balance
-from distribuuuu.data.datasets import TensorImageDataset
-from distribuuuu.data.pipeline import ResumableDistributedSampler
+from distribuuuu.data.loading import balance
+from distribuuuu.data.loading.items import TensorImageDataset
+from distribuuuu.data.loading.samplers import ResumableDistributedSampler
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 from tests.conftest import (
@@ -52,7 +52,7 @@ def _own(folder, classes: int) -> dict:
 
 
 def _balanced(dataset, num_replicas: int, rank: int, seed: int) -> ResumableDistributedSampler:
-    """The training sampler that TRAIN.CLASS_BALANCE sampler builds (pipeline.Pipeline.sampler)."""
+    """The training sampler that TRAIN.CLASS_BALANCE sampler builds (lpipeline.Pipeline.sampler)."""
     return ResumableDistributedSampler(dataset, num_replicas, rank, seed=seed, draw=balance.BalancedDraw(dataset))
 
 

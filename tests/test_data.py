@@ -10,8 +10,9 @@ import torch
 from PIL import Image
 
 from distribuuuu import data
-from distribuuuu.data import datasets
-from distribuuuu.data.pipeline import ResumableDistributedSampler
+from distribuuuu.data.loading import samplers
+from distribuuuu.data.loading.samplers import ResumableDistributedSampler
+from distribuuuu.data.sources import builtin
 from distribuuuu.errors import UserError
 from tests.conftest import (
     make_cfg,
@@ -39,16 +40,16 @@ def unnormalize(x: torch.Tensor, mean: float, std: float) -> torch.Tensor:
 # mnist5k
 # ---------------------------------------------------------------------------------------------
 def test_mnist5k_split_sizes_stratified_disjoint_and_fixed():
-    _, labels = datasets.mnist5k_arrays()
-    split = datasets.mnist5k_split_indices()
+    _, labels = builtin.mnist5k_arrays()
+    split = builtin.mnist5k_split_indices()
     train, val = split["train"], split["val"]
     assert (len(train), len(val)) == (4000, 1000)
     assert not set(train.tolist()) & set(val.tolist())
     for c in range(10):
         n_c = int((labels == c).sum())
         assert abs(int((labels[val] == c).sum()) - 0.2 * n_c) <= 1
-    datasets.mnist5k_split_indices.cache_clear()  # recompute from scratch: the same split
-    again = datasets.mnist5k_split_indices()
+    builtin.mnist5k_split_indices.cache_clear()  # recompute from scratch: the same split
+    again = builtin.mnist5k_split_indices()
     assert np.array_equal(again["train"], train) and np.array_equal(again["val"], val)
 
 
@@ -90,14 +91,14 @@ def test_mnist5k_unknown_split_lists_valid_ones():
 @pytest.mark.parametrize("n", [0, 1, 5, 7, 10])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_eval_sampler_covers_every_index_once(n, world):
-    shards = [list(data.ShardedEvalSampler(range(n), world, r)) for r in range(world)]
+    shards = [list(samplers.ShardedEvalSampler(range(n), world, r)) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(n))
-    assert [len(data.ShardedEvalSampler(range(n), world, r)) for r in range(world)] == [len(s) for s in shards]
+    assert [len(samplers.ShardedEvalSampler(range(n), world, r)) for r in range(world)] == [len(s) for s in shards]
 
 
 def test_sharded_eval_sampler_rejects_bad_rank():
     with pytest.raises(ValueError):
-        data.ShardedEvalSampler(range(3), 2, 2)
+        samplers.ShardedEvalSampler(range(3), 2, 2)
 
 
 def test_val_loader_is_exact_over_ranks():
@@ -288,7 +289,7 @@ def test_val_folder_missing_a_class_keeps_train_labels(tmp_path):
     write_image_tree(tmp_path, "val", {"a": 1, "c": 1})
     os.makedirs(tmp_path / "val" / ".ipynb_checkpoints")  # hidden: never a class
     ds = data.build_dataset(folder_cfg(tmp_path), train=False)
-    assert ds.classes == ["a", "b", "c"] and [y for _, y in ds.samples] == [0, 2]
+    assert ds.classes == ["a", "b", "c"] and list(ds.targets) == [0, 2]
 
 
 def test_val_folder_with_unknown_class_is_a_user_error(tmp_path):
@@ -420,7 +421,7 @@ def test_check_test_only_for_eval(tmp_path):
 # export
 # ---------------------------------------------------------------------------------------------
 def test_export_mnist5k_round_trips_through_image_folder(tmp_path):
-    counts = data.export_mnist5k(str(tmp_path))
+    counts = data.export("mnist5k", str(tmp_path))
     assert counts == {"train": 4000, "val": 1000}
     for split, n in counts.items():
         classes = sorted(os.listdir(tmp_path / split))
@@ -434,14 +435,14 @@ def test_export_mnist5k_round_trips_through_image_folder(tmp_path):
     # Within a class, files are named by position, so the k-th file of class c is the k-th digit c.
     for c in (0, 3, 9):
         mem_idx = torch.nonzero(memory.targets == c).flatten()[[0, 5]]
-        fold_idx = [i for i, (_, y) in enumerate(folder.samples) if y == c][:6:5]
+        fold_idx = [i for i, (_, y) in enumerate(zip(folder.files.paths, folder.targets)) if y == c][:6:5]
         for m, f in zip(mem_idx.tolist(), fold_idx):
             x, y = folder[f]
             assert y == c and x.shape == (1, 28, 28)
             back = unnormalize(x, 0.449, 0.226)  # folders use the ImageNet gray statistics
             assert torch.allclose(back, memory.images[m].float(), atol=1e-3)
     with pytest.raises(UserError, match="not empty"):
-        data.export_mnist5k(str(tmp_path))
+        data.export("mnist5k", str(tmp_path))
 
 
 @pytest.mark.parametrize("decode", ["fast", "pil"])

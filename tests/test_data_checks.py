@@ -21,7 +21,10 @@ import torch
 from PIL import Image
 
 from distribuuuu import data, models
-from distribuuuu.data import checks, images
+from distribuuuu.data.checks import overlap
+from distribuuuu.data.decoding import cpu
+from distribuuuu.data.sources import folder
+from distribuuuu.data.sources.files import ImageFiles
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import (
@@ -76,7 +79,7 @@ def test_symlink_loop_in_a_class_is_refused_naming_the_link(tmp_path):
     assert "rm " + link in line
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before anything ran
     # The walk lists each real image once and never enters the loop.
-    listing = images.list_split(os.path.join(root, "train"), ["0", "1", "2"])
+    listing = folder.list_split(os.path.join(root, "train"), ["0", "1", "2"])
     assert [listing.count(c) for c in "012"] == [4, 4, 4] and listing.loops == [(link, listing.loops[0][1])]
     with pytest.raises(UserError, match="loop"):  # the dataset itself refuses too (no preflight needed)
         data.build_dataset(_folder_cfg(root), train=True)
@@ -90,7 +93,7 @@ def test_loop_through_two_links_is_found(tmp_path):
     Image.new("RGB", (10, 10)).save(pool / "p.png")
     os.symlink(str(pool), os.path.join(root, "train", "0", "away"))
     os.symlink(os.path.join(root, "train", "0"), str(pool / "back"))
-    listing = images.list_split(os.path.join(root, "train"), ["0", "1", "2"])
+    listing = folder.list_split(os.path.join(root, "train"), ["0", "1", "2"])
     assert listing.count("0") == 5  # its 4 images and pool/p.png, once
     assert listing.loops == [(os.path.join(root, "train", "0", "away", "back"), os.path.join(root, "train", "0"))]
 
@@ -128,7 +131,8 @@ def test_symlinked_class_folders_pointing_elsewhere_are_fine(tmp_path):
             os.symlink(os.path.join(real, split, c), str(ds / split / c))
     cfg = _folder_cfg(str(ds))
     data.check_datasets(cfg, 1)
-    ours = data.build_dataset(cfg, train=True).samples
+    built = data.build_dataset(cfg, train=True)
+    ours = list(zip(built.files.paths, built.targets))
     from torchvision.datasets import ImageFolder
     assert ours == ImageFolder(str(ds / "train")).samples and len(ours) == 12
 
@@ -150,13 +154,13 @@ def test_16bit_png_is_scaled_not_clipped_on_both_decode_paths(tmp_path):
     values = _png16(path)
     assert Image.open(path).mode == "I;16"  # what PIL makes of it: the mode that used to be clipped
     want = (values >> 8).astype(np.uint8)  # the high byte, 0..255
-    pil_gray = np.asarray(images.open_image(path, "L"))
-    pil_rgb = np.asarray(images.open_image(path, "RGB"))
     with open(path, "rb") as f:
         raw = f.read()
-    fast_gray = images.decode(raw, "L")[0].numpy()
-    fast_rgb = images.decode(raw, "RGB").permute(1, 2, 0).numpy()
-    fast_eval = images.FastEvalDecode(32, 32, "L")(path)[0].numpy()  # resize to its own size: no-op
+    pil_gray = np.asarray(cpu.open_image(raw, "L"))
+    pil_rgb = np.asarray(cpu.open_image(raw, "RGB"))
+    fast_gray = cpu.decode(raw, "L")[0].numpy()
+    fast_rgb = cpu.decode(raw, "RGB").permute(1, 2, 0).numpy()
+    fast_eval = cpu.FastEvalDecode(32, 32, "L")(raw)[0].numpy()  # resize to its own size: no-op
     for got in (pil_gray, fast_gray, fast_eval, *(rgb[..., c] for rgb in (pil_rgb, fast_rgb) for c in range(3))):
         np.testing.assert_array_equal(got, want)
     assert want.min() == 0 and want.max() == 255 and (want == 255).mean() < 0.01  # was 99% white
@@ -165,11 +169,11 @@ def test_16bit_png_is_scaled_not_clipped_on_both_decode_paths(tmp_path):
 def test_32bit_and_float_gray_images_are_scaled():
     ints = Image.fromarray(np.array([[0, 256, 65535, 70000]], dtype=np.int32))  # mode I: read as 16-bit
     assert ints.mode == "I"
-    assert np.asarray(images.to_8bit(ints)).tolist() == [[0, 1, 255, 255]]
+    assert np.asarray(cpu.to_8bit(ints)).tolist() == [[0, 1, 255, 255]]
     unit = Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32))  # mode F in [0, 1]
-    assert np.asarray(images.to_8bit(unit)).tolist() == [[0, 128, 255]]
+    assert np.asarray(cpu.to_8bit(unit)).tolist() == [[0, 128, 255]]
     rgb = Image.new("RGB", (2, 2), (1, 2, 3))
-    assert images.to_8bit(rgb) is rgb  # 8-bit modes are left alone
+    assert cpu.to_8bit(rgb) is rgb  # 8-bit modes are left alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ def test_eval_loader_yields_only_readable_images(eval_tree):
         loader = data.build_test_loader(cfg, rank, 2, torch.device("cpu"))
         seen += sum(len(target) for _, target in loader)
         # 0/1.png is item 1 and 2/3.png item 11: both in rank 1's shard (odd items)
-        assert data.take_bad_image_count(loader) == rank * 2
+        assert len(data.take_unreadable(loader)) == rank * 2
     assert seen == 10
 
 
@@ -244,7 +248,7 @@ def test_truncated_jpeg_with_a_good_header_counts_as_unreadable(tmp_path):
     path = tmp_path / "cut.jpg"
     path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
     Image.open(path)  # the header opens ...
-    assert checks.can_decode(str(path)) is not None  # ... but the image does not decode
+    assert cpu.can_decode(path.read_bytes()) is not None  # ... but the image does not decode
 
 
 def test_batch_larger_than_the_training_set_is_refused_with_the_numbers():
@@ -271,11 +275,11 @@ def _leak(root: str) -> None:
 
 def test_hard_link_symlink_and_copy_of_val_images_are_each_reported(tmp_path, caplog):
     root = _distinct_tree(tmp_path / "ds")
-    checks.check_overlap(_folder_cfg(root), is_main=True)  # a clean pair of splits: no warning
+    overlap.check_overlap(_folder_cfg(root), is_main=True)  # a clean pair of splits: no warning
     assert not [r for r in caplog.records if "TEST.DATASET" in r.getMessage()]
     _leak(root)
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
-        checks.check_overlap(_folder_cfg(root), is_main=True)
+        overlap.check_overlap(_folder_cfg(root), is_main=True)
     [line] = [r.getMessage() for r in caplog.records if "also in TEST.DATASET" in r.getMessage()]
     assert line.startswith("3 image(s) of TRAIN.DATASET are also in TEST.DATASET (1 hard link, 1 symlink, "
                            "1 same bytes)"), line
@@ -283,9 +287,9 @@ def test_hard_link_symlink_and_copy_of_val_images_are_each_reported(tmp_path, ca
                     "train/2/copy.png is val/2/1.png (same bytes)"):
         assert example in line, (example, line)
     with pytest.raises(UserError, match=r"^3 image\(s\) of TRAIN.DATASET are also in TEST.DATASET"):
-        checks.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "error"}), is_main=True)
+        overlap.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "error"}), is_main=True)
     caplog.clear()
-    checks.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "off"}), is_main=True)
+    overlap.check_overlap(_folder_cfg(root, **{"TRAIN.OVERLAP": "off"}), is_main=True)
     assert not caplog.records
 
 
@@ -302,10 +306,10 @@ def test_only_files_of_a_size_the_other_split_has_are_read(tmp_path, monkeypatch
     for split in ("train", "val"):  # two empty (unreadable) files: the same bytes, but not a copied image
         open(os.path.join(root, split, "0", "empty.png"), "wb").close()
     read = []
-    real_digest = checks.digest
-    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
-    found = checks.find(*(sorted(p for p, _ in images.list_split(os.path.join(root, s), list("012"))
-                                  .samples()) for s in ("train", "val")))
+    real_read = overlap._read
+    monkeypatch.setattr(overlap, "_read", lambda files, i: read.append(files.name(i)) or real_read(files, i))
+    found = overlap.find(*(_files(sorted(p for p, _ in folder.list_split(os.path.join(root, s), list("012"))
+                                         .samples())) for s in ("train", "val")))
     assert sorted(h for *_, h in found.pairs) == ["hard link", "same bytes", "symlink"]
     assert big not in read and near in read
     # Train images are 10x10, val 9x11: distinct sizes, so only the copy, near.png and the val files
@@ -328,9 +332,9 @@ def test_files_sharing_a_size_and_a_header_are_each_read_once(tmp_path, monkeypa
         shutil.copyfile(paths["val"][i], tmp_path / "train" / f"copy{i}.ppm")
         paths["train"].append(str(tmp_path / "train" / f"copy{i}.ppm"))
     read = []
-    real_digest = checks.digest
-    monkeypatch.setattr(checks, "digest", lambda path: read.append(path) or real_digest(path))
-    found = checks.find(paths["train"], paths["val"])
+    real_read = overlap._read
+    monkeypatch.setattr(overlap, "_read", lambda files, i: read.append(files.name(i)) or real_read(files, i))
+    found = overlap.find(_files(paths["train"]), _files(paths["val"]))
     assert sorted((os.path.basename(a), os.path.basename(b), how) for a, b, how in found.pairs) == [
         ("copy3.ppm", "3.ppm", "same bytes"), ("copy50.ppm", "50.ppm", "same bytes")]
     assert sorted(read) == sorted(paths["train"] + paths["val"]) and found.read == len(read) == 402
@@ -384,3 +388,8 @@ def test_overlap_error_on_two_ranks_ends_both_without_a_hang_and_leaves_no_folde
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
     assert line.startswith("error: ") and "3 image(s) of TRAIN.DATASET are also in TEST.DATASET" in line, proc.stderr
     assert not out.exists(), os.listdir(out)  # the spawner's preflight made it; the refusal took it away
+
+
+def _files(paths: list[str]) -> ImageFiles:
+    """The image files at paths, as a reader gives them to the checks."""
+    return ImageFiles("", ["0"], list(paths), [0] * len(paths))

@@ -1,22 +1,22 @@
 """The input pipelines' seam: one Pipeline class per pipeline, chosen in one place
-(pipeline.pipeline_class) once per split key, every loader keeping the contract of pipeline.Pipeline;
-a new pipeline is one module (its class as PIPELINE) and one line in pipeline.PIPELINES."""
+(loading.pipeline_class) once per split key, every loader keeping the contract of lpipeline.Pipeline;
+a new pipeline is one module (its class as PIPELINE) and one line in loading.PIPELINES."""
 
 from __future__ import annotations
 
 import logging
-import sys
-import types
 
 import pytest
 import torch
 
 from distribuuuu import data
-from distribuuuu.data import memory, pipeline, shards
-from distribuuuu.data.batches import NormalizedBatches
-from distribuuuu.data.datasets import part_of
-from distribuuuu.data.memory import MemoryLoader, MemoryPipeline
-from distribuuuu.data.pipeline import LoaderPipeline, Pipeline, build_split_dataset
+from distribuuuu.data import loading, shards
+from distribuuuu.data.holdout import part_of
+from distribuuuu.data.loading import memory
+from distribuuuu.data.loading.batches import NormalizedBatches
+from distribuuuu.data.loading.items import split_dataset
+from distribuuuu.data.loading.memory import MemoryLoader, MemoryPipeline
+from distribuuuu.data.loading.pipeline import LoaderPipeline, Pipeline
 from distribuuuu.data.shards.loader import ShardLoader, ShardPipeline
 from distribuuuu.errors import UserError
 from tests.conftest import make_cfg, write_fake_cifar10, write_image_tree
@@ -81,8 +81,7 @@ def _source_cfg(sources_on_disk: dict, source: str, overrides: dict):
 def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, source, overrides, expected):
     cfg = _source_cfg(sources_on_disk, source, overrides)
     for key, cls in expected.items():
-        assert pipeline.pipeline_class(cfg, key) is cls, f"{case}, {key}"
-        assert pipeline.data_pipeline(cfg, key) == cls.name
+        assert loading.pipeline_class(cfg, key) is cls, f"{case}, {key}"
 
 
 @pytest.mark.parametrize("source,overrides,message", [
@@ -92,16 +91,16 @@ def test_the_chooser_gives_each_config_its_pipeline(sources_on_disk, case, sourc
 ])
 def test_the_chooser_refuses_what_the_forced_pipeline_cannot_read(sources_on_disk, source, overrides, message):
     with pytest.raises(UserError, match=message):
-        pipeline.pipeline_class(_source_cfg(sources_on_disk, source, overrides), "TRAIN")
+        loading.pipeline_class(_source_cfg(sources_on_disk, source, overrides), "TRAIN")
 
 
 def test_auto_falls_back_to_the_dataloader_above_the_memory_budget(sources_on_disk, monkeypatch, caplog):
     cfg = _source_cfg(sources_on_disk, "cifar", {})
     monkeypatch.setattr(memory, "MEMORY_PIPELINE_BUDGET_BYTES", memory.memory_pipeline_bytes(cfg, "TRAIN") - 1)
     with caplog.at_level(logging.WARNING, logger="distribuuuu"):
-        assert pipeline.pipeline_class(cfg, "TRAIN") is LoaderPipeline
+        assert loading.pipeline_class(cfg, "TRAIN") is LoaderPipeline
     assert "using the DataLoader instead" in caplog.text
-    assert pipeline.pipeline_class(cfg, "TEST") is MemoryPipeline  # 7 test images fit
+    assert loading.pipeline_class(cfg, "TEST") is MemoryPipeline  # 7 test images fit
 
 
 @pytest.mark.parametrize("source,overrides,loader_type", [
@@ -124,7 +123,7 @@ def test_every_pipeline_keeps_the_train_loader_contract(sources_on_disk, source,
     assert len(loader) == whole - 1
 
 
-# -- a new pipeline: one module and one line in pipeline.PIPELINES --------------------------------------
+# -- a new pipeline: a Pipeline subclass (and one branch of loading.pipeline_class) ------------------
 class _Batches:
     """The loader of the pipeline below: batches cut from a plain list of items (no DataLoader)."""
 
@@ -143,49 +142,20 @@ class _Batches:
 
 
 class ListPipeline(Pipeline):
-    """A pipeline a user could add: the seam's helpers (datasets, samplers) and nothing else."""
+    """A pipeline a user could add: the interface's helpers (items, samplers) and nothing else."""
 
-    name = "lists"
-    auto_calls = 0
+    def train_loader(self, part, place):
+        dataset = part_of(self.cfg, split_dataset(self.cfg, self.key, True, batched=False), part)
+        return _Batches(dataset, self.sampler(dataset, True, place), self.cfg.TRAIN.BATCH_SIZE, True)
 
-    def train_loader(self, part, rank, world_size, device):
-        dataset = part_of(self.cfg, build_split_dataset(self.cfg, self.key, True, batched=False), part)
-        return _Batches(dataset, self.sampler(dataset, True, rank, world_size), self.cfg.TRAIN.BATCH_SIZE, True)
-
-    def eval_loader(self, part, rank, world_size, device):
-        dataset = part_of(self.cfg, build_split_dataset(self.cfg, self.key, False, batched=False), part)
-        return _Batches(dataset, self.sampler(dataset, False, rank, world_size), self.cfg.TEST.BATCH_SIZE, False)
+    def eval_loader(self, part, place):
+        dataset = part_of(self.cfg, split_dataset(self.cfg, self.key, False, batched=False), part)
+        return _Batches(dataset, self.sampler(dataset, False, place), self.cfg.TEST.BATCH_SIZE, False)
 
 
-class AutoListPipeline(ListPipeline):
-    """The same, taking every split under 'auto' (and counting how often it was asked)."""
-
-    @classmethod
-    def auto_takes(cls, cfg, key) -> bool:
-        cls.auto_calls += 1
-        return True
-
-
-def _forced(overrides: dict, name: str):
-    cfg = make_cfg(overrides)
-    cfg.defrost()
-    cfg.TRAIN.DATA_PIPELINE = name  # (config/validate.py lists the shipped names; the chooser reads PIPELINES)
-    cfg.freeze()
-    return cfg
-
-
-def _module_of(monkeypatch, cls) -> str:
-    """The name of a module whose PIPELINE is cls (as a user's file ending in `PIPELINE = ListPipeline`)."""
-    module = types.ModuleType(f"{__name__}_{cls.__name__}")
-    module.PIPELINE = cls
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return module.__name__
-
-
-def test_a_new_pipeline_is_one_class_and_one_registry_line(monkeypatch):
-    monkeypatch.setitem(pipeline.PIPELINES, "lists", _module_of(monkeypatch, ListPipeline))  # the one line
-    cfg = _forced({**SYN, "TRAIN.VAL_SPLIT": 0.2}, "lists")
-    assert pipeline.pipeline_class(cfg, "TRAIN") is ListPipeline
+def test_a_new_pipeline_is_one_class_behind_the_chooser(monkeypatch):
+    monkeypatch.setattr(loading, "pipeline_class", lambda cfg, key: ListPipeline)  # its one branch
+    cfg = make_cfg({**SYN, "TRAIN.VAL_SPLIT": 0.2})
     train = data.build_train_loader(cfg, 0, 2, CPU)
     assert isinstance(train, _Batches) and len(train.dataset) == 32  # TRAIN.VAL_SPLIT's kept part (2 of 10 per class held out)
     train.sampler.set_epoch(3, 8)
@@ -195,25 +165,11 @@ def test_a_new_pipeline_is_one_class_and_one_registry_line(monkeypatch):
     held = [len(data.build_val_loader(cfg, r, 2, CPU).sampler) for r in range(2)]
     assert sum(held) == 8  # the held-out part, each image on one rank
     assert len(data.build_test_loader(cfg, 0, 1, CPU).dataset) == 13
-    with pytest.raises(UserError, match="must be one of auto, memory, loader, lists, got 'nope'"):
-        pipeline.pipeline_class(_forced(SYN, "nope"), "TRAIN")
 
 
-def test_the_configs_pipeline_choices_are_the_registrys_names():
-    """TRAIN.DATA_PIPELINE is checked by load_config (config/validate.py) before the registry is imported:
-    its choices are 'auto' and the registry's names, in the order 'auto' asks them."""
-    from distribuuuu.config.validate import DATA_PIPELINES
-
-    assert DATA_PIPELINES == ("auto", *pipeline.PIPELINES)
-    assert all(pipeline.registered(name).name == name for name in pipeline.PIPELINES)
-
-
-def test_auto_asks_the_pipelines_in_registry_order_once_per_split(monkeypatch):
-    registry = {"lists": _module_of(monkeypatch, AutoListPipeline), **pipeline.PIPELINES}
-    monkeypatch.setattr(pipeline, "PIPELINES", registry)
-    monkeypatch.setattr(AutoListPipeline, "auto_calls", 0)
-    cfg = make_cfg(MNIST)  # what the memory pipeline takes under 'auto' without the new line
-    assert isinstance(data.build_train_loader(cfg, 0, 1, CPU), _Batches)
-    assert AutoListPipeline.auto_calls == 1  # chosen once for TRAIN
-    assert isinstance(data.build_val_loader(cfg, 0, 1, CPU), _Batches)
-    assert AutoListPipeline.auto_calls == 2  # and once for TEST
+def test_the_chooser_refuses_a_name_it_does_not_have():
+    cfg = make_cfg(SYN)
+    cfg.defrost()
+    cfg.TRAIN.DATA_PIPELINE = "nope"
+    with pytest.raises(UserError, match="must be one of auto, memory, loader, got 'nope'"):
+        loading.pipeline_class(cfg, "TRAIN")

@@ -1,4 +1,4 @@
-"""TRAIN.IMAGE_DECODE gpu and auto (distribuuuu/data/device_decode.py), run on the CPU: the workers draw the
+"""TRAIN.IMAGE_DECODE gpu and auto (distribuuuu/data/device.py), run on the CPU: the workers draw the
 fast path's crops and flips and return the encoded JPEGs, the main process decodes them with
 torchvision.io.decode_jpeg(list, device="cpu"), the same call as on a GPU but for the device. What only a
 GPU runs (nvJPEG, the side stream) is listed in docs/performance.md, section 6b."""
@@ -20,9 +20,12 @@ import torchvision.io as tio
 from PIL import Image
 
 from distribuuuu import data
-from distribuuuu.data import device_decode, images, pipeline, shards, transforms
-from distribuuuu.data.batches import NormalizedBatches
-from distribuuuu.data.device_decode import DecodedBatches, DeviceDecode, DeviceDecodePipeline
+from distribuuuu.data import loading, shards, transforms
+from distribuuuu.data.decoding import cpu, device
+from distribuuuu.data.decoding.device import DecodedBatches, DeviceDecode, DeviceDecodePipeline
+from distribuuuu.data.loading import items
+from distribuuuu.data.loading import pipeline as lpipeline
+from distribuuuu.data.loading.batches import NormalizedBatches
 from distribuuuu.errors import UserError
 from tests.conftest import ROOT, TINY, check, env, make_cfg
 
@@ -123,10 +126,10 @@ def shard_set(folder, tmp_path_factory) -> str:
 
 
 def test_the_worker_passes_on_what_the_device_decodes_and_finishes_the_rest_itself():
-    fast = images.FastTrainDecode(32, "RGB")
+    fast = cpu.FastTrainDecode(32, "RGB")
     for kind in KINDS:
-        data_, box, name = DeviceDecode(fast)(encoded(kind, 1))
-        assert name == "" and box.shape == (5,)
+        data_, box = DeviceDecode(fast)(encoded(kind, 1))
+        assert box.shape == (5,)
         if kind in REFUSED:  # the fast path's own crop, made in the worker
             assert data_.shape == (3, 32, 32) and data_.dtype == torch.uint8 and not box.any(), kind
         else:
@@ -134,12 +137,12 @@ def test_the_worker_passes_on_what_the_device_decodes_and_finishes_the_rest_itse
             top, left, h, w, flip = box.tolist()
             assert 0 <= top < top + h <= 60 and 0 <= left < left + w <= 80 and flip in (0, 1)
     cut = encoded("baseline", 1)[:-200]  # truncated: no end marker, the fast path's (and its bad-image handling)
-    assert device_decode.device_size(cut) is None and device_decode.device_size(undecodable_jpeg()) == (80, 60)
-    with pytest.raises(images.DECODE_ERRORS):
+    assert device.device_size(cut) is None and device.device_size(undecodable_jpeg()) == (80, 60)
+    with pytest.raises(cpu.DECODE_ERRORS):
         DeviceDecode(fast)(cut)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29's codecs (images.decode)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision 0.29's codecs (cpu.decode)
 @pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
 def test_the_device_half_is_the_fast_paths_geometry_within_its_rounding(interpolation):
     """DeviceDecode's two halves against the fast path for the same seed, on 40 images of many sizes
@@ -148,14 +151,14 @@ def test_the_device_half_is_the_fast_paths_geometry_within_its_rounding(interpol
     nearest 0."""
     recipe = transforms.Recipe(interpolation=interpolation)
     sizes = np.random.default_rng(0).integers(40, 95, (40, 2))
-    for fast in (images.FastTrainDecode(48, "RGB", recipe), images.FastEvalDecode(55, 48, "RGB", recipe)):
+    for fast in (cpu.FastTrainDecode(48, "RGB", recipe), cpu.FastEvalDecode(55, 48, "RGB", recipe)):
         decode, worst, means = DeviceDecode(fast), 0.0, []
         for seed, (w, h) in enumerate(sizes.tolist()):
             raw = encoded("baseline", seed, (w, h))
             torch.manual_seed(seed)
             want = fast(raw).float()
             torch.manual_seed(seed)
-            jpeg, box, _ = decode(raw)
+            jpeg, box = decode(raw)
             got = decode.finish(tio.decode_jpeg(jpeg, mode=decode.read_mode), box.tolist()).clamp(0, 255)
             diff = (got - want).abs()
             worst, means = max(worst, diff.max().item()), [*means, diff.mean().item()]
@@ -205,7 +208,7 @@ def test_evaluation_is_exact_over_ranks_and_leaves_out_unreadable_images(tmp_pat
             for name, cfg in (("fast", fast_cfg), ("gpu", gpu_cfg)):
                 loader = data.build_test_loader(cfg, rank, 2, CPU)
                 seen[name] += [(pixels(x, cfg), y) for x, y in loader]
-                bad[name] += pipeline.take_bad_image_count(loader)
+                bad[name] += len(data.take_unreadable(loader.dataset))
     assert bad == {"fast": 2, "gpu": 2}
     fast_x, gpu_x = (torch.cat([x for x, _ in seen[k]]) for k in ("fast", "gpu"))
     assert len(gpu_x) == 20 and torch.equal(torch.cat([y for _, y in seen["gpu"]]),
@@ -225,10 +228,10 @@ def test_an_image_neither_decoder_reads_is_skipped_in_training_or_stops_the_run(
         for _ in range(3):  # epochs: tables.jpg lands in the batch of 4 at least once
             loader.sampler.set_epoch(_)
             assert all(x.shape == (4, 3, 32, 32) and len(y) == 4 for x, y in loader)  # stood in for
-    bad = pipeline.take_bad_image_count(loader)
+    bad = len(data.take_unreadable(loader.dataset))
     assert bad >= 1 and sum("tables.jpg" in r.getMessage() for r in caplog.records) == bad
     failing = data.build_train_loader(make_cfg({**opts(root, "gpu"), "TRAIN.BAD_IMAGES": "fail"}), 0, 1, CPU)
-    with pytest.raises(images.BadImageError, match=re.escape(os.path.join(root, "train", "a", "tables.jpg"))):
+    with pytest.raises(items.UnreadableImage, match=re.escape(os.path.join(root, "train", "a", "tables.jpg"))):
         for e in range(3):
             failing.sampler.set_epoch(e)
             list(failing)
@@ -240,24 +243,24 @@ def test_auto_is_the_fast_path_on_the_cpu_and_measures_on_cuda(folder, monkeypat
     CPU, says the rates it compared and picks the device only when the workers fall short."""
     cfg = make_cfg(opts(folder, "auto"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pipeline.pipeline_class(cfg, "TRAIN") is pipeline.LoaderPipeline
+    assert loading.pipeline_class(cfg, "TRAIN") is lpipeline.LoaderPipeline
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pipeline.pipeline_class(cfg, "TRAIN") is DeviceDecodePipeline
+    assert loading.pipeline_class(cfg, "TRAIN") is DeviceDecodePipeline
     assert type(data.build_train_loader(cfg, 0, 1, CPU)) is NormalizedBatches
     gpu = make_cfg(opts(folder, "gpu"))
-    assert pipeline.pipeline_class(gpu, "TRAIN") is DeviceDecodePipeline
-    assert not device_decode.decodes_on_device(cfg, CPU, 0, 1, list)
-    assert device_decode.decodes_on_device(gpu, CPU, 0, 1, list)
+    assert loading.pipeline_class(gpu, "TRAIN") is DeviceDecodePipeline
+    assert not device.decodes_on_device(cfg, lpipeline.Place(0, 1, CPU), list)
+    assert device.decodes_on_device(gpu, lpipeline.Place(0, 1, CPU), list)
 
     samples = [encoded("baseline", seed) for seed in range(8)]
     tiny = make_cfg({**opts(folder, "auto"), "MODEL.ARCH": "resnet_tiny", "TRAIN.BATCH_SIZE": 8})
-    on_device, why = device_decode.auto_choice(tiny, CPU, samples)
+    on_device, why = device.auto_choice(tiny, CPU, samples)
     per_worker, feed, model = (float(x) for x in re.search(
         r"2 workers x (\d+) img/s decoded on the CPU = (\d+) img/s, resnet_tiny trains at (\d+) img/s", why).groups())
     assert per_worker > 0 and model > 0 and abs(feed - 2 * per_worker) <= 1
     assert on_device == (feed < model) and why.startswith("gpu" if on_device else "fast")
     augmented = make_cfg({**opts(folder, "auto"), "TRAIN.AUTO_AUGMENT": "randaugment"})
-    assert device_decode.auto_choice(augmented, CPU, samples) == (
+    assert device.auto_choice(augmented, CPU, samples) == (
         False, "fast, since TRAIN.AUTO_AUGMENT's policies run in the workers, on decoded images")
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, TINY, check, distribuuuu, make_cfg, read_metrics
+from tests.conftest import ROOT, TINY, check, distribuuuu, make_cfg, pipeline_name, read_metrics
 
 
 def _tiny_model() -> nn.Module:
@@ -240,8 +240,6 @@ def test_rng_state_saves_this_gpu_only_and_resumes_with_fewer_gpus(monkeypatch, 
 
 
 def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path, caplog):
-    from distribuuuu.data import pipeline
-
     full, subset = tmp_path / "full" / "cifar-10-batches-py", tmp_path / "subset" / "cifar-10-batches-py"
     for folder, per_batch in ((full, 10000), (subset, 100)):
         folder.mkdir(parents=True)
@@ -253,16 +251,16 @@ def test_auto_pipeline_falls_back_to_the_loader_above_the_memory_budget(tmp_path
         return make_cfg("TRAIN.DATASET", folder, "TEST.DATASET", folder, "TRAIN.IM_SIZE", size, "MODEL.IN_CHANS", 3,
                         base=TINY)
 
-    assert pipeline.data_pipeline(cfg(full, 32), "TRAIN") == "memory"  # ~0.4 GB
+    assert pipeline_name(cfg(full, 32), "TRAIN") == "memory"  # ~0.4 GB
     with caplog.at_level("WARNING", logger="distribuuuu"):
-        assert pipeline.data_pipeline(cfg(full, 224), "TRAIN") == "loader"  # ~15 GB
+        assert pipeline_name(cfg(full, 224), "TRAIN") == "loader"  # ~15 GB
     assert "would take 15.6 GB per process" in caplog.text and "DATA_PIPELINE memory forces it" in caplog.text
-    assert pipeline.data_pipeline(cfg(full, 224), "TEST") == "loader"  # 10,000 test images: ~3 GB
-    assert pipeline.data_pipeline(cfg(subset, 224), "TRAIN") == "memory"  # 500 images: ~0.16 GB
+    assert pipeline_name(cfg(full, 224), "TEST") == "loader"  # 10,000 test images: ~3 GB
+    assert pipeline_name(cfg(subset, 224), "TRAIN") == "memory"  # 500 images: ~0.16 GB
     forced = cfg(full, 224)
     forced.defrost()
     forced.TRAIN.DATA_PIPELINE = "memory"
-    assert pipeline.data_pipeline(forced, "TRAIN") == "memory"  # asked for: kept
+    assert pipeline_name(forced, "TRAIN") == "memory"  # asked for: kept
 
 
 # --- item 10: bench's synchronizations -----------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from distribuuuu import inferred
+from distribuuuu.inferred import machine
 from tests.conftest import ROOT, TINY, env, make_cfg, process_tree, write_image_tree
 
 
@@ -21,7 +22,7 @@ def _decided(cfg) -> dict[str, inferred.Decision]:
 
 
 def test_workers_and_threads_above_the_cores_are_clamped_with_a_warning(monkeypatch):
-    monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     cfg = make_cfg({"TRAIN.WORKERS": 1000, "NUM_THREADS": 64})
     assert (cfg.TRAIN.WORKERS, cfg.NUM_THREADS) == (8, 4)  # workers: up to the cores, or 8 on a small machine
     decided = _decided(cfg)
@@ -31,7 +32,7 @@ def test_workers_and_threads_above_the_cores_are_clamped_with_a_warning(monkeypa
     kept = make_cfg({"TRAIN.WORKERS": 8, "NUM_THREADS": 4})  # within the bounds: as given, no warning
     assert (kept.TRAIN.WORKERS, kept.NUM_THREADS) == (8, 4) and "NUM_THREADS" not in _decided(kept)
     assert _decided(kept)["TRAIN.WORKERS"].line() == "TRAIN.WORKERS 8 (config)"
-    monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert make_cfg({"TRAIN.WORKERS": 1000}).TRAIN.WORKERS == 64
 
 

@@ -40,7 +40,7 @@ def digits_run(tmp_path_factory):
     with process_state_restored():  # the run's log handlers must not outlive the fixture
         torch.set_num_threads(1)
         api.train(cfg)
-    data.export_mnist5k(str(root / "digits"))
+    data.export("mnist5k", str(root / "digits"))
     return root / "run", cfg, root / "digits"
 
 
@@ -143,7 +143,7 @@ def test_load_model_transform_matches_the_fast_folder_pipeline(folder_run):
     loaded = api.load_model(str(run / "checkpoints" / "best.pth"))
     batches = data.build_test_loader(cfg, 0, 1, torch.device("cpu"))  # TRAIN.IMAGE_DECODE fast
     images, _ = next(iter(batches))
-    paths = [p for p, _ in batches.dataset.samples][:len(images)]
+    paths = batches.dataset.files.paths[:len(images)]
     mine = torch.stack([loaded.transform(Image.open(p)) for p in paths])
     assert mine.shape == images.shape == (len(paths), 1, 20, 20)
     assert torch.allclose(mine, images, atol=1e-5)  # normalized per batch there: rounding only

@@ -18,6 +18,7 @@ import yaml
 
 from distribuuuu import data, inferred, models, optim
 from distribuuuu.errors import UserError
+from distribuuuu.inferred import machine
 from tests.conftest import (
     ROOT,
     check,
@@ -85,7 +86,7 @@ def test_num_classes_of_cifar_mnist5k_and_the_fallback(tmp_path):
     cfg = make_cfg("TRAIN.DATASET", "mnist5k")
     assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET) == (10, "mnist5k")
     cfg = make_cfg("TRAIN.DATASET", "synthetic")  # makes MODEL.NUM_CLASSES classes
-    assert cfg.MODEL.NUM_CLASSES == 1000 and "the former default" in decisions(cfg)["MODEL.NUM_CLASSES"].origin
+    assert cfg.MODEL.NUM_CLASSES == 1000 and "the fallback" in decisions(cfg)["MODEL.NUM_CLASSES"].origin
     cfg = make_cfg("TRAIN.DATASET", str(tmp_path / "not_here"))  # preflight names it
     assert cfg.MODEL.NUM_CLASSES == 1000
     with pytest.raises(UserError, match="TRAIN.DATASET"):
@@ -136,13 +137,13 @@ def test_warmup_epochs_is_a_float_and_an_int_in_yaml_still_loads(tmp_path):
 
 
 def test_workers_follow_the_cores_of_each_process(monkeypatch):
-    monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     for procs, want in ((1, 7), (2, 3), (4, 1), (8, 0), (16, 0)):
         cfg = inferred.resolve(make_cfg(resolve=False), local_world_size=procs)
         assert cfg.TRAIN.WORKERS == want, procs
         assert decisions(cfg)["TRAIN.WORKERS"].origin.startswith(f"from the cores: {max(1, 8 // procs)} per process")
-    monkeypatch.setattr(inferred.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert inferred.resolve(make_cfg(resolve=False), local_world_size=1).TRAIN.WORKERS == inferred.MAX_AUTO_WORKERS
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert inferred.resolve(make_cfg(resolve=False), local_world_size=1).TRAIN.WORKERS == machine.MAX_AUTO_WORKERS
     assert inferred.resolve(make_cfg("TRAIN.WORKERS", "2", resolve=False), local_world_size=1).TRAIN.WORKERS == 2
 
 
@@ -217,7 +218,7 @@ def test_the_original_yamls_decide_nothing(arch):
     assert optim.warmup_epochs(cfg) == stated["OPTIM"]["WARMUP_EPOCHS"] == 5
     lines = [f.line() for f in inferred.decisions(cfg) if f.key != "NUM_THREADS"]  # threads: the free cores
     assert lines == ["MODEL.NUM_CLASSES 1000 (config)", "TRAIN.TOPK 5 (config)",
-                     "MODEL.IN_CHANS 3 (the former default: no folder of images read here (./data/ILSVRC/))",
+                     "MODEL.IN_CHANS 3 (the fallback: no folder of images read here (./data/ILSVRC/))",
                      "eval size resize to 256, center crop 224 px (TEST.IM_SIZE 256, config)",
                      "TRAIN.WORKERS 4 (config)"], lines
 
@@ -233,7 +234,7 @@ def digits(tmp_path_factory) -> str:
     """`distribuuuu data export mnist5k`'s layout and files, the first PER_CLASS images of each digit
     (the export of all 5,000 takes half a minute on a loaded 2-core machine: made once, then cut)."""
     full = tmp_path_factory.mktemp("mnist5k_export")
-    from distribuuuu.data import export_mnist5k
+    from distribuuuu.data.sources.export import mnist5k as export_mnist5k
 
     export_mnist5k(str(full))
     small = tmp_path_factory.mktemp("digits")

@@ -20,6 +20,7 @@ import yaml
 
 from distribuuuu import api, data, inference, inferred, logger, models, weights
 from distribuuuu.errors import UserError
+from distribuuuu.inferred.data import training_data_is_test_data
 from tests.conftest import make_cfg, write_image_tree
 
 CLASSES = {"ant": 20, "bee": 20, "cat": 20}  # a tenth held out: 6 images
@@ -44,7 +45,7 @@ def test_a_config_files_test_dataset_follows_the_train_dataset_the_command_line_
     cfg = make_cfg("TRAIN.DATASET", faces, "MODEL.NUM_CLASSES", 0, base="mnist5k_fast")
     # not mnist5k (the file's): the folder's own held-out tenth
     assert (cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == (faces, "", 0.1)
-    assert inferred.test_is_training_data(cfg)
+    assert training_data_is_test_data(cfg)
     line = decisions(cfg)["TEST.DATASET"].line()
     assert line.startswith("TEST.DATASET follows TRAIN.DATASET") and "'mnist5k'" in line, line
 

@@ -22,11 +22,13 @@ import torchvision.transforms as T
 from PIL import Image
 
 from distribuuuu import data
-from distribuuuu.data import batches, images, pipeline, transforms
-from distribuuuu.data.memory import MemoryLoader, pad_crop_flip
-from distribuuuu.data.pipeline import ResumableDistributedSampler, ShardedEvalSampler
+from distribuuuu.data import transforms
+from distribuuuu.data.decoding import cpu
+from distribuuuu.data.loading import batches
+from distribuuuu.data.loading.memory import MemoryLoader, pad_crop_flip
+from distribuuuu.data.loading.samplers import ResumableDistributedSampler, ShardedEvalSampler
 from distribuuuu.errors import UserError
-from tests.conftest import make_cfg, write_fake_cifar10
+from tests.conftest import make_cfg, pipeline_name, write_fake_cifar10
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -197,13 +199,13 @@ def _photo(path, size=(500, 375), seed=0, quality=90, mode="RGB"):
 def test_fast_train_decode_draws_the_reference_crops_and_pixels(tmp_path):
     size = 64
     reference = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
-    fast = images.FastTrainDecode(size, "RGB")
+    fast = cpu.FastTrainDecode(size, "RGB")
     for seed in range(6):
         path = _photo(str(tmp_path / f"{seed}.jpg"), size=(150, 110), seed=seed)  # crops < 2x64: no draft
         torch.manual_seed(seed)
         ref = reference(Image.open(path).convert("RGB"))
         torch.manual_seed(seed)
-        out = fast(path)
+        out = fast(open(path, "rb").read())
         assert out.shape == (3, size, size) and out.dtype == torch.uint8
         # same RNG calls in the same order: the same crop and flip; pixels within rounding
         assert (out.float() - ref.float()).abs().mean() < 0.5
@@ -211,44 +213,44 @@ def test_fast_train_decode_draws_the_reference_crops_and_pixels(tmp_path):
 
 
 def test_draft_factor_and_reduced_decoding(tmp_path):
-    assert images.draft_factor(447, 500, 224, 224) == 1  # needs >= 448 both ways for 1/2
-    assert images.draft_factor(448, 448, 224, 224) == 2
-    assert images.draft_factor(1000, 890, 224, 224) == 2  # 890 / 4 < 224
-    assert images.draft_factor(1000, 900, 224, 224) == 4
-    assert images.draft_factor(2000, 2000, 100, 100) == 8  # at most 1/8 (libjpeg's DCT scales)
+    assert cpu.draft_factor(447, 500, 224, 224) == 1  # needs >= 448 both ways for 1/2
+    assert cpu.draft_factor(448, 448, 224, 224) == 2
+    assert cpu.draft_factor(1000, 890, 224, 224) == 2  # 890 / 4 < 224
+    assert cpu.draft_factor(1000, 900, 224, 224) == 4
+    assert cpu.draft_factor(2000, 2000, 100, 100) == 8  # at most 1/8 (libjpeg's DCT scales)
     jpeg, png = b"\xff\xd8\xff\xe0", b"\x89PNG"
-    assert images.decode_scale(jpeg, 500, 375, 300, 300, 128) == 1  # 1/2 of a small image: not worth it
-    assert images.decode_scale(jpeg, 1000, 750, 300, 300, 128) == 2
-    assert images.decode_scale(jpeg, 500, 375, 300, 300, 64) == 4  # 1/4 always pays
-    assert images.decode_scale(png, 1000, 750, 300, 300, 64) == 1  # only JPEGs have DCT scaling
+    assert cpu.decode_scale(jpeg, 500, 375, 300, 300, 128) == 1  # 1/2 of a small image: not worth it
+    assert cpu.decode_scale(jpeg, 1000, 750, 300, 300, 128) == 2
+    assert cpu.decode_scale(jpeg, 500, 375, 300, 300, 64) == 4  # 1/4 always pays
+    assert cpu.decode_scale(png, 1000, 750, 300, 300, 64) == 1  # only JPEGs have DCT scaling
     path = _photo(str(tmp_path / "big.jpg"), size=(801, 603))
     blob = open(path, "rb").read()
-    assert images.decode(blob, "RGB").shape == (3, 603, 801)
-    assert images.decode(blob, "RGB", reduce=2).shape == (3, 302, 401)  # ceil(603/2) x ceil(801/2)
-    assert images.decode(blob, "RGB", reduce=4).shape == (3, 151, 201)
-    assert images.decode(blob, "L", reduce=8).shape == (1, 76, 101)
-    full = images.decode(blob, "RGB").float()
-    quarter = images.decode(blob, "RGB", reduce=4).float()
+    assert cpu.decode(blob, "RGB").shape == (3, 603, 801)
+    assert cpu.decode(blob, "RGB", reduce=2).shape == (3, 302, 401)  # ceil(603/2) x ceil(801/2)
+    assert cpu.decode(blob, "RGB", reduce=4).shape == (3, 151, 201)
+    assert cpu.decode(blob, "L", reduce=8).shape == (1, 76, 101)
+    full = cpu.decode(blob, "RGB").float()
+    quarter = cpu.decode(blob, "RGB", reduce=4).float()
     assert abs(full.mean() - quarter.mean()) < 1.0  # the same picture, smaller
 
 
 def test_fast_decode_uses_the_reduced_size_only_when_the_crop_allows_it(tmp_path, monkeypatch):
     path = _photo(str(tmp_path / "big.jpg"), size=(900, 700))
     calls = []
-    real = images.decode
+    real = cpu.decode
 
     def spy(data, mode, reduce=1):
         image = real(data, mode, reduce)
         calls.append((reduce, tuple(image.shape)))
         return image
 
-    monkeypatch.setattr(images, "decode", spy)
-    small, large = images.FastTrainDecode(64, "RGB"), images.FastTrainDecode(400, "RGB")
+    monkeypatch.setattr(cpu, "decode", spy)
+    small, large = cpu.FastTrainDecode(64, "RGB"), cpu.FastTrainDecode(400, "RGB")
     for seed in range(20):
         torch.manual_seed(seed)
-        assert small(path).shape == (3, 64, 64)
+        assert small(open(path, "rb").read()).shape == (3, 64, 64)
         torch.manual_seed(seed)
-        assert large(path).shape == (3, 400, 400)
+        assert large(open(path, "rb").read()).shape == (3, 400, 400)
     small_calls, large_calls = calls[0::2], calls[1::2]
     assert all(r == 1 and s == (3, 700, 900) for r, s in large_calls)  # a 400 px crop never allows it
     reduced = [(r, s) for r, s in small_calls if r > 1]
@@ -257,7 +259,7 @@ def test_fast_decode_uses_the_reduced_size_only_when_the_crop_allows_it(tmp_path
         assert s == (3, -(-700 // r), -(-900 // r))  # decoded at 1/r scale
     # val: a shorter side >= 2x TEST.IM_SIZE is decoded reduced, and the output keeps its size
     calls.clear()
-    assert images.FastEvalDecode(256, 224, "RGB")(path).shape == (3, 224, 224)
+    assert cpu.FastEvalDecode(256, 224, "RGB")(open(path, "rb").read()).shape == (3, 224, 224)
     assert calls == [(2, (3, 350, 450))]  # 700 / 2 >= 256 > 700 / 4
 
 
@@ -266,26 +268,26 @@ def test_jpeg_size_reads_the_header_of_every_kind(tmp_path):
         for mode in ("RGB", "L", "CMYK"):
             buf = io.BytesIO()
             Image.new(mode, (37, 23)).save(buf, "JPEG", **kw)
-            assert images.jpeg_size(buf.getvalue()) == (37, 23)
-            assert images.image_size(buf.getvalue()) == (37, 23)
+            assert cpu.jpeg_size(buf.getvalue()) == (37, 23)
+            assert cpu.image_size(buf.getvalue()) == (37, 23)
     buf = io.BytesIO()
     Image.new("RGB", (9, 7)).save(buf, "PNG")
-    assert images.jpeg_size(buf.getvalue()) is None and images.image_size(buf.getvalue()) == (9, 7)
+    assert cpu.jpeg_size(buf.getvalue()) is None and cpu.image_size(buf.getvalue()) == (9, 7)
 
 
 def test_broken_and_unusual_files_in_the_fast_path(tmp_path):
     good = _photo(str(tmp_path / "good.jpg"), size=(64, 48))
     blob = open(good, "rb").read()
     (tmp_path / "truncated.jpg").write_bytes(blob[: len(blob) // 2])
-    decode = images.FastTrainDecode(32, "RGB")
+    decode = cpu.FastTrainDecode(32, "RGB")
     with pytest.raises(OSError):  # the error the dataset's TRAIN.BAD_IMAGES handling catches
-        decode(str(tmp_path / "truncated.jpg"))
+        decode((tmp_path / "truncated.jpg").read_bytes())
     _photo(str(tmp_path / "cmyk.jpg"), size=(64, 48), mode="CMYK")
     _photo(str(tmp_path / "gray.jpg"), size=(64, 48), mode="L")
     Image.open(good).save(tmp_path / "png_named.jpg", "PNG")
     for name in ("cmyk.jpg", "gray.jpg", "png_named.jpg"):
-        assert decode(str(tmp_path / name)).shape == (3, 32, 32)
-        assert images.FastTrainDecode(32, "L")(str(tmp_path / name)).shape == (1, 32, 32)
+        assert decode((tmp_path / name).read_bytes()).shape == (3, 32, 32)
+        assert cpu.FastTrainDecode(32, "L")((tmp_path / name).read_bytes()).shape == (1, 32, 32)
 
 
 def test_fast_folder_loader_matches_the_pil_loader_statistics(tmp_path):
@@ -319,15 +321,15 @@ def test_fast_folder_loader_matches_the_pil_loader_statistics(tmp_path):
 # choosing the path, and the speedrun config
 # ---------------------------------------------------------------------------------------------
 def test_pipeline_choice_and_its_errors(tmp_path):
-    assert pipeline.data_pipeline(make_cfg(MNIST), "TRAIN") == "memory"
-    assert pipeline.data_pipeline(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), "TRAIN") == "loader"
+    assert pipeline_name(make_cfg(MNIST), "TRAIN") == "memory"
+    assert pipeline_name(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), "TRAIN") == "loader"
     assert not isinstance(data.build_train_loader(make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "loader"}), 0, 1, CPU),
                           MemoryLoader)
     syn = {"TRAIN.DATASET": "synthetic", "TEST.DATASET": "synthetic", "MODEL.NUM_CLASSES": 4, "TRAIN.TOPK": 2}
-    assert pipeline.data_pipeline(make_cfg(syn), "TRAIN") == "loader"  # auto: synthetic stays on the DataLoader
+    assert pipeline_name(make_cfg(syn), "TRAIN") == "loader"  # auto: synthetic stays on the DataLoader
     folder = make_cfg({**syn, "TRAIN.DATASET": str(tmp_path), "TRAIN.DATA_PIPELINE": "memory"})
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE memory.*image folder"):
-        pipeline.data_pipeline(folder, "TRAIN")
+        pipeline_name(folder, "TRAIN")
     with pytest.raises(UserError, match="TRAIN.DATA_PIPELINE must be one of auto, memory, loader"):
         make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "gpu"})  # the config's choices (load_config)
     with pytest.raises(UserError, match="TRAIN.IMAGE_DECODE must be one of fast, pil"):

@@ -40,7 +40,7 @@ def pixel_stats(folder: str) -> tuple[float, float]:
 
 
 def test_small_gray_images_decide_model_channels_size_and_recipe(tmp_path):
-    folder = flat_folder(tmp_path / "tiny", "L", (8, 8))
+    folder = flat_folder(tmp_path / "tiny", "glyph", (8, 8))
     cfg = make_cfg("TRAIN.DATASET", folder, "DEVICE", "cpu")
     assert (cfg.MODEL.ARCH, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE) == ("resnet_tiny", 1, 32)
     assert (list(cfg.TRAIN.CROP_SCALE), cfg.TRAIN.FLIP_PROB) == ([0.8, 1.0], 0.0)
@@ -54,6 +54,15 @@ def test_small_gray_images_decide_model_channels_size_and_recipe(tmp_path):
     assert "12 of 12 sampled are gray" in lines["MODEL.IN_CHANS"].line()
     assert "glyphs" in lines["TRAIN.FLIP_PROB"].line()
     assert transforms.recipe_of(cfg).describe().startswith("crop scale 0.8-1, ratio 0.75-1.33, flip 0, bilinear")
+
+
+def test_textures_and_small_photos_are_mirrored_and_glyphs_are_not(tmp_path):
+    """FLIP_PROB follows what the images are, not their size: gray noise (a texture) and small RGB
+    photos are mirrored, two-toned glyphs are not."""
+    for mode, flip in (("L", 0.5), ("RGB", 0.5), ("glyph", 0.0)):
+        cfg = make_cfg("TRAIN.DATASET", flat_folder(tmp_path / mode, mode, (24, 24)), "DEVICE", "cpu")
+        line = decided(cfg)["TRAIN.FLIP_PROB"].line()
+        assert cfg.TRAIN.FLIP_PROB == flip and ("glyphs" in line) == (flip == 0.0), (mode, line)
 
 
 def test_photos_train_at_the_model_default_size_with_imagenet_recipe(tmp_path):
@@ -77,7 +86,7 @@ def test_a_baseline_config_on_photos_trains_as_before(tmp_path):
     assert transforms.image_stats(cfg) == transforms.IMAGENET_STATS
 
 
-def test_set_keys_win_and_other_data_keeps_the_former_defaults(tmp_path):
+def test_set_keys_win_and_other_data_keeps_the_fallback_defaults(tmp_path):
     folder = flat_folder(tmp_path / "tiny", "L", (8, 8))
     cfg = make_cfg("TRAIN.DATASET", folder, "DEVICE", "cpu", "MODEL.ARCH", "resnet18", "MODEL.IN_CHANS", 3,
                    "TRAIN.IM_SIZE", 16, "TRAIN.FLIP_PROB", 0.5, "TRAIN.MEAN", "[0.5, 0.5, 0.5]",
@@ -95,7 +104,7 @@ def test_a_fine_tune_takes_model_and_recipe_from_the_checkpoint_card(tmp_path):
                      std=[0.3081], config="TRAIN:\n  CROP_SCALE: []\n  FLIP_PROB: -1.0\n")
     ckpt = str(tmp_path / "best.pth")
     weights.save_checkpoint({CARD_KEY: card.to_dict()}, ckpt)
-    folder = flat_folder(tmp_path / "faces", "L", (25, 25))
+    folder = flat_folder(tmp_path / "faces", "glyph", (25, 25))
     cfg = make_cfg("TRAIN.DATASET", folder, "MODEL.WEIGHTS", ckpt, "DEVICE", "cpu")
     assert (cfg.MODEL.ARCH, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE) == ("resnet_tiny", 1, 36)
     assert (cfg.TRAIN.MEAN, cfg.TRAIN.STD) == ([0.1307], [0.3081])
@@ -128,12 +137,17 @@ def test_num_threads_from_omp_or_the_free_cores(monkeypatch):
     assert decided(make_cfg("DEVICE", "cpu"))["NUM_THREADS"].line() == (
         "NUM_THREADS 1 (OMP_NUM_THREADS (torchrun sets 1 for several processes))")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     cores = len(os.sched_getaffinity(0))
-    idle = make_cfg("DEVICE", "cpu")
-    assert idle.NUM_THREADS == cores and "0.0 busy by the load average" in decided(idle)["NUM_THREADS"].line()
     monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
-    assert make_cfg("DEVICE", "cpu").NUM_THREADS == 1  # every core busy: one thread, not threads that wait
+    alone = make_cfg("DEVICE", "cpu")  # one process: its cores, as torch's default, busy or not
+    assert alone.NUM_THREADS == cores and "alone here" in decided(alone)["NUM_THREADS"].line()
+    from distribuuuu.inferred import machine
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    idle = machine.free_threads(2 * cores, 2)  # two processes on twice these cores, idle: a share each
+    assert idle[0] == cores and "0.0 busy by the load average" in idle[1]
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
+    assert machine.free_threads(2 * cores, 2)[0] == 1  # every core busy: one thread each, not threads that wait
 
 
 @pytest.mark.e2e

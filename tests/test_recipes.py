@@ -15,11 +15,22 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from distribuuuu import inference
-from distribuuuu.data import datasets, images, pipeline, transforms
-from distribuuuu.data.memory import pad_crop_flip
+from distribuuuu import data, inference
+from distribuuuu.data import loading, transforms
+from distribuuuu.data.decoding import cpu
+from distribuuuu.data.loading import items
+from distribuuuu.data.loading.memory import pad_crop_flip
+from distribuuuu.data.sources import builtin
 from distribuuuu.data.transforms import Recipe, log_recipe, recipe_of
-from tests.conftest import TINY, check, cli_main, make_cfg, read_metrics, write_constant_image_tree
+from tests.conftest import (
+    TINY,
+    check,
+    cli_main,
+    make_cfg,
+    pipeline_name,
+    read_metrics,
+    write_constant_image_tree,
+)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -47,8 +58,9 @@ def _resized_crop(image, top: int, left: int, height: int, width: int, size: int
 
 
 def _seeded(tf, image, seed: int = 7):
+    """tf(image) with torch seeded; a path is read as the datasets read it (its bytes)."""
     torch.manual_seed(seed)
-    return tf(image)
+    return tf(open(image, "rb").read() if isinstance(image, str) else image)
 
 
 def _folder_cfg(root: str, **keys):
@@ -91,16 +103,16 @@ def test_default_fast_decode_draws_the_same_crops_as_before(tmp_path):
         top, left, h, w = v2.RandomResizedCrop.get_params(data, [0.08, 1.0], [3 / 4, 4 / 3])
         flip = bool(torch.rand(1) < 0.5)
         want = _resized_crop(data, top, left, h, w, 16, flip=flip)
-        assert torch.equal(_seeded(images.FastTrainDecode(16, "RGB", recipe_of(make_cfg({}))), path, seed), want)
+        assert torch.equal(_seeded(cpu.FastTrainDecode(16, "RGB", recipe_of(make_cfg({}))), path, seed), want)
 
 
 def test_default_mnist5k_keeps_pad_crop_without_flip():
     cfg = make_cfg(MNIST)
-    ds = pipeline.build_dataset(cfg, train=True)
+    ds = data.build_dataset(cfg, train=True)
     kinds = [type(t) for t in ds.transform.transforms]
     assert v2.RandomCrop in kinds and v2.RandomResizedCrop not in kinds and v2.RandomHorizontalFlip not in kinds
-    assert pipeline.data_pipeline(cfg, "TRAIN") == "memory"
-    loader = pipeline.build_train_loader(cfg, 0, 1, CPU)
+    assert pipeline_name(cfg, "TRAIN") == "memory"
+    loader = loading.build_train_loader(cfg, 0, 1, CPU)
     assert (loader.pad, loader.flip) == (2, 0.0)
 
 
@@ -130,7 +142,7 @@ def test_flip_probability_one_mirrors_every_fast_crop(tmp_path):
     keys = {"TRAIN.CROP_SCALE": [1.0, 1.0], "TRAIN.CROP_RATIO": [1.5, 1.5]}
     whole = _resized_crop(data, 0, 0, 40, 60, 16)
     for flip, want in ((1.0, whole.flip(-1)), (0.0, whole)):
-        decode = images.FastTrainDecode(16, "RGB", recipe_of(make_cfg({**keys, "TRAIN.FLIP_PROB": flip})))
+        decode = cpu.FastTrainDecode(16, "RGB", recipe_of(make_cfg({**keys, "TRAIN.FLIP_PROB": flip})))
         for seed in range(4):
             assert torch.equal(_seeded(decode, path, seed), want)
 
@@ -141,7 +153,7 @@ def test_interpolation_changes_the_fast_and_pil_eval_resize(tmp_path):
     outputs = {}
     for name in ("bilinear", "bicubic", "nearest"):
         recipe = recipe_of(make_cfg({"TRAIN.INTERPOLATION": name}))
-        out = images.FastEvalDecode(20, 16, "RGB", recipe)(path)
+        out = cpu.FastEvalDecode(20, 16, "RGB", recipe)(open(path, "rb").read())
         mode = v2.InterpolationMode(name)
         want = v2.functional.center_crop(v2.functional.resize(data, 20, interpolation=mode,
                                                               antialias=name != "nearest"), [16, 16])
@@ -156,29 +168,29 @@ def test_interpolation_changes_the_fast_and_pil_eval_resize(tmp_path):
 def test_mean_std_and_crop_pct_reach_the_folder_loaders(tmp_path, decode):
     cfg = _folder_cfg(str(tmp_path / "d"), **{"TRAIN.IMAGE_DECODE": decode, "TRAIN.MEAN": [0.5, 0.4, 0.3],
                                               "TRAIN.STD": [0.2, 0.25, 0.5], "TEST.CROP_PCT": 0.5})
-    images, _ = next(iter(pipeline.build_test_loader(cfg, 0, 1, CPU)))
+    images, _ = next(iter(loading.build_test_loader(cfg, 0, 1, CPU)))
     want = (torch.tensor([120 / 255] * 3) - torch.tensor([0.5, 0.4, 0.3])) / torch.tensor([0.2, 0.25, 0.5])
     assert images.shape == (2, 3, 8, 8)
     assert torch.allclose(images[0, :, 0, 0], want, atol=1e-5)
-    dataset = pipeline.build_split_dataset(cfg, "TEST", False, batched=decode == "fast")
-    resize = dataset.loader.resize_to if decode == "fast" else dataset.transform.transforms[0].size[0]
+    dataset = items.split_dataset(cfg, "TEST", False, batched=decode == "fast")
+    resize = dataset.decode.resize_to if decode == "fast" else dataset.transform.transforms[0].size[0]
     assert resize == 16  # floor(TRAIN.IM_SIZE 8 / CROP_PCT 0.5), not TEST.IM_SIZE 10
 
 
 def test_tensor_source_keys_mean_std_flip_and_crop_scale():
     cfg = make_cfg({**MNIST, "TRAIN.MEAN": [0.5], "TRAIN.STD": [0.25], "TRAIN.FLIP_PROB": 1.0})
-    loader = pipeline.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
+    loader = loading.build_val_loader(cfg, 0, 1, CPU)  # memory pipeline, no augmentation
     images, _ = next(iter(loader))
-    raw, _ = datasets.load_mnist5k("val", "TEST")
+    raw, _ = builtin.load_mnist5k("val", "TEST")
     assert torch.allclose(images[0], (raw[0].float() / 255 - 0.5) / 0.25, atol=1e-5)
-    assert pipeline.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
+    assert loading.build_train_loader(cfg, 0, 1, CPU).flip == 1.0
     digits = raw[:4]
     assert torch.equal(pad_crop_flip(digits, torch.arange(4), 28, 0, 1.0), digits.flip(-1))  # p 1: every one
     assert torch.equal(pad_crop_flip(digits, torch.arange(4), 28, 0, 0.0), digits)
     cropped = make_cfg({**MNIST, "TRAIN.CROP_SCALE": [0.8, 1.0], "TRAIN.INTERPOLATION": "bicubic"})
-    assert pipeline.data_pipeline(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
-    assert pipeline.data_pipeline(cropped, "TEST") == "memory"
-    tf = pipeline.build_dataset(cropped, train=True).transform
+    assert pipeline_name(cropped, "TRAIN") == "loader"  # the in-memory path only pads and crops
+    assert pipeline_name(cropped, "TEST") == "memory"
+    tf = data.build_dataset(cropped, train=True).transform
     want = v2.Compose([v2.RandomResizedCrop(28, scale=(0.8, 1.0), interpolation=BICUBIC, antialias=True),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.1307], [0.3081])])
     for seed in range(3):
@@ -191,8 +203,8 @@ def test_predict_uses_the_eval_recipe(tmp_path):
                                "TRAIN.STD": [0.1, 0.2, 0.4], "TEST.CROP_PCT": 0.5, "TRAIN.INTERPOLATION": "bicubic"})
     path = _photo(os.path.join(root, "val", "a", "0.png"), (30, 24))
     prepare = _card_transform(cfg)
-    evaluated = pipeline.build_dataset(cfg, train=False)
-    index = [p for p, _ in evaluated.samples].index(path)
+    evaluated = data.build_dataset(cfg, train=False)
+    index = evaluated.files.paths.index(path)
     assert torch.equal(prepare(path), evaluated[index][0])
     plain = _folder_cfg(str(tmp_path / "e"), **{"TRAIN.IMAGE_DECODE": "pil"})
     assert not torch.allclose(_card_transform(plain)(path), prepare(path))
@@ -259,7 +271,7 @@ def test_memory_pipeline_with_crop_scale_is_a_user_error():
 
     cfg = make_cfg({**MNIST, "TRAIN.DATA_PIPELINE": "memory", "TRAIN.CROP_SCALE": [0.8, 1.0]})
     with pytest.raises(UserError, match="TRAIN.CROP_SCALE needs TRAIN.DATA_PIPELINE auto or loader"):
-        pipeline.data_pipeline(cfg, "TRAIN")
+        pipeline_name(cfg, "TRAIN")
 
 
 # ---------------------------------------------------------------------------------------------

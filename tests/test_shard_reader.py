@@ -23,9 +23,10 @@ from PIL import Image
 
 from distribuuuu import api, data, model_card
 from distribuuuu.data import shards, transforms
+from distribuuuu.data.loading.items import UnreadableImage
+from distribuuuu.data.loading.pipeline import Place
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.loader import build_shard_loader
-from distribuuuu.data.shards.reader import BadRecordError
 from tests.conftest import (
     ROOT,
     TINY,
@@ -94,7 +95,7 @@ def stop_workers(loader) -> None:
 
 
 def epoch_ids(cfg, rank: int, world: int, epoch: int, start: int = 0, train: bool = True) -> list[list[int]]:
-    loader = build_shard_loader(cfg, "TRAIN" if train else "TEST", train, rank, world, torch.device("cpu"), 3)
+    loader = build_shard_loader(cfg, "TRAIN" if train else "TEST", train, Place(rank, world, torch.device("cpu")), 3)
     loader.sampler.set_epoch(epoch, start)
     try:
         return [ids(images) for images, _ in loader]
@@ -192,7 +193,7 @@ def test_two_ranks_of_two_workers_read_every_sample_once_per_epoch_in_new_orders
         epochs.append(flat)
     assert epochs[0] != epochs[1]
     # One loader for both epochs, as training keeps it: its persistent workers read the new epoch.
-    loader = build_shard_loader(cfg, "TRAIN", True, 0, 2, torch.device("cpu"), 3)
+    loader = build_shard_loader(cfg, "TRAIN", True, Place(0, 2, torch.device("cpu")), 3)
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
         assert [ids(images) for images, _ in loader] == epoch_ids(cfg, 0, 2, epoch)
@@ -206,7 +207,7 @@ def test_a_resumed_epoch_yields_the_same_remaining_batches_bit_for_bit(id_shards
     opts = id_opts(id_shards)
     opts.update({"TRAIN.CROP_SCALE": [0.3, 1.0], "TRAIN.FLIP_PROB": 0.5, "TRAIN.INTERPOLATION": "bilinear"})
     cfg = make_cfg(opts)  # random crops and flips: the same only if each batch has its own seed
-    loader = build_shard_loader(cfg, "TRAIN", True, 1, 2, torch.device("cpu"), 3)
+    loader = build_shard_loader(cfg, "TRAIN", True, Place(1, 2, torch.device("cpu")), 3)
     loader.sampler.set_epoch(1)
     straight = [images for images, _ in loader]
     loader.sampler.set_epoch(1, start=5 * 4 * 2)  # 5 steps of 4 x 2 ranks done
@@ -258,19 +259,19 @@ def test_a_bad_record_is_replaced_in_training_left_out_in_evaluation_and_counted
     key = _corrupt_record(str(tmp_path / "sh" / "train"), 7)
     _corrupt_record(str(tmp_path / "sh" / "val"), 3)
     cfg = make_cfg(id_opts(str(tmp_path / "sh"), workers=2))
-    train = build_shard_loader(cfg, "TRAIN", True, 0, 1, torch.device("cpu"), 3)
+    train = build_shard_loader(cfg, "TRAIN", True, Place(0, 1, torch.device("cpu")), 3)
     train.sampler.set_epoch(0)
     batches = [ids(images) for images, _ in train]
     assert [len(b) for b in batches] == [4] * 6  # every batch keeps its size
     flat = [i for b in batches for i in b]
     assert set(flat) == set(range(24)) - {7} and len(flat) == 24  # one readable sample stands in
-    assert data.take_bad_image_count(train) == 1
-    val = build_shard_loader(cfg, "TEST", False, 0, 1, torch.device("cpu"), 0)
+    assert len(data.take_unreadable(train)) == 1
+    val = build_shard_loader(cfg, "TEST", False, Place(0, 1, torch.device("cpu")), 0)
     assert sorted(i for images, _ in val for i in ids(images)) == [i for i in range(10) if i != 3]
-    assert data.take_bad_image_count(val) == 1
+    assert len(data.take_unreadable(val)) == 1
     strict = make_cfg(id_opts(str(tmp_path / "sh"), workers=2, **{"TRAIN.BAD_IMAGES": "fail"}))
-    strict_loader = build_shard_loader(strict, "TRAIN", True, 0, 1, torch.device("cpu"), 3)
-    with pytest.raises(BadRecordError, match=rf"^cannot decode record '{key}' of .*index.json \("):
+    strict_loader = build_shard_loader(strict, "TRAIN", True, Place(0, 1, torch.device("cpu")), 3)
+    with pytest.raises(UnreadableImage, match=rf"^cannot decode record '{key}' of .*index.json \("):
         list(strict_loader)
     # Its persistent workers are stopped with the error: left to the garbage collector, which frees the
     # failed loader late (a reference cycle), torch's shutdown would wait out its join timeouts (~20 s).
@@ -282,7 +283,7 @@ def test_a_shard_truncated_while_training_is_one_clear_error_from_a_worker(tmp_p
     write_id_images(tmp_path / "src", "train", 30)
     shards.write_shards(str(tmp_path / "src" / "train"), str(tmp_path / "sh"), shard_samples=10, progress=False)
     cfg = make_cfg(id_opts(str(tmp_path / "sh"), workers=2))
-    loader = build_shard_loader(cfg, "TRAIN", True, 0, 1, torch.device("cpu"), 3)  # checked complete here
+    loader = build_shard_loader(cfg, "TRAIN", True, Place(0, 1, torch.device("cpu")), 3)  # checked complete here
     victim = os.path.join(tmp_path, "sh", "train", "train-000001.tar")
     os.truncate(victim, os.path.getsize(victim) // 2)
     loader.sampler.set_epoch(0)
@@ -325,7 +326,7 @@ def test_a_shard_off_its_index_count_is_an_error_naming_it(tmp_path, workers, de
 def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shards):
     opts = {k: v for k, v in id_opts(id_shards, workers=0).items() if k not in ("TRAIN.MEAN", "TRAIN.STD")}
     cfg = make_cfg({**opts, "TEST.IM_SIZE": 10})
-    card = model_card.describe(cfg, build_shard_loader(cfg, "TRAIN", True, 0, 1, torch.device("cpu"), 3).dataset)
+    card = model_card.describe(cfg, build_shard_loader(cfg, "TRAIN", True, Place(0, 1, torch.device("cpu")), 3).dataset)
     stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, 1)  # what the loader normalizes with
     assert (card.mean, card.std) == (list(stats[0]), list(stats[1])) and card.resize == 10
     assert card.classes == list(CLASSES)

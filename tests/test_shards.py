@@ -16,7 +16,8 @@ import pytest
 import webdataset
 from PIL import Image
 
-from distribuuuu.data import shards, sources
+from distribuuuu.data import shards
+from distribuuuu.data.shards import index
 from distribuuuu.errors import UserError
 from tests.conftest import check, cli_main, env
 
@@ -115,12 +116,12 @@ def test_every_form_of_dataset_names_the_set_and_a_bad_one_is_a_user_error(jpeg_
     train = out / "train"
     forms = [str(out), str(train), str(train / "index.json"), str(train / "train-{000000..000005}.tar")]
     for form in forms:
-        assert sources.is_shard_set(form)
+        assert index.is_shard_set(form)
         s = shards.load_shard_set(form, "train", "TRAIN")
         assert s.num_samples == 21 and len(s.shards) == 6 and s.classes == ["ant", "bee", "cat"]
     assert shards.load_shard_set(str(out), "val", "TEST").num_samples == 6
     assert len(shards.load_shard_set(str(train / "train-{000001..000002}.tar"), "train", "TRAIN").shards) == 2
-    assert not sources.is_shard_set(str(jpeg_root))
+    assert not index.is_shard_set(str(jpeg_root))
     with pytest.raises(UserError, match="without split 'test'.*its splits: train, val"):
         shards.load_shard_set(str(out), "test", "TEST")
     with pytest.raises(UserError, match=r"shard train-000006.tar is not in .*\(4 of 6 unknown\)"):

@@ -105,7 +105,7 @@ def mnist5k_tree(tmp_path_factory) -> str:
     The function behind `distribuuuu data export mnist5k DIR`, called in this process: a
     subprocess would spend seconds of CPU importing torch again for a few seconds of PNG writing.
     """
-    from distribuuuu.data import export_mnist5k
+    from distribuuuu.data.sources.export import mnist5k as export_mnist5k
 
     root = str(tmp_path_factory.mktemp("tutorial") / "mnist5k")
     assert export_mnist5k(root) == {"train": 4000, "val": 1000}

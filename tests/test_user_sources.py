@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from distribuuuu.config import user_modules
-from distribuuuu.data import TensorSource, register_source, source_names, sources, unregister_source
+from distribuuuu.data import TensorSource, register_source, source_names, unregister_source
+from distribuuuu.data.sources import registry
 from distribuuuu.errors import UserError
 from tests.conftest import TINY, cli_main, read_metrics
 
@@ -225,6 +226,6 @@ def test_a_builder_that_returns_bad_tensors_is_a_user_error(tmp_path):
                                                                    ["a"], ((0.5,), (0.2,))))
     try:
         with pytest.raises(UserError, match="images must be a uint8 tensor"):
-            sources.build_source(cfg, "TRAIN")
+            registry.build_source(cfg, "TRAIN")
     finally:
         unregister_source("h6_bad")

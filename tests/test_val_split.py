@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from distribuuuu import data
-from distribuuuu.data import batches, datasets, transforms
-from distribuuuu.data.datasets import SplitPart
+from distribuuuu.data import holdout, transforms
+from distribuuuu.data.holdout import SplitPart
+from distribuuuu.data.loading import batches
+from distribuuuu.data.sources import builtin
 from distribuuuu.errors import UserError
 from distribuuuu.run_folder.metrics_files import read_jsonl
 from tests.conftest import (
@@ -46,25 +48,25 @@ def test_holdout_is_stratified_disjoint_covering_and_fixed():
     labels = np.random.default_rng(5).permutation(np.repeat([0, 1, 2, 3], [50, 31, 9, 2]))
     sizes = {0: 50, 1: 31, 2: 9, 3: 2}
     for val_split, fraction in ((0.2, 0.2), (23, 23 / 92)):  # a fraction, or a count made a fraction
-        kept, held = datasets.holdout_indices(labels, val_split)
+        kept, held = holdout.holdout_indices(labels, val_split)
         assert np.intersect1d(kept, held).size == 0
         assert np.array_equal(np.sort(np.concatenate([kept, held])), np.arange(len(labels)))
         want = {c: round(fraction * n) for c, n in sizes.items()}
         assert _per_class(labels, held) == {c: n for c, n in want.items() if n}
         assert _per_class(labels, kept) == {c: sizes[c] - want[c] for c in sizes}
-        again = datasets.holdout_indices(labels, val_split)
+        again = holdout.holdout_indices(labels, val_split)
         assert np.array_equal(again[0], kept) and np.array_equal(again[1], held)
-    assert datasets.holdout_fraction(500, 4000) == 0.125
+    assert holdout.holdout_fraction(500, 4000) == 0.125
 
 
 def test_holdout_errors_name_the_sizes():
     labels = np.repeat([0, 1], [10, 1])
     with pytest.raises(UserError, match=r"VAL_SPLIT 11 .*whole training set of 11"):
-        datasets.holdout_indices(labels, 11)
+        holdout.holdout_indices(labels, 11)
     with pytest.raises(UserError, match=r"no training sample in class '1' \(1 samples\)"):
-        datasets.holdout_indices(labels, 0.6)  # round(0.6 x 1) = 1: class 1 would be all validation
+        holdout.holdout_indices(labels, 0.6)  # round(0.6 x 1) = 1: class 1 would be all validation
     with pytest.raises(UserError, match="holds out no sample"):
-        datasets.holdout_indices(labels, 0.01)
+        holdout.holdout_indices(labels, 0.01)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +106,7 @@ def test_train_and_val_loaders_hold_the_two_parts(name, trees):
     cfg = make_cfg({**_case(name, trees), "RNG_SEED": 1})
     full = data.build_dataset(cfg, train=True)
     labels = np.asarray(full.targets)
-    kept, held = datasets.holdout_indices(labels, cfg.TRAIN.VAL_SPLIT)
+    kept, held = holdout.holdout_indices(labels, cfg.TRAIN.VAL_SPLIT)
     train = data.build_train_loader(cfg, 0, 1, CPU)
     assert isinstance(train.dataset, SplitPart) and train.dataset.classes == full.classes
     assert train.dataset.indices == kept.tolist() and len(train.dataset) == len(kept)
@@ -133,8 +135,8 @@ def test_train_and_val_loaders_hold_the_two_parts(name, trees):
 
 def test_mnist5k_validation_images_are_the_held_out_digits_unaugmented():
     augmented = {**MNIST, "TRAIN.VAL_SPLIT": 0.1, "TRAIN.AUTO_AUGMENT": "randaugment", "TRAIN.RANDOM_ERASE": 1.0}
-    digits, labels = datasets.load_mnist5k("train", "TRAIN")
-    _, held = datasets.holdout_indices(labels.numpy(), 0.1)
+    digits, labels = builtin.load_mnist5k("train", "TRAIN")
+    _, held = holdout.holdout_indices(labels.numpy(), 0.1)
     assert len(held) == 400 and _per_class(labels.numpy(), held) == {c: 40 for c in range(10)}
     want = batches.BatchNormalize(transforms.MNIST_STATS)(digits[held])
     for pipeline in ("memory", "loader"):

@@ -158,8 +158,8 @@ def _either_or_none(key: str, value: Any, default: Any, source: str) -> Any:
             return value
         raise UserError(
             f"config key {key} expects "
-            f"{' or '.join(_a(_type_name(t)) for t in EITHER_TYPES[key])}, "
-            f"got {value!r} ({_type_name(type(value))}) from {source}"
+            f"{' or '.join(_a(_type_name(t)) for t in EITHER_TYPES[key])}, got {value!r} "
+            f"({_type_name(type(value))}) from {source}"
         )
     if key in NULLABLE_TYPES:
         return None

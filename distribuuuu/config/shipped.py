@@ -59,9 +59,8 @@ def missing_message(cfg_file: str) -> str:
     names = ", ".join(shipped_names()) or "none (the package's configs/ folder is missing)"
     return (
         f"config file {cfg_file!r} does not exist and is not the name of a shipped config; pass a "
-        "YAML "
-        f"file or a shipped config by name, e.g. `--cfg mnist5k_fast` (shipped: {names}; "
-        f"`distribuuuu config --list` describes them)"
+        f"YAML file or a shipped config by name, e.g. `--cfg mnist5k_fast` (shipped: {names}; "
+        "`distribuuuu config --list` describes them)"
     )
 
 

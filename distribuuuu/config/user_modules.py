@@ -85,9 +85,9 @@ def _import(entry: str) -> ModuleType:
                 module = importlib.import_module(entry)
     except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported the same way
         raise UserError(
-            f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the "
-            "name, that its folder is on PYTHONPATH (or give the path of a .py file), "
-            "and that the module itself imports"
+            f"IMPORTS: cannot import {entry!r} ({type(e).__name__}: {e}); check the name, that its "
+            "folder is on PYTHONPATH (or give the path of a .py file), and that the module itself "
+            "imports"
         ) from None
     _imported[entry] = module
     return module

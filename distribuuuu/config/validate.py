@@ -98,8 +98,7 @@ def _is_key(name: Any) -> bool:
 def _not_a_key(v: list, c: CN) -> str:
     return (
         f"names {next(k for k in v if not _is_key(k))!r}, which is not a config key (write full "
-        "names such "
-        "as OPTIM.BASE_LR)"
+        "names such as OPTIM.BASE_LR)"
     )
 
 
@@ -171,8 +170,7 @@ RULES: list[Rule] = [
         "OPTIM.NESTEROV",
         lambda v, c: not v or (c.OPTIM.MOMENTUM > 0 and c.OPTIM.DAMPENING == 0),
         "True needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING 0 (got MOMENTUM {c.OPTIM.MOMENTUM}, "
-        "DAMPENING "
-        "{c.OPTIM.DAMPENING})",
+        "DAMPENING {c.OPTIM.DAMPENING})",
     ),
     ("OPTIM.LR_POLICY", *_one_of(LR_POLICIES)),
     (
@@ -206,9 +204,8 @@ RULES: list[Rule] = [
     (
         "TRAIN.IMAGE_DECODE",
         lambda v, c: v != "gpu" or c.TRAIN.AUTO_AUGMENT == "none",
-        "gpu decodes after the loader workers, where TRAIN.AUTO_AUGMENT's per-image policy runs on "
-        "decoded images; "
-        "use TRAIN.IMAGE_DECODE fast (or auto), or TRAIN.AUTO_AUGMENT none",
+        "gpu decodes after the loader workers, where TRAIN.AUTO_AUGMENT's per-image policy runs "
+        "on decoded images; use TRAIN.IMAGE_DECODE fast (or auto), or TRAIN.AUTO_AUGMENT none",
     ),
     ("TRAIN.BEST_METRIC", *_one_of(BEST_METRICS)),
     ("TRAIN.AUTO_AUGMENT", *_one_of(AUTO_AUGMENTS)),
@@ -273,8 +270,8 @@ RULES: list[Rule] = [
         (
             key,
             _per_channel,
-            'needs one number per channel (MODEL.IN_CHANS {c.MODEL.IN_CHANS}), e.g. "[0.5]" for 1, '
-            '"[0.5, 0.5, 0.5]" for 3, or [] for the source\'s own; got {v}',
+            'needs one number per channel (MODEL.IN_CHANS {c.MODEL.IN_CHANS}), e.g. "[0.5]" for '
+            '1, "[0.5, 0.5, 0.5]" for 3, or [] for the source\'s own; got {v}',
         )
         for key in ("TRAIN.MEAN", "TRAIN.STD")
     ],
@@ -306,15 +303,14 @@ RULES: list[Rule] = [
     (
         "OPTIM.BACKBONE_LR_SCALE",
         _positive,
-        "is the backbone's fraction of the LR and must be positive (e.g. 0.1), "
-        "got {v}; to keep the backbone fixed use TRAIN.FREEZE_BACKBONE_EPOCHS -1",
+        "is the backbone's fraction of the LR and must be positive (e.g. 0.1), got {v}; to keep "
+        "the backbone fixed use TRAIN.FREEZE_BACKBONE_EPOCHS -1",
     ),
     (
         "TRAIN.FREEZE_BACKBONE_EPOCHS",
         lambda v, c: v <= 0 or not c.DIST.STATIC_GRAPH,
-        "{v} changes the parameters "
-        "that get gradients after epoch {v}, which DIST.STATIC_GRAPH True forbids; set "
-        "DIST.STATIC_GRAPH False",
+        "{v} changes the parameters that get gradients after epoch {v}, which DIST.STATIC_GRAPH "
+        "True forbids; set DIST.STATIC_GRAPH False",
     ),
     # Bad data, non-finite steps, stop signals
     ("TRAIN.BAD_IMAGES", *_one_of(BAD_IMAGE_MODES)),

@@ -189,7 +189,7 @@ def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
     call, over all ranks, and rank 0's warning (each file was named in
     the log when it was met)."""
     bad = int(
-        comm.all_reduce_sum(torch.tensor([data.take_bad_image_count(loader)], device=ctx.device))[0]
+        comm.all_reduce_sum(torch.tensor([len(data.take_unreadable(loader.dataset))], device=ctx.device))[0]
     )
     if bad and ctx.is_main:
         log.warning("%d %s", bad, what)

@@ -220,8 +220,7 @@ class FreezeBackboneHook(HookBase):
         )
         log.info(
             "backbone frozen %s: %d parameter tensors and %d BatchNorm layers; the classifier %s "
-            "(%d tensors) "
-            "trains",
+            "(%d tensors) trains",
             until,
             len(self.backbone),
             len(self.norms),
@@ -290,8 +289,8 @@ class NonFiniteEpochCheck(HookBase):
         if metrics["n"] and not math.isfinite(metrics["loss"]):
             raise NonFiniteLoss(
                 f"the training loss of epoch {state.epoch} (step {state.global_step}) is not "
-                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop "
-                f"checks every step); {advice(cfg)}"
+                "finite (TRAIN.NONFINITE off checks only each epoch's loss; skip or stop checks "
+                f"every step); {advice(cfg)}"
             )
 
 

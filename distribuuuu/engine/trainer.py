@@ -50,12 +50,14 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, inferred, model_card, models, optim, strategies
+from distribuuuu import data, model_card, models, optim, strategies
+from distribuuuu.data.loading import balance
 from distribuuuu.engine import evaluation, rng
 from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.evaluation import Counter
 from distribuuuu.engine.hooks import HookBase
 from distribuuuu.errors import UserError
+from distribuuuu.inferred.data import training_data_is_test_data
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, accuracies, format_seconds
@@ -198,13 +200,13 @@ class Trainer:
         self.val_loader = data.build_val_loader(
             cfg, ctx.rank, ctx.world_size, ctx.device
         )  # TRAIN.VAL_SPLIT: held out
-        if cfg.TRAIN.VAL_SPLIT and not inferred.test_is_training_data(
+        if cfg.TRAIN.VAL_SPLIT and not training_data_is_test_data(
             cfg
         ):  # a folder of class folders: no test set
             self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
         if cfg.TRAIN.CLASS_BALANCE == "loss":  # weights from the labels trained on, known only now
             self.stepper.weigh_classes(
-                cfg, data.balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES)
+                cfg, balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES)
             )
         # What every checkpoint says about the model: class names of the
         # data trained on, preprocessing
@@ -215,8 +217,8 @@ class Trainer:
         cfg, ctx, train, val = self.cfg, self.ctx, self.train_loader, self.val_loader
         log.info(
             "world size %d | batch %d per process x %d accumulation = %d global | peak LR %g "
-            "(BASE_LR %g, "
-            "LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per epoch",
+            "(BASE_LR %g, LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per "
+            "epoch",
             ctx.world_size,
             cfg.TRAIN.BATCH_SIZE,
             cfg.TRAIN.ACCUM_STEPS,
@@ -550,8 +552,8 @@ class Trainer:
             return
         log.warning(
             "resuming %d processes from a checkpoint of %d: the global batch and the LR are "
-            "recomputed (see the line above); the epoch continues at sample %d; RNG streams "
-            "are re-seeded",
+            "recomputed (see the line above); the epoch continues at sample %d; RNG streams are "
+            "re-seeded",
             ctx.world_size,
             saved_world,
             self.state.samples_in_epoch,

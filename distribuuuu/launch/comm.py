@@ -118,17 +118,14 @@ def _fewer_gpus_than_processes(cfg: Any, info: LaunchInfo) -> torch.device:
         return torch.device("cuda", info.local_rank % count)
     hint = (
         "request as many GPUs as tasks per node (--gres gpu:N with --ntasks-per-node N) or bind "
-        "one "
-        "GPU per task (srun --gpus-per-task=1)"
+        "one GPU per task (srun --gpus-per-task=1)"
         if info.launcher == "slurm"
         else "start at most one process per GPU"
     )
     raise UserError(
         f"{info.local_world_size} processes on this node but only {count} GPU(s) visible to each, "
-        "so two "
-        f"would share a GPU, which NCCL refuses; {hint}, or use DEVICE cpu, or DIST.BACKEND gloo "
-        "to share "
-        "the GPU (a test mode: slow collectives through host memory)"
+        f"so two would share a GPU, which NCCL refuses; {hint}, or use DEVICE cpu, or DIST.BACKEND "
+        "gloo to share the GPU (a test mode: slow collectives through host memory)"
     )
 
 
@@ -150,26 +147,6 @@ def _set_threads(cfg: Any, info: LaunchInfo) -> None:
     that was not resolved: torch's own default is kept)."""
     if cfg.NUM_THREADS > 0:
         torch.set_num_threads(cfg.NUM_THREADS)
-
-
-def free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
-    """NUM_THREADS 0 (inferred.py): the cores free to each process, and
-    why. Its share of the cores it may use (Slurm's --cpus-per-task is
-    each task's own), less its share of the load average (scaled to
-    these cores): threads on a busy core wait for each other at every
-    operation (2 threads on a busy 2-core machine ran 5-6x slower than
-    1)."""
-    slurm = launcher.slurm_cpus_per_task() if launcher.detect().launcher == "slurm" else None
-    procs = 1 if slurm else local_world_size
-    share = max(1, min(cores, slurm) if slurm else cores // procs)
-    load = (
-        os.getloadavg()[0] * cores / (os.cpu_count() or cores) if hasattr(os, "getloadavg") else 0.0
-    )
-    threads = max(1, min(share, round(cores - load) // procs))
-    return threads, (
-        f"from the cores: {share} of {cores} per process for {procs} process(es) here, "
-        f"{load:.1f} busy by the load average"
-    )
 
 
 def _set_determinism(cfg: Any) -> None:
@@ -271,8 +248,8 @@ def _init_process_group(
 
 def _port_taken(info: LaunchInfo) -> UserError:
     return UserError(
-        f"master port {info.master_port} on {info.master_addr} is already in use; "
-        "pick another with MASTER_PORT=... or --master-port ..."
+        f"master port {info.master_port} on {info.master_addr} is already in use; pick another "
+        "with MASTER_PORT=... or --master-port ..."
     )
 
 
@@ -323,9 +300,9 @@ def _print_dist_line(info: LaunchInfo, device: torch.device, backend: str) -> No
     master = f"{info.master_addr}:{info.master_port}" if info.world_size > 1 else "-"
     sys.stdout.write(
         f"[dist] rank {info.rank}/{info.world_size} | local rank "
-        f"{info.local_rank}/{info.local_world_size} "
-        f"| node {info.node_rank} | master {master} | device {device} "
-        f"| backend {backend if info.world_size > 1 else '-'} | launcher {info.launcher}\n"
+        f"{info.local_rank}/{info.local_world_size} | node {info.node_rank} | master {master} | "
+        f"device {device} | backend {backend if info.world_size > 1 else '-'} | launcher "
+        f"{info.launcher}\n"
     )
     sys.stdout.flush()
 

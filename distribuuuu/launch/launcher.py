@@ -169,8 +169,8 @@ def _from_rank_env(
     if local_rank is None:
         if "LOCAL_RANK" not in env and world_size > 1:
             raise UserError(
-                f"RANK and WORLD_SIZE are set but LOCAL_RANK is not (launcher {launcher}); "
-                "set LOCAL_RANK too, or start the processes with torchrun"
+                f"RANK and WORLD_SIZE are set but LOCAL_RANK is not (launcher {launcher}); set "
+                "LOCAL_RANK too, or start the processes with torchrun"
             )
         local_rank = _int(env, "LOCAL_RANK", 0)
     elif "LOCAL_RANK" in env and _int(env, "LOCAL_RANK") != local_rank:

@@ -254,8 +254,8 @@ def _exited(e: mp.ProcessExitedException, relayed: Collection[int], errors: str)
         )
     else:
         print(
-            f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; "
-            "the other processes were stopped",
+            f"[spawn] process {e.error_index} (pid {e.error_pid}) exited with status {status}; the "
+            "other processes were stopped",
             file=sys.stderr,
             flush=True,
         )

@@ -107,8 +107,8 @@ def _probe_writable(folder: str, what: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise UserError(
-            f"{what} {folder} is not writable ({e.strerror}): a file cannot be created in it. "
-            f"Make it writable (chmod u+w {folder}) or give another OUT_DIR"
+            f"{what} {folder} is not writable ({e.strerror}): a file cannot be created in it. Make "
+            f"it writable (chmod u+w {folder}) or give another OUT_DIR"
         ) from None
 
 
@@ -161,9 +161,8 @@ def _refuse_out_dir_in_data(cfg: CfgNode) -> None:
         if os.path.isdir(cfg[key].DATASET) and os.path.commonpath([out, data]) == data:
             raise UserError(
                 f"OUT_DIR {cfg.OUT_DIR} is inside {key}.DATASET {cfg[key].DATASET}: the run's "
-                "files would "
-                "become part of the data (its folders classes, its plots images); give an OUT_DIR "
-                f"outside it (e.g. OUT_DIR runs/{os.path.basename(out)})"
+                "files would become part of the data (its folders classes, its plots images); "
+                f"give an OUT_DIR outside it (e.g. OUT_DIR runs/{os.path.basename(out)})"
             )
 
 
@@ -172,13 +171,12 @@ def _refuse_cfg_dest(name: str, out_dir: str) -> None:
     for something else, nor a folder there."""
     if name in NAMES:
         raise UserError(
-            f"CFG_DEST {name!r} is a name the run folder uses for something else; "
-            "use a name such as config.yaml"
+            f"CFG_DEST {name!r} is a name the run folder uses for something else; use a name such "
+            "as config.yaml"
         )
     raise UserError(
         f"CFG_DEST {name!r} is an existing folder in OUT_DIR ({os.path.join(out_dir, name)}); the "
-        "full "
-        "config is written to that name: use a file name such as config.yaml"
+        "full config is written to that name: use a file name such as config.yaml"
     )
 
 
@@ -203,6 +201,11 @@ def best_path(out_dir: str) -> str:
     """Where a run in out_dir keeps the checkpoint it chose (messages
     name it)."""
     return os.path.join(out_dir, CHECKPOINTS, BEST)
+
+
+def last_path(out_dir: str) -> str:
+    """OUT_DIR's last.pth (it may not exist)."""
+    return os.path.join(out_dir, CHECKPOINTS, LAST)
 
 
 def best_or_last(out_dir: str) -> str | None:
@@ -256,9 +259,9 @@ def _newest_intact(out_dir: str, candidates: list[str]) -> tuple[dict[str, Any],
             failed.append(os.path.basename(path))
     raise UserError(
         f"no intact checkpoint to resume in {os.path.join(out_dir, CHECKPOINTS)}: "
-        f"{', '.join(failed)} "
-        "cannot be used (see the warnings above). Starting over there would overwrite them: "
-        f"move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give another OUT_DIR"
+        f"{', '.join(failed)} cannot be used (see the warnings above). Starting over there would "
+        f"overwrite them: move them away (mv {out_dir} {out_dir.rstrip('/')}.damaged) or give "
+        "another OUT_DIR"
     )
 
 

@@ -194,14 +194,12 @@ def _busy_message(out_dir: str, holder: Holder, state: str) -> str:
     if state == "alive":
         return (
             f"OUT_DIR {out_dir} is in use by another training run: {holder.describe()}. Wait for "
-            "it "
-            f"to end or stop it (kill {holder.pid}), or give this run another OUT_DIR"
+            f"it to end or stop it (kill {holder.pid}), or give this run another OUT_DIR"
         )
     return (
         f"OUT_DIR {out_dir} is locked by a training run on another host: {holder.describe()}. If "
-        "that "
-        f"run is no longer running, delete {os.path.join(out_dir, LOCK)}; otherwise give this run "
-        "another OUT_DIR"
+        f"that run is no longer running, delete {os.path.join(out_dir, LOCK)}; otherwise give this "
+        "run another OUT_DIR"
     )
 
 
@@ -281,8 +279,8 @@ def acquire(out_dir: str, me: Holder | None = None) -> list[str]:
         except FileExistsError:
             notes += _take_over(out_dir, me)
     raise UserError(
-        f"could not take the run lock {path}: other runs keep creating it; give this run "
-        "another OUT_DIR"
+        f"could not take the run lock {path}: other runs keep creating it; give this run another "
+        "OUT_DIR"
     )
 
 
@@ -407,10 +405,8 @@ def refuse_existing_run(out_dir: str) -> None:
     if found:
         raise UserError(
             f"OUT_DIR {out_dir} already holds a run ({', '.join(found)}) and TRAIN.AUTO_RESUME "
-            "False "
-            "would overwrite it. To continue that run, use TRAIN.AUTO_RESUME True; to start a "
-            "fresh "
-            f"one, give another OUT_DIR (or delete {out_dir})"
+            "False would overwrite it. To continue that run, use TRAIN.AUTO_RESUME True; to start "
+            f"a fresh one, give another OUT_DIR (or delete {out_dir})"
         )
 
 
@@ -430,8 +426,7 @@ def set_aside_records(out_dir: str, records: int) -> str:
             moved.append(f"{name} -> {name}.{n}")
     return (
         f"{out_dir} held {_plural(records, 'metrics record')} of an earlier run that left no "
-        "checkpoint; "
-        f"this run starts from scratch, so they were moved aside: {', '.join(moved)}"
+        f"checkpoint; this run starts from scratch, so they were moved aside: {', '.join(moved)}"
     )
 
 

@@ -281,8 +281,7 @@ def drop_epochs_after(tb: str, completed_epochs: int) -> list[str]:
         return []
     note = (
         f"{tb}: {removed} per-epoch scalars of epochs after {completed_epochs} removed (written "
-        "before the "
-        "checkpoint the run resumes from; those epochs are trained and recorded again)"
+        "before the checkpoint the run resumes from; those epochs are trained and recorded again)"
     )
     log.warning("%s", note)
     return [note]
@@ -333,8 +332,7 @@ def _drop_reason(line: bytes, completed_epochs: int, torn: bool) -> str | None:
     if isinstance(epoch, int) and epoch > completed_epochs:
         return (
             "records written after the checkpoint the run resumes from (epoch "
-            f"{completed_epochs}); "
-            "those epochs are trained and recorded again"
+            f"{completed_epochs}); those epochs are trained and recorded again"
         )
     return None
 

@@ -197,8 +197,7 @@ def refusal(path: str, out_dir: str, lines: Iterable[str], allow: list[str] | No
         f"cannot resume the run in {out_dir} from {path}:\n"
         + "\n".join(f"  {ln}" for ln in lines)
         + f"\nTo start a fresh run, give another OUT_DIR (e.g. OUT_DIR {other}); to start a new "
-        "run from "
-        f"these weights: OUT_DIR {other} MODEL.WEIGHTS {path}"
+        f"run from these weights: OUT_DIR {other} MODEL.WEIGHTS {path}"
     )
     if allow:
         msg += (
@@ -271,8 +270,7 @@ def check_data(saved: dict[str, Any] | None, now: dict[str, Any], cfg: Any, path
     ):  # a checkpoint without the data's sizes
         lines = [
             f"{names['train_samples']} has {now['train_samples']} samples now, but the checkpoint "
-            "is "
-            f"{position} samples into its epoch"
+            f"is {position} samples into its epoch"
         ]
     if lines:
         raise UserError(refusal(path, cfg.OUT_DIR, lines))

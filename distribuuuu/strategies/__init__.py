@@ -122,8 +122,8 @@ class Strategy:
         with ``world_size`` processes."""
         if cfg.DIST.CPU_OFFLOAD:
             raise UserError(
-                f"DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp (got {cfg.DIST.STRATEGY!r}); "
-                "ddp and zero1 keep everything on the device"
+                f"DIST.CPU_OFFLOAD True needs DIST.STRATEGY fsdp (got {cfg.DIST.STRATEGY!r}); ddp "
+                "and zero1 keep everything on the device"
             )
 
     @classmethod

@@ -60,8 +60,7 @@ class DP(Strategy):
         if world_size > 1:
             raise UserError(
                 f"DIST.STRATEGY dp is ONE process driving all local GPUs, but {world_size} "
-                "processes "
-                "were started; run it with plain python, or use DIST.STRATEGY ddp"
+                "processes were started; run it with plain python, or use DIST.STRATEGY ddp"
             )
 
     def wrap(self, model: nn.Module) -> nn.Module:

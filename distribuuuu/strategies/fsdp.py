@@ -214,8 +214,7 @@ class FSDP(Strategy):
         if cfg.TRAIN.EMA_DECAY != 0:
             raise UserError(
                 "TRAIN.EMA_DECAY needs whole parameters on every rank, which DIST.STRATEGY fsdp "
-                "does "
-                "not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0"
+                "does not keep; use DIST.STRATEGY ddp or zero1 with EMA, or TRAIN.EMA_DECAY 0"
             )
         if cfg.TRAIN.AMP == "fp16":
             raise UserError(

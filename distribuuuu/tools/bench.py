@@ -250,9 +250,8 @@ def print_table(cfg: Any, result: dict[str, Any]) -> None:
     c, h, w = result["input"]
     print(
         f"\nbench: {cfg.MODEL.ARCH} | batch {cfg.TRAIN.BATCH_SIZE} of {c}x{h}x{w} | "
-        f"{result['device']} | "
-        f"{result['threads']} thread(s) | {result['iters']} iterations after {result['warmup']} "
-        "warm-up"
+        f"{result['device']} | {result['threads']} thread(s) | {result['iters']} iterations after "
+        f"{result['warmup']} warm-up"
     )
     amp = f"AMP {cfg.TRAIN.AMP}" + (", channels_last" if cfg.TRAIN.CHANNELS_LAST else "")
     rows = [

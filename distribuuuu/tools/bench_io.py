@@ -43,6 +43,8 @@ import torch
 
 from distribuuuu import config, data, inferred
 from distribuuuu.data import shards, sources
+from distribuuuu.data.shards.index import is_shard_set
+from distribuuuu.data.sources import folder, registry
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
 from distribuuuu.logger import setup_logging
@@ -126,22 +128,22 @@ def dataset_format(cfg: Any) -> str:
             "bench --io times reading image files, but MODEL.DUMMY_INPUT makes random tensors; "
             "drop MODEL.DUMMY_INPUT and point TRAIN.DATASET at an image folder or a shard set"
         )
-    if sources.is_shard_set(path) or sources.is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
+    if is_shard_set(path) or is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
         return "shards"
     kind = sources.source_kind(path)
     if kind != "folder":
         what = (
             "a CIFAR pickle folder"
             if kind == "cifar"
-            else f"the {kind} source (tensors, no image files)"
+            else f"the {path} source (tensors, no image files)"
         )
         raise UserError(
             f"bench --io times reading image files, but TRAIN.DATASET {path!r} is {what}; point "
             "TRAIN.DATASET at an image folder (<DATASET>/<SPLIT>/<class>/<image>; `distribuuuu "
-            "data "
-            "export mnist5k DIR` writes one) or at a shard set (`distribuuuu data shard SRC DEST`)"
+            "data export mnist5k DIR` writes one) or at a shard set (`distribuuuu data shard SRC "
+            "DEST`)"
         )
-    sources.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN")  # a UserError naming what is missing
+    folder.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN", registry.note())  # a UserError naming what is missing
     return "folder"
 
 
@@ -174,8 +176,8 @@ def shard_copy(split_dir: str, dest: str, n_images: int) -> str:
     if count != n_images:
         raise UserError(
             f"--io-shards {dest!r} holds shards of {count} images, but {split_dir!r} has "
-            f"{n_images}; "
-            "remove that folder (it is written again) or give another --io-shards folder"
+            f"{n_images}; remove that folder (it is written again) or give another --io-shards "
+            "folder"
         )
     return os.path.dirname(index)
 

@@ -160,8 +160,8 @@ def plan_runs(
     ddp_methods = [m for m in methods if m.startswith("ddp")]
     if ddp_methods and global_batch % n:
         raise UserError(
-            f"the global batch {global_batch} does not split evenly over {n} DDP processes; "
-            f"use --global-batch (or TRAIN.BATCH_SIZE) a multiple of {n}"
+            f"the global batch {global_batch} does not split evenly over {n} DDP processes; use "
+            f"--global-batch (or TRAIN.BATCH_SIZE) a multiple of {n}"
         )
     plans = []
     for m in methods:
@@ -439,8 +439,8 @@ def run_compare(
     )
     print_table(
         rows,
-        f"compare: {cfg.MODEL.ARCH} on {cfg.TRAIN.DATASET} | {device} | global batch {batch} "
-        f"(per process: {batch} / processes) | {timed} | load average {load_start:.2f} -> "
+        f"compare: {cfg.MODEL.ARCH} on {cfg.TRAIN.DATASET} | {device} | global batch {batch} (per "
+        f"process: {batch} / processes) | {timed} | load average {load_start:.2f} -> "
         f"{load_end:.2f}",
     )
     csv_path, png_path = os.path.join(out_dir, "compare.csv"), os.path.join(out_dir, "compare.png")

@@ -214,8 +214,8 @@ def main(cfg_file: str | None, opts: list[str], out: str | None, tol: float, bat
     record = export(cfg, card, out, tol, batch)
     print(
         f"exported {record['arch']} ({record['weights']}), input "
-        f"{'x'.join(map(str, record['input_shape']))}; "
-        f"max |exported - eager| on batches of {batch} and {batch + 1} (tolerance {tol:g}):"
+        f"{'x'.join(map(str, record['input_shape']))}; max |exported - eager| on batches of "
+        f"{batch} and {batch + 1} (tolerance {tol:g}):"
     )
     failed = []
     for fmt, path in record["files"].items():

@@ -56,8 +56,8 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise UserError(
-            f"{run_dir!r} has no metrics.jsonl; give the OUT_DIR of a training run "
-            "(it is written after the first epoch)"
+            f"{run_dir!r} has no metrics.jsonl; give the OUT_DIR of a training run (it is written "
+            "after the first epoch)"
         )
     return read_jsonl(path)
 
@@ -78,8 +78,8 @@ def run_curves(run_dir: str) -> dict[str, Any]:
             topk = r.get("topk", topk)
     if not by_split["train"] and not by_split["val"]:
         raise UserError(
-            f"{os.path.join(run_dir, 'metrics.jsonl')} holds no epoch records yet; "
-            "plot a run that finished at least one epoch"
+            f"{os.path.join(run_dir, 'metrics.jsonl')} holds no epoch records yet; plot a run that "
+            "finished at least one epoch"
         )
     curves: dict[str, Any] = {"topk": topk or 5}
     for _, _, keys in PANELS:

@@ -88,8 +88,8 @@ def _check_images(image_paths: Sequence[str]) -> None:
                 else ""
             )
             raise UserError(
-                f"cannot read {path!r} as an image: its format is not one PIL can read; "
-                f"give PNG, JPEG or another image file{hint}"
+                f"cannot read {path!r} as an image: its format is not one PIL can read; give PNG, "
+                f"JPEG or another image file{hint}"
             ) from None
 
 
@@ -148,8 +148,8 @@ def main(
     opts, inputs = split_opts_and_images(tokens)
     if not inputs:
         raise UserError(
-            "give one or more image files, folders or quoted globs after the KEY VALUE pairs, e.g. "
-            "`distribuuuu predict MODEL.WEIGHTS best.pth photos/`"
+            "give one or more image files, folders or quoted globs after the KEY VALUE pairs, "
+            "e.g. `distribuuuu predict MODEL.WEIGHTS best.pth photos/`"
         )
     if topk < 1:
         raise UserError(f"--topk must be at least 1, got {topk}")

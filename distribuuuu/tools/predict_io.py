@@ -60,8 +60,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             found = _folder_images(item)
             if not found:
                 raise UserError(
-                    f"folder {item!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}, "
-                    "searched recursively)"
+                    f"folder {item!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}, searched "
+                    "recursively)"
                 )
         elif os.path.exists(item):
             found = [item]

@@ -196,8 +196,8 @@ def run_scaling(
     gpus = runner.visible_gpus(cfg)
     if gpus and counts[-1] > gpus:
         raise UserError(
-            f"--scaling asks for {counts[-1]} processes but there are {gpus} GPU(s); "
-            f"use counts up to {gpus}, or DEVICE cpu"
+            f"--scaling asks for {counts[-1]} processes but there are {gpus} GPU(s); use counts up "
+            f"to {gpus}, or DEVICE cpu"
         )
     os.makedirs(out_dir, exist_ok=True)
     records, status = _run_counts(cfg_file, opts, counts, epochs, out_dir)
@@ -207,8 +207,8 @@ def run_scaling(
     device = runner.device_label(gpus)  # after the runs: this may create a CUDA context
     print_table(
         rows,
-        f"scaling: {cfg.MODEL.ARCH} | batch {cfg.TRAIN.BATCH_SIZE} per process | {device} | "
-        f"epoch {epochs} of {epochs} on {cfg.TRAIN.DATASET}",
+        f"scaling: {cfg.MODEL.ARCH} | batch {cfg.TRAIN.BATCH_SIZE} per process | {device} | epoch "
+        f"{epochs} of {epochs} on {cfg.TRAIN.DATASET}",
     )
     csv_path, png_path = os.path.join(out_dir, "scaling.csv"), os.path.join(out_dir, "scaling.png")
     with open(csv_path, "w", newline="") as f:
@@ -218,8 +218,8 @@ def run_scaling(
     plot_scaling(
         rows,
         png_path,
-        f"{cfg.MODEL.ARCH} on {cfg.TRAIN.DATASET}, batch {cfg.TRAIN.BATCH_SIZE} per "
-        f"process, {device} (epoch {epochs} of {epochs} timed)",
+        f"{cfg.MODEL.ARCH} on {cfg.TRAIN.DATASET}, batch {cfg.TRAIN.BATCH_SIZE} per process, "
+        f"{device} (epoch {epochs} of {epochs} timed)",
     )
     print(f"wrote {csv_path}, {png_path}")
     return 0

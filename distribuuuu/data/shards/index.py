@@ -1,7 +1,7 @@
 """Finding a shard set from TRAIN.DATASET / TEST.DATASET and checking it
 before any rank reads it.
 
-Accepted forms (recognised by sources.is_shard_set): a shard root (DEST
+Accepted forms (recognised by is_shard_set): a shard root (DEST
 of `data shard`, holding <SPLIT>/index.json), a split folder holding
 index.json, the index.json path itself, or a brace pattern
 ``.../train-{000000..000127}.tar``. A brace pattern takes its counts and
@@ -48,6 +48,26 @@ class ShardSet:
 BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
+def is_shard_set(path: str) -> bool:
+    """Whether path names a shard set in a form load_shard_set reads: a
+    brace pattern of tars, an index.json, a folder holding one, or a
+    root holding <split>/index.json."""
+    if path.endswith(".tar") and BRACE.search(path):
+        return True
+    if not os.path.isdir(path):
+        return os.path.isfile(path) and _is_index(path)
+    folders = [path] + [e.path for e in os.scandir(path) if e.is_dir()]
+    return any(_is_index(os.path.join(folder, INDEX)) for folder in folders)
+
+
+def _is_index(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def expand_braces(pattern: str) -> list[str]:
     """'a-{000..002}.tar' -> ['a-000.tar', 'a-001.tar', 'a-002.tar']
     (zero padding kept; one range)."""
@@ -66,8 +86,8 @@ def _read_index(path: str, key: str) -> dict:
         raise UserError(f"{key}.DATASET: cannot read the shard index {path} ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise UserError(
-            f"{key}.DATASET: {path} is not a distribuuuu shard index (format {FORMAT}); "
-            "write shards with `distribuuuu data shard SRC DEST`"
+            f"{key}.DATASET: {path} is not a distribuuuu shard index (format {FORMAT}); write "
+            "shards with `distribuuuu data shard SRC DEST`"
         )
     return index
 
@@ -81,10 +101,9 @@ def index_path(dataset: str, split: str, key: str) -> str:
         if not os.path.isfile(beside):
             raise UserError(
                 f"{key}.DATASET {dataset!r}: no {INDEX} beside the tars, so the per-shard sample "
-                "counts "
-                "are unknown (needed for exactly-once splitting over ranks); point at shards "
-                "written by "
-                "`distribuuuu data shard`, or at the folder holding their index.json"
+                "counts are unknown (needed for exactly-once splitting over ranks); point at "
+                "shards written by `distribuuuu data shard`, or at the folder holding their "
+                "index.json"
             )
         return beside
     if os.path.isfile(os.path.join(dataset, INDEX)):
@@ -98,8 +117,7 @@ def index_path(dataset: str, split: str, key: str) -> str:
         )
         raise UserError(
             f"{key}.DATASET {dataset!r} is a shard root without split {split!r} ({path} is "
-            "missing); "
-            f"its splits: {', '.join(have) or 'none'}; set {key}.SPLIT to one of them"
+            f"missing); its splits: {', '.join(have) or 'none'}; set {key}.SPLIT to one of them"
         )
     return path
 
@@ -116,8 +134,8 @@ def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
         unknown = [n for n in names if n not in listed]
         if unknown:
             raise UserError(
-                f"{key}.DATASET {dataset!r}: shard {unknown[0]} is not in {path} "
-                f"({len(unknown)} of {len(names)} unknown); the index lists {len(listed)} shards"
+                f"{key}.DATASET {dataset!r}: shard {unknown[0]} is not in {path} ({len(unknown)} "
+                f"of {len(names)} unknown); the index lists {len(listed)} shards"
             )
     else:
         names = [s["name"] for s in index["shards"]]

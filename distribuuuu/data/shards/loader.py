@@ -29,24 +29,25 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources
-from distribuuuu.data.batches import (
-    NormalizedBatches,
-    quiet_worker,
-    stop_loader_workers,
-    track_workers,
-)
-from distribuuuu.data.device_decode import (
+from distribuuuu.data.decoding.cpu import FastEvalDecode, FastTrainDecode, open_image
+from distribuuuu.data.decoding.device import (
     AUTO_SAMPLES,
     DecodedBatches,
     DeviceDecode,
     decodes_on_device,
     encoded_images,
 )
-from distribuuuu.data.images import FastEvalDecode, FastTrainDecode, open_image
-from distribuuuu.data.pipeline import Pipeline
+from distribuuuu.data.loading.batches import (
+    NormalizedBatches,
+    quiet_worker,
+    stop_loader_workers,
+    track_workers,
+)
+from distribuuuu.data.loading.items import UnreadableImage
+from distribuuuu.data.loading.pipeline import Pipeline, Place
 from distribuuuu.data.shards import tar
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
-from distribuuuu.data.shards.reader import BadRecordError, ShardDataset, describe_plan
+from distribuuuu.data.shards.reader import ShardDataset, describe_plan
 from distribuuuu.data.transforms import augment_policy, folder_transform, image_stats, recipe_of
 from distribuuuu.errors import UserError
 
@@ -75,13 +76,8 @@ class ShardLoader:
     def __iter__(self) -> Iterator[Any]:
         try:
             yield from self.loader
-        except (
-            tar.ShardError,
-            BadRecordError,
-        ) as e:  # from a worker: its message, without the worker's traceback
-            stop_loader_workers(
-                self.loader
-            )  # now, not when the garbage collector frees the failed loader
+        except (tar.ShardError, UnreadableImage) as e:  # from a worker: its message only
+            stop_loader_workers(self.loader)  # now, not when the garbage collector frees it
             raise type(e)(_original_message(str(e))) from None
 
 
@@ -123,7 +119,7 @@ def _decoder(cfg: CfgNode, train: bool) -> tuple[Callable[[bytes], torch.Tensor]
 def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
     """TEST shards' labels in the TRAIN shards' numbering (a val split
     may lack classes), by class name."""
-    if key == "TRAIN" or sources.source_kind(cfg.TRAIN.DATASET) != "shards":
+    if key == "TRAIN" or sources.kind_of(cfg, "TRAIN") != "shards":
         return None
     train = load_shard_set(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, "TRAIN").classes
     if train == shard_set.classes:
@@ -132,30 +128,26 @@ def _label_map(cfg: CfgNode, key: str, shard_set: ShardSet) -> list[int] | None:
     extra = [c for c in shard_set.classes if c not in position]
     if extra:
         raise UserError(
-            f"TEST.DATASET has classes that the training shards lack: {', '.join(extra[:5])}; "
-            "val classes must be a subset of the train classes"
+            f"TEST.DATASET has classes that the training shards lack: {', '.join(extra[:5])}; val "
+            "classes must be a subset of the train classes"
         )
     return [position[c] for c in shard_set.classes]
 
 
-def build_shard_loader(
-    cfg: CfgNode, key: str, train: bool, rank: int, world_size: int, device: torch.device, seed: int
-) -> Any:
+def build_shard_loader(cfg: CfgNode, key: str, train: bool, place: Place, seed: int) -> Any:
     """The loader of the shard set cfg[key].DATASET names: training
     batches (train) or exact evaluation."""
-    group = cfg[key]
+    group, device = cfg[key], place.device
     shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
     decode, batched = _decoder(cfg, train)
-    on_device = batched and decodes_on_device(
-        cfg, device, rank, world_size, lambda: _first_images(shard_set)
-    )
+    on_device = batched and decodes_on_device(cfg, place, lambda: _first_images(shard_set))
     if on_device:
         decode = DeviceDecode(decode)
     dataset = ShardDataset(
         shard_set,
         decode,
-        rank=rank,
-        world_size=world_size,
+        rank=place.rank,
+        world_size=place.world_size,
         train=train,
         seed=seed,
         batch_size=cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE,
@@ -166,27 +158,24 @@ def build_shard_loader(
         label_map=_label_map(cfg, key, shard_set),
         collate_images=encoded_images if on_device else default_collate,
     )
-    # Batches come whole from the workers (batch_size=None); the workers
-    # live as long as the loader. The workers leave stop signals to the
-    # main process (batches.quiet_worker).
-    loader = ShardLoader(
-        track_workers(
-            DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=cfg.TRAIN.WORKERS,
-                persistent_workers=cfg.TRAIN.WORKERS > 0,
-                worker_init_fn=quiet_worker,
-                pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
-            )
-        )
+    # Batches come whole from the workers (batch_size=None), which live
+    # as long as the loader and leave stop signals to the main process.
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=cfg.TRAIN.WORKERS,
+        persistent_workers=cfg.TRAIN.WORKERS > 0,
+        worker_init_fn=quiet_worker,
+        pin_memory=cfg.TRAIN.PIN_MEMORY and device.type == "cuda",
     )
+    loader = ShardLoader(track_workers(loader))
     if not batched:
         return loader
-    batches = NormalizedBatches(
-        loader, image_stats(cfg), device, cfg.TRAIN.RANDOM_ERASE if train else 0.0
-    )
-    return DecodedBatches(batches, decode) if on_device else batches
+    erase = cfg.TRAIN.RANDOM_ERASE if train else 0.0
+    batches = NormalizedBatches(loader, image_stats(cfg), device, erase)
+    if not on_device:
+        return batches
+    return DecodedBatches(batches, decode, lambda i, e: dataset.note_unreadable("a record", e))
 
 
 def _first_images(shard_set: ShardSet) -> list[bytes]:
@@ -201,23 +190,35 @@ def _first_images(shard_set: ShardSet) -> list[bytes]:
 
 
 class ShardPipeline(Pipeline):
-    """A shard set (pipeline.pipeline_class chooses it by the source's
-    kind). part is always None: check_datasets refuses TRAIN.VAL_SPLIT
-    with shards."""
+    """A shard set, whatever TRAIN.DATA_PIPELINE says. part is always
+    None: check_datasets refuses TRAIN.VAL_SPLIT with shards."""
 
-    name = "shards"
+    def train_loader(self, part: str | None, place: Place) -> Any:
+        return build_shard_loader(self.cfg, self.key, True, place, self.cfg.RNG_SEED or 0)
 
-    def train_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> Any:
-        return build_shard_loader(
-            self.cfg, self.key, True, rank, world_size, device, self.cfg.RNG_SEED or 0
-        )
-
-    def eval_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> Any:
-        return build_shard_loader(self.cfg, self.key, False, rank, world_size, device, 0)
+    def eval_loader(self, part: str | None, place: Place) -> Any:
+        return build_shard_loader(self.cfg, self.key, False, place, 0)
 
 
-PIPELINE = ShardPipeline  # pipeline.SHARD_PIPELINE names this module (imported there on first use)
+def shard_plan(loader: Any) -> dict[str, Any] | None:
+    """What decides the batches of a shard set's epoch (kept in
+    checkpoints); None for other data."""
+    plan = getattr(loader, "shard_plan", None)
+    return plan() if plan is not None else None
+
+
+def require_same_plan(loader: Any, samples_in_epoch: int, ckpt: dict[str, Any], path: str) -> None:
+    """A mid-epoch position on shards means particular batches: refuse
+    to resume it under another plan."""
+    now, then = shard_plan(loader), ckpt.get("shard_plan")
+    if now is None or samples_in_epoch == 0 or then == now:
+        return
+    changed = "unknown"
+    if then:
+        changed = ", ".join(f"{k} {then.get(k)} -> {v}" for k, v in now.items() if then.get(k) != v)
+    raise UserError(
+        f"{path} stopped {samples_in_epoch} samples into an epoch of a shard set, whose batches "
+        "depend on the world size, TRAIN.WORKERS, BATCH_SIZE, ACCUM_STEPS and SHARD_SHUFFLE "
+        f"({changed}); resume with the values it was written with, then change them at an "
+        "epoch end"
+    )

@@ -28,18 +28,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from distribuuuu.data.images import DECODE_ERRORS
+from distribuuuu.data.decoding.cpu import DECODE_ERRORS
+from distribuuuu.data.loading.items import UnreadableImage
 from distribuuuu.data.shards import plan, tar
 from distribuuuu.data.shards.index import ShardSet
 
 log = logging.getLogger("distribuuuu")
 
 Decode = Callable[[bytes], torch.Tensor]
-
-
-class BadRecordError(RuntimeError):
-    """An image record that cannot be decoded, with TRAIN.BAD_IMAGES
-    fail."""
 
 
 class ShardDataset(IterableDataset):
@@ -70,15 +66,10 @@ class ShardDataset(IterableDataset):
         collate_images: Callable[[list], Any] = default_collate,
     ) -> None:
         self.shard_set, self.decode, self.classes = shard_set, decode, shard_set.classes
-        self.collate_images = (
-            collate_images  # a batch's decoded items -> its images (device_decode's: a list)
-        )
-        self.rank, self.world_size, self.batch_size, self.accum = (
-            rank,
-            world_size,
-            batch_size,
-            accum,
-        )
+        # a batch's decoded items -> its images (the device decode's: a list)
+        self.collate_images = collate_images
+        self.rank, self.world_size = rank, world_size
+        self.batch_size, self.accum = batch_size, accum
         self.workers, self.train, self.shuffle_block = workers, train, max(1, shuffle_block)
         self.bad_images, self.label_map = bad_images, label_map
         # (seed, epoch, start step) in shared memory: persistent
@@ -88,8 +79,8 @@ class ShardDataset(IterableDataset):
         self._position = multiprocessing.Array("q", [seed, 0, 0], lock=False)
         self.counts = np.array([s.num_samples for s in shard_set.shards])
         # Shared with the worker processes, which inherit it when they
-        # start (as images.FolderDataset's).
-        self.bad_count = multiprocessing.Value("i", 0)
+        # start (as loading.items.ImageDataset's).
+        self.unreadable = multiprocessing.Value("i", 0)
 
     seed = property(
         lambda self: self._position[0], lambda self, v: self._position.__setitem__(0, v)
@@ -115,10 +106,12 @@ class ShardDataset(IterableDataset):
             raise ValueError(f"start {start} is not a whole number of steps of {micro} samples")
         self._position[1], self._position[2] = epoch, start // micro
 
-    def take_bad_count(self) -> int:
-        with self.bad_count.get_lock():
-            count, self.bad_count.value = self.bad_count.value, 0
-        return count
+    def take_unreadable(self) -> list[int]:
+        """-1 for each record found unreadable since the last call (a
+        record has no index of its own)."""
+        with self.unreadable.get_lock():
+            count, self.unreadable.value = self.unreadable.value, 0
+        return [-1] * count
 
     # -- reading
     # ---------------------------------------------------------------------------------
@@ -162,8 +155,8 @@ class ShardDataset(IterableDataset):
             if got != shard.num_samples:
                 raise tar.ShardError(
                     f"shard {shard.path} holds {got} samples, but its index "
-                    f"{self.shard_set.index_path} records {shard.num_samples}; "
-                    "re-run `distribuuuu data shard`"
+                    f"{self.shard_set.index_path} records {shard.num_samples}; re-run `distribuuuu "
+                    "data shard`"
                 )
             offset = 0
 
@@ -201,14 +194,13 @@ class ShardDataset(IterableDataset):
             np.random.SeedSequence([self.seed, self.epoch, self.rank, j]).generate_state(1)[0]
         )
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(
-                seed
-            )  # the crops draw from it (torch.manual_seed seeds every device)
+            # the crops draw from it (torch.manual_seed seeds every device)
+            torch.default_generator.manual_seed(seed)
             items = [self._item(sample) for sample in batch]
         good = [item for item in items if item is not None]
         if not good:
             if self.train:
-                raise BadRecordError(
+                raise UnreadableImage(
                     f"every record of a batch of {len(batch)} is unreadable (first key "
                     f"{batch[0][0]!r}); are these image shards?"
                 )
@@ -235,17 +227,17 @@ class ShardDataset(IterableDataset):
             return None
 
     def note_unreadable(self, record: str, error: Exception) -> None:
-        """BadRecordError with TRAIN.BAD_IMAGES fail; else a warning
+        """UnreadableImage under TRAIN.BAD_IMAGES fail; else a warning
         naming the record, and one more counted."""
         where = f"{record} of {self.shard_set.index_path}"
         if self.bad_images == "fail":
-            raise BadRecordError(
+            raise UnreadableImage(
                 f"cannot decode {where} ({type(error).__name__}: {error}); fix the shard, or set "
                 "TRAIN.BAD_IMAGES skip to skip unreadable records"
             ) from None
         log.warning("skipping unreadable %s (%s: %s)", where, type(error).__name__, error)
-        with self.bad_count.get_lock():
-            self.bad_count.value += 1
+        with self.unreadable.get_lock():
+            self.unreadable.value += 1
 
 
 def describe_plan(dataset: ShardDataset) -> dict[str, Any]:

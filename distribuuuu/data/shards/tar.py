@@ -85,8 +85,8 @@ def members(
                 else "has a header with a wrong checksum"
             )
             raise ShardError(
-                f"shard {path} {why} at byte {offset}: truncated or not a tar file; "
-                "restore it or re-run `distribuuuu data shard`"
+                f"shard {path} {why} at byte {offset}: truncated or not a tar file; restore it or "
+                "re-run `distribuuuu data shard`"
             )
         size, kind = _number(header[124:136]), header[156:157]
         name, first = long_name or _name(header), offset if first is None else first

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distribuuuu.data import datasets, images, sources
 from distribuuuu.data.shards.index import FORMAT, INDEX
+from distribuuuu.data.sources import builtin, folder
 from distribuuuu.errors import UserError
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -58,8 +58,8 @@ Sample = tuple[str, str, Callable[[], bytes], int]
 
 
 def _folder_samples(split_dir: str) -> tuple[list[str], list[Sample]]:
-    classes = sources.folder_classes(split_dir)
-    listing = images.require_no_loop(images.list_split(split_dir, classes), "SRC")
+    classes = folder.folder_classes(split_dir)
+    listing = folder.require_no_loop(folder.list_split(split_dir, classes), "SRC")
     out: list[Sample] = []
     for i, (path, label) in enumerate(listing.samples()):
         ext = os.path.splitext(path)[1].lstrip(".").lower() or "img"
@@ -77,9 +77,9 @@ def _png(image: np.ndarray) -> bytes:
 
 def _mnist5k_samples(split: str) -> tuple[list[str], list[Sample]]:
     # The digits exist only as pixels: encoded as PNG (lossless), once.
-    digits, labels = datasets.load_mnist5k(split, "SRC")
+    digits, labels = builtin.load_mnist5k(split, "SRC")
     arr = digits[:, 0].numpy()
-    return list(datasets.MNIST_CLASSES), [
+    return list(builtin.MNIST_CLASSES), [
         (f"{i:08d}", "png", lambda a=arr[i]: _png(a), int(labels[i])) for i in range(len(arr))
     ]
 
@@ -87,12 +87,11 @@ def _mnist5k_samples(split: str) -> tuple[list[str], list[Sample]]:
 def _splits_of(src: str) -> dict[str, Callable[[], tuple[list[str], list[Sample]]]]:
     """split name -> a function listing its (classes, samples)."""
     if src == "mnist5k":
-        return {s: (lambda s=s: _mnist5k_samples(s)) for s in datasets.MNIST_SPLITS}
+        return {s: (lambda s=s: _mnist5k_samples(s)) for s in builtin.MNIST_SPLITS}
     if not os.path.isdir(src):
         raise UserError(
             f"data shard: SRC {src!r} is neither a folder nor a built-in source; give an image "
-            "folder "
-            "(<class>/<image>), a dataset root holding train/ val/, or mnist5k"
+            "folder (<class>/<image>), a dataset root holding train/ val/, or mnist5k"
         )
     roots = [s for s in SPLIT_NAMES if os.path.isdir(os.path.join(src, s))]
     if roots:  # a dataset root, laid out like TRAIN.DATASET

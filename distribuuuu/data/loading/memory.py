@@ -49,9 +49,11 @@ from torch.utils.data import Sampler
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
-from distribuuuu.data import datasets, sources
-from distribuuuu.data.batches import BatchNormalize
-from distribuuuu.data.pipeline import Pipeline, build_split_dataset
+from distribuuuu.data import holdout, sources
+from distribuuuu.data.loading.batches import BatchNormalize
+from distribuuuu.data.loading.items import split_dataset
+from distribuuuu.data.loading.pipeline import Pipeline, Place
+from distribuuuu.data.sources import builtin, cifar, registry
 from distribuuuu.data.transforms import (
     BatchRandomErasing,
     augment_policy,
@@ -171,18 +173,15 @@ def memory_pipeline_bytes(cfg: CfgNode, key: str) -> int:
     uint8 split at TRAIN.IM_SIZE plus its padded copy (MemoryLoader). A
     CIFAR split is counted from its files' sizes, unread (3,072 bytes
     per image and a little more)."""
-    if (
-        sources.source_kind(cfg[key].DATASET) != "cifar"
-    ):  # a registered TensorSource: built, so counted
-        src = sources.build_source(cfg, key)
+    if sources.kind_of(cfg, key) != "cifar":  # a registered TensorSource: built, so counted
+        src = registry.build_source(cfg, key)
         samples, pad = len(src.images), src.pad
     else:
-        root, variant = sources.find_cifar(cfg[key].DATASET)
-        paths = [os.path.join(root, n) for n in datasets.cifar_files(root, variant, cfg[key].SPLIT)]
-        samples, pad = (
-            sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3),
-            4,
-        )
+        root, variant = cifar.find_cifar(cfg[key].DATASET)
+        names = cifar.cifar_files(root, variant, cfg[key].SPLIT)
+        paths = [os.path.join(root, n) for n in names]
+        samples = sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) // (32 * 32 * 3)
+        pad = 4
     side = cfg.TRAIN.IM_SIZE
     return samples * cfg.MODEL.IN_CHANS * (side * side + (side + 2 * pad) ** 2)
 
@@ -191,18 +190,16 @@ class MemoryPipeline(Pipeline):
     """The split as one tensor on the device, batched by a MemoryLoader
     (module docstring)."""
 
-    name = "memory"
-
     @classmethod
     def refusal(cls, cfg: CfgNode, key: str) -> str | None:
-        kind = sources.source_kind(cfg[key].DATASET)
+        """Why it cannot hold cfg[key] (None: it can)."""
+        kind = sources.kind_of(cfg, key)
         if kind in ("folder", "shards"):
+            what = "an image folder" if kind == "folder" else "a shard set"
             return (
                 "TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but "
-                f"{key}.DATASET "
-                f"{cfg[key].DATASET!r} is "
-                f"{'an image folder' if kind == 'folder' else 'a shard set'}; "
-                "use TRAIN.DATA_PIPELINE auto or loader"
+                f"{key}.DATASET {cfg[key].DATASET!r} is {what}; use TRAIN.DATA_PIPELINE auto or "
+                "loader"
             )
         if key == "TRAIN" and cfg.TRAIN.CROP_SCALE:  # the in-memory path only pads and crops
             return (
@@ -217,17 +214,16 @@ class MemoryPipeline(Pipeline):
         budget (the log says when not)."""
         if cls.refusal(cfg, key) is not None:
             return False
-        if sources.source_kind(cfg[key].DATASET) != "cifar" and not isinstance(
-            sources.registered_data(cfg, key), datasets.TensorSource
-        ):
+        kind = sources.kind_of(cfg, key)
+        registered = kind == "registered" and registry.registered_data(cfg, key)
+        if kind != "cifar" and not isinstance(registered, builtin.TensorSource):
             return False
         need = memory_pipeline_bytes(cfg, key)
         if need > MEMORY_PIPELINE_BUDGET_BYTES:
             log.warning(
                 "TRAIN.DATA_PIPELINE auto: %s.DATASET at %d px would take %.1f GB per process in "
-                "memory "
-                "(more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE memory "
-                "forces it)",
+                "memory (more than %.1f GB): using the DataLoader instead (TRAIN.DATA_PIPELINE "
+                "memory forces it)",
                 key,
                 cfg.TRAIN.IM_SIZE,
                 need / 1e9,
@@ -236,25 +232,20 @@ class MemoryPipeline(Pipeline):
             return False
         return True
 
-    def train_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> MemoryLoader:
-        return self._loader(True, part, rank, world_size, device)
+    def train_loader(self, part: str | None, place: Place) -> MemoryLoader:
+        return self._loader(True, part, place)
 
-    def eval_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> MemoryLoader:
-        return self._loader(False, part, rank, world_size, device)
+    def eval_loader(self, part: str | None, place: Place) -> MemoryLoader:
+        return self._loader(False, part, place)
 
-    def _loader(
-        self, train: bool, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> MemoryLoader:
+    def _loader(self, train: bool, part: str | None, place: Place) -> MemoryLoader:
         """The MemoryLoader of cfg[key] (or its VAL_SPLIT part),
         augmented when train."""
         cfg, key = self.cfg, self.key
         # The per-sample twin: len, classes, items for inspection (and
         # the split's labels).
-        dataset = datasets.part_of(cfg, build_split_dataset(cfg, key, train, batched=False), part)
+        dataset = holdout.part_of(cfg, split_dataset(cfg, key, train, batched=False), part)
+        device = place.device
         src = sources.tensor_source(cfg, key)
         policy = erase = None
         if (
@@ -285,7 +276,7 @@ class MemoryPipeline(Pipeline):
                     if cfg.TRAIN.RANDOM_ERASE > 0
                     else None
                 )
-        sampler = self.sampler(dataset, train, rank, world_size)
+        sampler = self.sampler(dataset, train, place)
         batch_size = cfg.TRAIN.BATCH_SIZE if train else cfg.TEST.BATCH_SIZE
         drop_last = train and len(sampler) >= batch_size
         return MemoryLoader(
@@ -302,6 +293,3 @@ class MemoryPipeline(Pipeline):
             policy=policy,
             erase=erase,
         )
-
-
-PIPELINE = MemoryPipeline  # its class in pipeline.PIPELINES (imported there on first use)

@@ -63,15 +63,13 @@ def spread_line(mode: str, counts: np.ndarray, classes: list[Any]) -> str:
     name = lambda c: classes[c] if c < len(classes) else c  # noqa: E731
     what = (
         f"the training classes' sizes spread {counts[large] / counts[small]:.1f}x: class "
-        f"{name(small)} has "
-        f"{counts[small]} samples, class {name(large)} {counts[large]}"
+        f"{name(small)} has {counts[small]} samples, class {name(large)} {counts[large]}"
     )
     if mode != "none":
         return f"{what}; evened out by TRAIN.CLASS_BALANCE {mode}"
     return (
         f"{what}; TRAIN.CLASS_BALANCE sampler (draws every class equally often) or loss (weighs "
-        "the loss "
-        "by inverse class size) evens them out"
+        "the loss by inverse class size) evens them out"
     )
 
 

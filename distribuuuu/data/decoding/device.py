@@ -1,6 +1,7 @@
-"""TRAIN.IMAGE_DECODE gpu: JPEGs decoded on the training device, a batch
-at a time; auto: gpu on CUDA when the CPU cannot keep up with the model
-(docs/performance.md, section 6b, says how and what never ran on a GPU).
+"""Image decoding on the training device (TRAIN.IMAGE_DECODE gpu): JPEGs
+decoded a batch at a time; auto: gpu on CUDA when the CPU cannot keep up
+with the model (docs/performance.md, 6a and 6b: how, and what ran on a
+GPU).
 
 The loader workers do all but the decode (DeviceDecode: the fast path's
 crop and flip draws, the encoded bytes passed on; a file the device
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pathlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,63 +31,57 @@ from torchvision.transforms import RandomResizedCrop, v2
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.data import images, transforms
-from distribuuuu.data.batches import NormalizedBatches
-from distribuuuu.data.pipeline import LoaderPipeline
+from distribuuuu.data import transforms
+from distribuuuu.data.decoding import cpu
+from distribuuuu.data.loading.batches import NormalizedBatches
+from distribuuuu.data.loading.items import ImageDataset, UnreadableImage
+from distribuuuu.data.loading.pipeline import LoaderPipeline, Place
 from distribuuuu.launch import comm
 
 log = logging.getLogger("distribuuuu")
 
 DEVICE_FRAMES = (0xC0, 0xC1)  # baseline and extended sequential Huffman-coded JPEG frames
 JPEG_END = b"\xff\xd9"
-NO_BOX = torch.zeros(
-    5, dtype=torch.int64
-)  # the box of an item finished in the worker, and of evaluation items
+# The box of an item finished in the worker, and of evaluation items.
+NO_BOX = torch.zeros(5, dtype=torch.int64)
 
 
 def device_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) of a JPEG the device decodes: sequential, 8 bits,
     1 or 3 channels, whole (its end marker last); None for any other
     file, which the worker decodes itself."""
-    frame = (
-        images.jpeg_frame(data)
-        if data[:3] == images.JPEG_MAGIC and data.endswith(JPEG_END)
-        else None
-    )
+    if data[:3] != cpu.JPEG_MAGIC or not data.endswith(JPEG_END):
+        return None
+    frame = cpu.jpeg_frame(data)
     if frame is None or frame[0] not in DEVICE_FRAMES or frame[1] != 8 or frame[4] not in (1, 3):
         return None
     return frame[2], frame[3]
 
 
 class DeviceDecode:
-    """The fast path's recipe (fast: an images.FastTrainDecode or
+    """The fast path's recipe (fast: a cpu.FastTrainDecode or
     FastEvalDecode) cut after the crop draw: the worker half (__call__)
     and the device half (finish). Picklable, for workers started by
     spawn."""
 
-    def __init__(self, fast: images.FastTrainDecode | images.FastEvalDecode) -> None:
-        self.fast, self.train = fast, isinstance(fast, images.FastTrainDecode)
+    def __init__(self, fast: cpu.FastTrainDecode | cpu.FastEvalDecode) -> None:
+        self.fast, self.train = fast, isinstance(fast, cpu.FastTrainDecode)
         self.read_mode = tio.ImageReadMode.GRAY if fast.mode == "L" else tio.ImageReadMode.RGB
 
-    def __call__(self, file: str | bytes) -> tuple[torch.Tensor, torch.Tensor, str]:
+    def __call__(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         """(the encoded JPEG as uint8 [N], its box [top, left, height,
-        width, flip], the file's path ('' for a record)); a file the
-        device would refuse: (the fast path's uint8 crop [C, S, S],
-        NO_BOX, path)."""
-        data = file if isinstance(file, bytes) else pathlib.Path(file).read_bytes()
-        name, size = file if isinstance(file, str) else "", device_size(data)
+        width, flip]); a file the device would refuse: (the fast path's
+        uint8 crop [C, S, S], NO_BOX)."""
+        size = device_size(data)
         if size is None:
-            return self.fast(data), NO_BOX, name
+            return self.fast(data), NO_BOX
         box = NO_BOX
-        if (
-            self.train
-        ):  # FastTrainDecode's draws in its order: the crop from the size, then the flip
+        if self.train:  # FastTrainDecode's draws in its order: the crop, then the flip
             shape_only = torch.empty(1, dtype=torch.uint8).expand(1, size[1], size[0])
-            top, left, h, w = RandomResizedCrop.get_params(
-                shape_only, self.fast.scale, self.fast.ratio
-            )
+            scale, ratio = self.fast.scale, self.fast.ratio
+            top, left, h, w = RandomResizedCrop.get_params(shape_only, scale, ratio)
             box = torch.tensor([top, left, h, w, int(torch.rand(1) < self.fast.flip)])
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, name
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), box
 
     def finish(self, image: torch.Tensor, box: list[int]) -> torch.Tensor:
         """A decoded uint8 [C, H, W] image -> float [C, S, S] in 0-255,
@@ -111,40 +105,48 @@ class DeviceDecode:
         return out.flip(-1) if flip else out
 
 
-def encoded_images(
-    items: list[tuple[torch.Tensor, torch.Tensor, str]],
-) -> tuple[list, torch.Tensor, list]:
-    """A batch of DeviceDecode items -> (the tensors as a list: their
-    lengths differ, the boxes stacked, names)."""
-    datas, boxes, names = zip(*items)
-    return list(datas), torch.stack(boxes), list(names)
+def encoded_images(items: list[tuple]) -> tuple[list, torch.Tensor, list[int]]:
+    """A batch of DeviceDecode items, (data, box) or (data, box, index)
+    -> (the data as a list: their lengths differ, the boxes stacked, the
+    items' indices: -1 where they have none, a shard's records)."""
+    datas, boxes = [item[0] for item in items], torch.stack([item[1] for item in items])
+    return datas, boxes, [item[2] if len(item) > 2 else -1 for item in items]
 
 
 def collate_encoded(items: list[Any]) -> Any:
-    """A folder's (DeviceDecode item, label) pairs -> (encoded_images,
+    """An image split's (DeviceDecode item, label) pairs -> (encoded_images,
     labels), leaving out an evaluation set's unreadable items (None) as
     batches.collate_readable does; None when none is left."""
     kept = [item for item in items if item is not None]
-    return (
-        (encoded_images([image for image, _ in kept]), torch.tensor([label for _, label in kept]))
-        if kept
-        else None
-    )
+    if not kept:
+        return None
+    return encoded_images([image for image, _ in kept]), torch.tensor([y for _, y in kept])
+
+
+class NumberedImages(ImageDataset):
+    """An ImageDataset whose items carry their index: the main process
+    names an image that the device cannot decode."""
+
+    def item(self, i: int) -> tuple[Any, int]:
+        image, label = super().item(i)
+        return (*image, i), label
 
 
 class DecodedBatches(NormalizedBatches):
     """NormalizedBatches (the same loader, device, normalization and
     erasing) whose loader yields encoded batches (collate_encoded): each
-    decoded on the device and made to images there (module docstring)."""
+    decoded on the device and made to images there (module docstring).
+    unreadable(index, error) is told of an image neither decoder reads."""
 
-    def __init__(self, batches: NormalizedBatches, decode: DeviceDecode) -> None:
-        self.loader, self.device, self.normalize, self.erase = (
-            batches.loader,
-            batches.device,
-            batches.normalize,
-            batches.erase,
-        )
-        self.decode = decode
+    def __init__(
+        self,
+        batches: NormalizedBatches,
+        decode: DeviceDecode,
+        unreadable: Callable[[int, Exception], None],
+    ) -> None:
+        self.loader, self.device = batches.loader, batches.device
+        self.normalize, self.erase = batches.normalize, batches.erase
+        self.decode, self.unreadable = decode, unreadable
         # CUDA: the batch is made on a side stream, which the decoder
         # allocates from. torchvision's CUDA decode writes its outputs
         # from a stream of its own without waiting for the current one,
@@ -156,52 +158,48 @@ class DecodedBatches(NormalizedBatches):
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for (datas, boxes, names), target in self.loader:
+        for (datas, boxes, ids), target in self.loader:
             with torch.cuda.stream(self.stream):  # no stream (None) on the CPU
-                batch, kept = self.pixels(datas, boxes.tolist(), names)
+                batch, kept = self.pixels(datas, boxes.tolist(), ids)
                 if batch is None:  # evaluation: not one readable image in the batch
                     continue
                 batch = self.normalize(batch)
                 if self.erase is not None:
                     batch = self.erase(batch)
-            if (
-                self.stream is not None
-            ):  # CUDA: the step's kernels start once the batch is made; its memory is
-                consumer = torch.cuda.current_stream(
-                    self.device
-                )  # not reused before they have read it
+            if self.stream is not None:
+                # CUDA: the step's kernels start once the batch is made,
+                # and its memory is not reused before they have read it.
+                consumer = torch.cuda.current_stream(self.device)
                 consumer.wait_stream(self.stream)
                 batch.record_stream(consumer)
             yield batch, target[kept].to(self.device, non_blocking=True)
 
     def pixels(
-        self, datas: list[torch.Tensor], boxes: list[list[int]], names: list[str]
+        self, datas: list[torch.Tensor], boxes: list[list[int]], ids: list[int]
     ) -> tuple[torch.Tensor | None, list[int]]:
         """(float [B, C, S, S] in 0-255 on the device, the batch
-        positions they come from): a bad image is replaced by a readable
-        one of the batch in training, left out in evaluation."""
+        positions they come from): an unreadable image is replaced by a
+        readable one of the batch in training, left out in evaluation."""
         decoded = iter(self.decoded([data for data in datas if data.dim() == 1]))
         made: dict[int, torch.Tensor] = {}
-        for i, (data, box, name) in enumerate(zip(datas, boxes, names)):
+        for i, (data, box) in enumerate(zip(datas, boxes)):
             if data.dim() == 3:  # finished in the worker: a file the device refuses
                 made[i] = data.to(self.device, non_blocking=True).float()
                 continue
             image = next(decoded)
             if isinstance(image, Exception):
-                dataset = self.loader.dataset  # (a TRAIN.VAL_SPLIT part: its whole folder counts)
-                getattr(dataset, "dataset", dataset).note_unreadable(name or "a record", image)
+                self.unreadable(ids[i], image)
             else:
                 made[i] = self.decode.finish(image, box)
         kept = list(made)
         if self.decode.train and len(kept) < len(datas):
             if not kept:
-                raise images.BadImageError(
-                    f"all {len(datas)} images of a training batch are unreadable"
-                )
+                raise UnreadableImage(f"all {len(datas)} images of a training batch are unreadable")
             kept = [kept[i % len(kept)] for i in range(len(datas))]
-        # clamp: bicubic overshoots, where the fast path's uint8
-        # saturates
-        return (torch.stack([made[i] for i in kept]).clamp_(0, 255) if kept else None), kept
+        if not kept:
+            return None, kept
+        # clamp: bicubic overshoots, where the fast path's uint8 saturates
+        return torch.stack([made[i] for i in kept]).clamp_(0, 255), kept
 
     def decoded(self, jpegs: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
         """Each JPEG as uint8 [C, H, W] on the device, in one call; when
@@ -211,13 +209,9 @@ class DecodedBatches(NormalizedBatches):
         if not jpegs:
             return []
         if self.stream is not None:
-            # CUDA: nothing left queued on the stream the decoder
-            # allocates from
-            self.stream.synchronize()
+            self.stream.synchronize()  # nothing queued where the decoder allocates
         try:
-            with (
-                warnings.catch_warnings()
-            ):  # torchvision 0.29 deprecates its codecs but keeps them (images.decode)
+            with warnings.catch_warnings():  # torchvision 0.29 deprecates its codecs (cpu.decode)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return tio.decode_jpeg(jpegs, mode=self.decode.read_mode, device=self.device)
         except RuntimeError:
@@ -225,45 +219,36 @@ class DecodedBatches(NormalizedBatches):
 
     def _decoded_on_cpu(self, data: bytes) -> torch.Tensor | Exception:
         try:
-            return images.decode(data, self.decode.fast.mode).to(self.device)
-        except images.DECODE_ERRORS as e:
+            return cpu.decode(data, self.decode.fast.mode).to(self.device)
+        except cpu.DECODE_ERRORS as e:
             return e
 
 
 class DeviceDecodePipeline(LoaderPipeline):
-    """An image folder under TRAIN.IMAGE_DECODE gpu (or auto where CUDA
-    is; pipeline.pipeline_class): the LoaderPipeline with DeviceDecode
-    as the folder's decoder, collate_encoded, and DecodedBatches. When
-    auto keeps the fast path, exactly the LoaderPipeline."""
+    """An image split under TRAIN.IMAGE_DECODE gpu (or auto where CUDA
+    is): the LoaderPipeline with DeviceDecode as the items' decoder,
+    collate_encoded, and DecodedBatches. When auto keeps the fast path,
+    exactly the LoaderPipeline."""
 
     decode: DeviceDecode | None = None
 
-    def train_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> Any:
-        self.place = device, rank, world_size  # what items() decides with
-        return self.decoded(super().train_loader(part, rank, world_size, device))
+    def train_loader(self, part: str | None, place: Place) -> Any:
+        return self.decoded(super().train_loader(part, place))
 
-    def eval_loader(
-        self, part: str | None, rank: int, world_size: int, device: torch.device
-    ) -> Any:
-        self.place = device, rank, world_size
-        return self.decoded(super().eval_loader(part, rank, world_size, device))
+    def eval_loader(self, part: str | None, place: Place) -> Any:
+        return self.decoded(super().eval_loader(part, place))
 
-    def items(
-        self, train: bool, part: str | None, rank: int, world_size: int
-    ) -> tuple[Any, Any, bool]:
-        dataset, sampler, fast = super().items(train, part, rank, world_size)
-        folder = getattr(dataset, "dataset", dataset)  # (a TRAIN.VAL_SPLIT part's whole folder)
-        step = max(1, len(folder) // AUTO_SAMPLES)
+    def items(self, train: bool, part: str | None, place: Place) -> tuple[Any, Any, bool]:
+        dataset, sampler, fast = super().items(train, part, place)
+        self.whole = whole = getattr(dataset, "dataset", dataset)  # (a VAL_SPLIT part's split)
+        step = max(1, len(whole) // AUTO_SAMPLES)
 
         def sample() -> list[bytes]:
-            return [
-                pathlib.Path(path).read_bytes() for path, _ in folder.samples[::step][:AUTO_SAMPLES]
-            ]
+            return [whole.files.read(i) for i in range(0, len(whole), step)[:AUTO_SAMPLES]]
 
-        if decodes_on_device(self.cfg, *self.place, sample):
-            self.decode = folder.loader = DeviceDecode(folder.loader)
+        if decodes_on_device(self.cfg, place, sample):
+            self.decode = DeviceDecode(whole.decode)
+            whole.decode, whole.__class__ = self.decode, NumberedImages
         return dataset, sampler, fast
 
     def data_loader(self, *args: Any, **kwargs: Any) -> DataLoader:
@@ -272,12 +257,9 @@ class DeviceDecodePipeline(LoaderPipeline):
         return super().data_loader(*args, **kwargs)
 
     def decoded(self, batches: Any) -> Any:
-        return batches if self.decode is None else DecodedBatches(batches, self.decode)
-
-
-PIPELINE = (
-    DeviceDecodePipeline  # pipeline.DEVICE_DECODE names this module (imported there on first use)
-)
+        if self.decode is None:
+            return batches
+        return DecodedBatches(batches, self.decode, self.whole.note_unreadable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,41 +267,28 @@ PIPELINE = (
 # ---------------------------------------------------------------------------------------------
 AUTO_SAMPLES = 32  # images whose fast-path decode times the CPU
 AUTO_STEPS = 3  # timed training steps of the model (after one to warm up)
-_decided: dict[
-    tuple, bool
-] = {}  # auto's decision, once per process for the train, val and test loaders
+# auto's decision, once per process for the train, val and test loaders
+_decided: dict[tuple, bool] = {}
 
 
-def decodes_on_device(
-    cfg: CfgNode,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    sample: Callable[[], list[bytes]],
-) -> bool:
+def decodes_on_device(cfg: CfgNode, place: Place, sample: Callable[[], list[bytes]]) -> bool:
     """Whether the JPEGs are decoded on the device: TRAIN.IMAGE_DECODE
     gpu; auto on a CUDA device when auto_choice says so (rank 0
     measures, with sample()'s images, and tells the others)."""
+    device = place.device
     if cfg.TRAIN.IMAGE_DECODE != "auto" or device.type != "cuda":
         return cfg.TRAIN.IMAGE_DECODE == "gpu"
     t = cfg.TRAIN
-    key = (
-        t.DATASET,
-        cfg.MODEL.ARCH,
-        t.IM_SIZE,
-        t.BATCH_SIZE,
-        t.AMP,
-        t.CHANNELS_LAST,
-        t.WORKERS,
-        str(device),
-    )
+    key = (t.DATASET, cfg.MODEL.ARCH, t.IM_SIZE, t.BATCH_SIZE, t.AMP, t.CHANNELS_LAST, t.WORKERS)
+    key += (str(device),)
     if key not in _decided:
-        with torch.random.fork_rng(
-            devices=[device]
-        ):  # building and timing the model draws random numbers
-            decision = auto_choice(cfg, device, sample()) if rank == 0 else None
-        on_device, why = comm.broadcast_object(decision) if world_size > 1 else decision
-        if rank == 0:
+        # building and timing the model draws random numbers
+        with torch.random.fork_rng(devices=[device]):
+            decision = auto_choice(cfg, device, sample()) if place.rank == 0 else None
+        if place.world_size > 1:
+            decision = comm.broadcast_object(decision)
+        on_device, why = decision
+        if place.rank == 0:
             log.info("TRAIN.IMAGE_DECODE auto: %s", why)
         _decided[key] = on_device
     return _decided[key]
@@ -335,7 +304,7 @@ def auto_choice(cfg: CfgNode, device: torch.device, samples: list[bytes]) -> tup
         )
     mode = "L" if cfg.MODEL.IN_CHANS == 1 else "RGB"
     per_worker = cpu_rate(
-        images.FastTrainDecode(cfg.TRAIN.IM_SIZE, mode, transforms.recipe_of(cfg)), samples
+        cpu.FastTrainDecode(cfg.TRAIN.IM_SIZE, mode, transforms.recipe_of(cfg)), samples
     )
     workers = max(1, cfg.TRAIN.WORKERS)
     try:
@@ -367,7 +336,7 @@ def cpu_rate(decode: Callable[[bytes], Any], samples: list[bytes]) -> float:
     try:
         start = time.perf_counter()
         for data in samples:
-            with contextlib.suppress(*images.DECODE_ERRORS):
+            with contextlib.suppress(*cpu.DECODE_ERRORS):
                 decode(data)
         return len(samples) / max(time.perf_counter() - start, 1e-9)
     finally:

@@ -1,0 +1,33 @@
+"""A split of encoded images with their labels: what every reader of
+image files gives the loaders, the checks and the recipe.
+
+An image folder is one such reader (folder.py); each further format
+(a label file, a Hugging Face dataset) is another, and everything
+downstream (decoding, the held-out part, the data checks, the recipe
+from the images) reads them through this one interface.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+
+class ImageFiles:
+    """The items of one split: item i is the encoded image ``read(i)``
+    with label ``targets[i]``; ``name(i)`` says where it is in messages.
+    ``paths`` are the files on disk when there are files (their identity
+    finds a file listed twice); a reader of bytes leaves it None."""
+
+    def __init__(self, root: str, classes: list[str], paths: list[str], targets: list[int]) -> None:
+        self.root, self.classes = root, classes
+        self.paths: list[str] | None = paths
+        self.targets = targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def read(self, i: int) -> bytes:
+        return pathlib.Path(self.paths[i]).read_bytes()
+
+    def name(self, i: int) -> str:
+        return self.paths[i]
