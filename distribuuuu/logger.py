@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import sys
 import time
@@ -171,18 +172,19 @@ class Progress:
         self, cfg: CfgNode, enabled: bool, world_size: int, epoch: int, iters: int
     ) -> None:
         self.enabled, self.world_size, self.epoch, self.iters = enabled, world_size, epoch, iters
-        self.max_epoch, self.freq, self.topk = (
-            cfg.OPTIM.MAX_EPOCH,
-            cfg.TRAIN.PRINT_FREQ,
-            cfg.TRAIN.TOPK,
-        )
+        self.max_epoch, self.topk = cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.TOPK
+        self.freq = cfg.TRAIN.PRINT_FREQ
         self.bar: Any = self._open_bar() if enabled and progress_mode() == "bar" else None
-        self.window_start, self.window_data, self.window_iters, self.last_beat = (
-            time.perf_counter(),
-            0.0,
-            0,
-            0.0,
-        )
+        self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
+        # The iteration (1-based) of the next line: the run's first, then every PRINT_FREQ-th
+        # and the epoch's last; none on ranks that do not print.
+        self.print_at = 1 if epoch == 0 else min(self.freq, iters)
+        if not enabled:
+            self.print_at = -1
+        # When a short line is due (no line for PRINT_SECONDS): never under a bar.
+        self.beat_at = math.inf
+        if enabled and self.bar is None:
+            self.beat_at = self.window_start + PRINT_SECONDS
 
     def _open_bar(self) -> Any:
         """The tqdm bar, and the console log lines printed above it
@@ -222,27 +224,28 @@ class Progress:
         self.window_data += data_s
         if self.bar is not None:
             self.bar.update(1)
-        if self.enabled and (
-            (it + 1) % self.freq == 0 or it + 1 == self.iters or (it, self.epoch) == (0, 0)
-        ):
+        if it + 1 == self.print_at:
             return self._print(it, batch, lr, running())
-        if (
-            self.enabled
-            and self.bar is None
-            and (now := time.perf_counter()) - max(self.window_start, self.last_beat)
-            >= PRINT_SECONDS
-        ):  # PRINT_SECONDS since the last line: a short one (no metrics: no host sync)
-            self.last_beat, step_s = now, (now - self.window_start) / self.window_iters
-            logging.getLogger(LOGGER_NAME).info(
-                "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs",
-                self.epoch + 1,
-                self.max_epoch,
-                it + 1,
-                self.iters,
-                format_seconds(self._left(it) * step_s),
-                step_s,
-            )
+        if time.perf_counter() >= self.beat_at:
+            self._beat(it)
         return None
+
+    def _beat(self, it: int) -> None:
+        """A short line (where the run is, its eta; the metrics would
+        cost a host sync) after PRINT_SECONDS without one: 30 iterations
+        of a slow model were minutes of silence."""
+        now = time.perf_counter()
+        self.beat_at = now + PRINT_SECONDS
+        step_s = (now - self.window_start) / self.window_iters
+        logging.getLogger(LOGGER_NAME).info(
+            "[train] epoch %d/%d iter %d/%d | eta %s | time %.3fs",
+            self.epoch + 1,
+            self.max_epoch,
+            it + 1,
+            self.iters,
+            format_seconds(self._left(it) * step_s),
+            step_s,
+        )
 
     def _left(self, it: int) -> int:
         """The run's iterations after iteration it (this epoch's
@@ -275,6 +278,9 @@ class Progress:
             extra={"console": self.bar is None},
         )
         self.window_start, self.window_data, self.window_iters = time.perf_counter(), 0.0, 0
+        self.print_at = min((it + 1) // self.freq * self.freq + self.freq, self.iters)
+        if self.beat_at < math.inf:
+            self.beat_at = self.window_start + PRINT_SECONDS
         return {"loss": loss, "top1": top1, "topk_acc": topk, "lr": lr, "img_per_s": img_s}
 
     def _show_on_bar(self, loss: float, top1: float, topk: float, img_s: float, eta: str) -> None:

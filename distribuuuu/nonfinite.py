@@ -5,28 +5,26 @@ a trace, and ends a run of such steps.
 The Stepper (optim.py) owns one guard, made by ``guard_for``, and calls
 it twice per optimizer step: ``before_forward`` (a copy of what a
 forward pass writes: BatchNorm's statistics) and ``step`` (the optimizer
-step and the EMA, unless the gradients are not finite). The loop calls
-``settle`` where it needs the exact count of skipped steps (print steps,
-checkpoints, an epoch's end), ``saved`` after each checkpoint and
-``require_saved`` at the end. The three guards, chosen once per run:
+step and the EMA, unless the gradients are not finite). ``settle`` gives
+the exact count of skipped steps where the loop needs it (print steps,
+checkpoints, an epoch's end). The guards:
 
 - ``Unguarded`` (TRAIN.NONFINITE off): every step is taken; only each
   epoch's loss is checked (engine/hooks.py NonFiniteEpochCheck).
 - ``OnDevice`` (skip/stop with torch's fused SGD/Adam/AdamW, no fp16):
   the found-inf flag goes to the fused kernel, buffers and EMA are
-  selected with torch.where, skipped steps are counted on the device: a
-  step costs no host sync.
+  selected with torch.where, and each step's flag is kept on the
+  device until settle: a step costs no host sync.
 - ``Synced`` (fp16, timm's optimizers): one host sync per step decides.
-  Under fp16 a non-finite gradient is usually no failure: the GradScaler
-  grows the loss scale until the scaled gradients overflow, then skips
-  that step and halves the scale; it counts as a failure only when the
-  loss itself is not finite on some rank, or the scale fell below
-  FP16_MIN_LOSS_SCALE.
+  Under fp16 a non-finite gradient is usually no failure: the
+  GradScaler skips that step and lowers the scale; it counts as a
+  failure only when the loss itself is not finite on some rank, or the
+  scale fell below FP16_MIN_LOSS_SCALE.
 
 A skipped step is still a step of the schedule: global_step counts it,
 as timm's update count and Lightning's global_step count a step the
-GradScaler skipped; the epoch's train record says how many were skipped.
-docs/reliability.md has the design and its measurements.
+GradScaler skipped. docs/reliability.md has the design and its
+measurements.
 """
 
 from __future__ import annotations
@@ -39,14 +37,14 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import models
-from distribuuuu.errors import RunNotSaved, UserError
+from distribuuuu.errors import UserError
 from distribuuuu.launch import comm
 
 log = logging.getLogger("distribuuuu")
 
 # fp16: below this loss scale an overflow is a failure, not the
 # GradScaler's normal probing (it starts at 2**16 and halves per
-# overflow, so ~17 overflows in a row without a finite step get here).
+# overflow: ~17 overflows in a row without a finite step get here).
 FP16_MIN_LOSS_SCALE = 1.0
 
 
@@ -54,21 +52,18 @@ class NonFiniteLoss(UserError, RuntimeError):
     """The loss or the gradients stayed non-finite (TRAIN.NONFINITE).
 
     A UserError: the cure is a setting (the LR, clipping) or the data,
-    so every rank ends with one message and exit status 2, no traceback.
-    The ranks agree on it (the gradients are averaged, the epoch's loss
-    reduced), so none is left waiting; checkpoints and metrics so far
-    stay.
+    so every rank ends with one message and exit status 2. The ranks
+    agree on it (the gradients are averaged, the epoch's loss reduced),
+    so none is left waiting; checkpoints and metrics so far stay.
     """
 
 
 def advice(cfg: CfgNode) -> str:
     """What to change after non-finite numbers, and what is kept (the
     end of NonFiniteLoss's message)."""
-    clip = (
-        "lower TRAIN.CLIP_GRAD_NORM"
-        if cfg.TRAIN.CLIP_GRAD_NORM > 0
-        else "clip the gradients (e.g. TRAIN.CLIP_GRAD_NORM 1.0)"
-    )
+    clip = "clip the gradients (e.g. TRAIN.CLIP_GRAD_NORM 1.0)"
+    if cfg.TRAIN.CLIP_GRAD_NORM > 0:
+        clip = "lower TRAIN.CLIP_GRAD_NORM"
     return (
         f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad "
         f"values; the checkpoints and metrics so far are kept in {cfg.OUT_DIR}"
@@ -81,70 +76,55 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor, no host sync yet: every value of the
-    floating-point tensors is finite (their 2-norm is non-finite iff
-    some value is; torch's multi-tensor kernels compute it)."""
+    """0-d bool tensor, no host sync yet: every value of the floating
+    point tensors is finite (their 2-norm is non-finite iff one is)."""
     floats = [t for t in tensors if t.is_floating_point()]
     return torch.isfinite(torch.nn.utils.get_total_norm(floats, foreach=True))
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """0-d bool tensor, no host sync yet: every gradient of params is
-    finite."""
-    return torch.isfinite(
-        torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
-    )
+    """0-d bool tensor, no host sync yet: every gradient is finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True))
 
 
 def optimizers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizer, and the local one ZeroRedundancyOptimizer wraps
-    (it copies its groups' keys in)."""
+    """The optimizer, and the local one ZeroRedundancyOptimizer wraps."""
     inner = getattr(optimizer, "optim", None)
     return [optimizer, *([inner] if isinstance(inner, torch.optim.Optimizer) else [])]
 
 
 def guard_for(
     cfg: CfgNode,
-    device: torch.device,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     ema: Any,
     grads_finite: Callable[[], torch.Tensor],
-) -> Unguarded:
+) -> Guard:
     """The guard of this run (module docstring), decided once."""
     if cfg.TRAIN.NONFINITE == "off":
-        return Unguarded(cfg, device, model, optimizer, scaler, ema)
+        return Unguarded(cfg, model, optimizer, scaler, ema)
     fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-    on_device = fused and not scaler.is_enabled()
-    return (OnDevice if on_device else Synced)(
-        cfg, device, model, optimizer, scaler, ema, grads_finite
-    )
+    guard = OnDevice if fused and not scaler.is_enabled() else Synced
+    return guard(cfg, model, optimizer, scaler, ema, grads_finite)
 
 
-class Unguarded:
-    """TRAIN.NONFINITE off: the plain optimizer step. Also keeps the
-    checkpoint writes, read at the end."""
+class Guard:
+    """What every guard does: the optimizer step and the EMA's; the
+    variants decide when a step is skipped."""
 
     def __init__(
         self,
         cfg: CfgNode,
-        device: torch.device,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
         ema: Any,
     ) -> None:
-        self.cfg, self.model, self.optimizer, self.scaler, self.ema = (
-            cfg,
-            model,
-            optimizer,
-            scaler,
-            ema,
-        )
-        self.saves = {"written": 0, "refused": 0, "last_refused": False}
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.scaler, self.ema = scaler, ema
         self.epoch_skips = 0  # steps skipped in the epoch so far, known after settle()
-        self.overflows = 0  # fp16 steps the GradScaler skipped (logged, not failures)
 
     def before_forward(self) -> None:
         """Before an optimizer step's first forward pass."""
@@ -166,72 +146,38 @@ class Unguarded:
         skips, self.epoch_skips = self.epoch_skips, 0
         return skips
 
-    def saved(self, finite: bool) -> None:
-        """Rank 0: a checkpoint due was written (finite weights) or
-        refused."""
-        self.saves["written" if finite else "refused"] += 1
-        self.saves["last_refused"] = not finite
 
-    def require_saved(self, folder: str) -> None:
-        """A run that could not save is not done: the last checkpoint
-        refused (non-finite weights or buffers at the end), or none
-        written of those due. Collective (rank 0 knows): all ranks
-        raise."""
-        s = self.saves
-        last, none = comm.max_over_ranks([s["last_refused"], s["refused"] > 0 and not s["written"]])
-        if last or none:
-            why = (
-                "the weights or buffers are not finite at the end"
-                if last
-                else "none of the checkpoints due was written (the weights were not finite each "
-                "time)"
-            )
-            raise RunNotSaved(
-                f"the run could not save: {why}; no usable checkpoint of it is in {folder}; "
-                f"{advice(self.cfg)}"
-            )
+class Unguarded(Guard):
+    """TRAIN.NONFINITE off: the plain optimizer step."""
 
 
-# Device counts since the last settle: skipped steps, the current run of
-# them, the longest run, steps tried, and the tried index (1-based) at
-# which the run first went past the limit (0: never).
-_SKIPS, _RUN, _LONGEST, _TRIED, _OVER = range(5)
-
-
-class Synced(Unguarded):
-    """TRAIN.NONFINITE skip/stop with one host sync per step (fp16, or
-    an optimizer without a fused kernel)."""
+class Synced(Guard):
+    """TRAIN.NONFINITE skip/stop with one host sync per step (fp16, or an
+    optimizer without a fused kernel)."""
 
     def __init__(
         self,
         cfg: CfgNode,
-        device: torch.device,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
         ema: Any,
         grads_finite: Callable[[], torch.Tensor],
     ) -> None:
-        super().__init__(cfg, device, model, optimizer, scaler, ema)
+        super().__init__(cfg, model, optimizer, scaler, ema)
         self.grads_finite = grads_finite
-        # Longest run of skipped steps allowed (stop: none); past it,
+        # The longest run of skipped steps allowed (stop: none); past it,
         # settle() ends the run.
         self.max_skips = 0 if cfg.TRAIN.NONFINITE == "stop" else cfg.TRAIN.NONFINITE_MAX_SKIPS
-        self.counts = torch.zeros(
-            5, dtype=torch.int64, device=device if self.on_device() else "cpu"
-        )
+        self.skipped: list[torch.Tensor | bool] = []  # each step's, since the last settle
+        self.run = 0  # skipped steps in a row, across settles
         # BatchNorm's running statistics (and any buffer a forward pass
         # writes), and their copy from before this step's first forward
         # pass: a skipped step puts them back.
         self.buffers = [b for b in model.buffers() if b.numel()]
         self.copies = [torch.empty_like(b) for b in self.buffers]
-        self.loss_finite: torch.Tensor | None = (
-            None  # fp16: every micro-batch loss of this step finite
-        )
-
-    @staticmethod
-    def on_device() -> bool:
-        return False
+        self.loss_finite: torch.Tensor | None = None  # fp16: every micro-batch's loss finite
+        self.overflows = 0  # fp16 steps the GradScaler skipped (logged, not failures)
 
     def before_forward(self) -> None:
         if self.buffers:
@@ -246,16 +192,16 @@ class Synced(Unguarded):
 
     def step(self, norm: torch.Tensor | None) -> None:
         loss_finite, self.loss_finite = self.loss_finite, None
-        finite = bool(
-            torch.isfinite(norm) if norm is not None else self.grads_finite()
-        )  # the host sync
+        finite = bool(torch.isfinite(norm) if norm is not None else self.grads_finite())  # the sync
         if finite:
             super().step(norm)
-        else:  # the forward pass never happened: its buffers back; fp16: a smaller loss scale next
-            for b, copy in zip(self.buffers, self.copies):
-                b.copy_(copy)
-            self.scaler.update()
-        self.count(torch.tensor(not finite and not self._fp16_overflow(loss_finite)))
+            self.skipped.append(False)
+            return
+        # The forward pass never happened: its buffers back; fp16: a smaller scale next.
+        for b, copy in zip(self.buffers, self.copies):
+            b.copy_(copy)
+        self.scaler.update()
+        self.skipped.append(not self._fp16_overflow(loss_finite))
 
     def _fp16_overflow(self, loss_finite: torch.Tensor | None) -> bool:
         """fp16, after a non-finite gradient: was it the GradScaler's
@@ -275,35 +221,23 @@ class Synced(Unguarded):
         )
         return True
 
-    def count(self, skipped: torch.Tensor) -> None:
-        """A handful of tiny kernels on the device: no host sync."""
-        c, bad = self.counts, skipped.to(self.counts.device, torch.int64)
-        c[_SKIPS] += bad
-        c[_TRIED] += 1
-        c[_RUN] = (c[_RUN] + 1) * bad  # 0 after a step taken
-        c[_LONGEST] = torch.maximum(c[_LONGEST], c[_RUN])
-        c[_OVER] = torch.where((c[_RUN] > self.max_skips) & (c[_OVER] == 0), c[_TRIED], c[_OVER])
-
     def settle(self, step: int) -> int:
-        """One host sync. Every rank skipped the same steps (the flag
-        was averaged or reduced) and settles at the same step, so all
-        raise NonFiniteLoss together."""
-        skips, run, longest, tried, over = self.counts.tolist()
-        self.counts.zero_()
-        self.counts[_RUN] = self.counts[_LONGEST] = (
-            run  # a run of skipped steps goes on across calls
-        )
+        """One host sync. Every rank skipped the same steps (the flag was
+        averaged or reduced) and settles at the same step, so all raise
+        NonFiniteLoss together."""
+        flags = self.skipped  # Synced's: bools already
+        if flags and isinstance(flags[0], torch.Tensor):
+            flags = torch.stack(flags).tolist()  # OnDevice's: one sync for all
+        self.skipped = []
+        first = step - len(flags) + 1  # the step of flags[0]
+        longest = self.run
+        for i, bad in enumerate(flags):
+            self.run = self.run + 1 if bad else 0
+            longest = max(longest, self.run)
+            if self.run > self.max_skips:
+                raise NonFiniteLoss(self._past_the_limit(first + i))
+        skips = sum(flags)
         self.epoch_skips += skips
-        if over:
-            setting = (
-                "TRAIN.NONFINITE stop ends the run at the first one"
-                if self.cfg.TRAIN.NONFINITE == "stop"
-                else f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {self.max_skips} in a row"
-            )
-            raise NonFiniteLoss(
-                f"non-finite loss or gradients at step {step - tried + over} ({self.max_skips + 1} "
-                f"in a row; {setting}); {advice(self.cfg)}"
-            )
         if skips:
             log.warning(
                 "non-finite loss or gradients: step skipped on every rank (%d in a row, at most "
@@ -315,23 +249,25 @@ class Synced(Unguarded):
             )
         return skips
 
+    def _past_the_limit(self, step: int) -> str:
+        setting = f"TRAIN.NONFINITE skip allows NONFINITE_MAX_SKIPS {self.max_skips} in a row"
+        if self.cfg.TRAIN.NONFINITE == "stop":
+            setting = "TRAIN.NONFINITE stop ends the run at the first one"
+        return (
+            f"non-finite loss or gradients at step {step} ({self.max_skips + 1} in a row; "
+            f"{setting}); {advice(self.cfg)}"
+        )
+
 
 class OnDevice(Synced):
     """TRAIN.NONFINITE skip/stop decided on the device (torch's fused
-    SGD/Adam/AdamW, no fp16)."""
-
-    @staticmethod
-    def on_device() -> bool:
-        return True
+    SGD/Adam/AdamW, no fp16): no host sync until settle."""
 
     def step(self, norm: torch.Tensor | None) -> None:
         finite = torch.isfinite(norm) if norm is not None else self.grads_finite()
-        skipped = ~finite.to(self.counts.device).reshape(())
+        skipped = ~finite.reshape(())
         opt = self.optimizer
-        opt.grad_scale, opt.found_inf = (
-            None,
-            skipped.to(torch.float32),
-        )  # the fused kernel skips on found_inf
+        opt.grad_scale, opt.found_inf = None, skipped.float()  # the fused kernel skips on found_inf
         try:
             opt.step()
         finally:
@@ -340,7 +276,7 @@ class OnDevice(Synced):
             b.copy_(torch.where(skipped, copy, b))
         if self.ema is not None:
             _ema_update_unless(self.ema, self.model, skipped)
-        self.count(skipped)
+        self.skipped.append(skipped)
 
 
 def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -362,12 +298,10 @@ def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _ema_update_unless(ema: Any, model: torch.nn.Module, skipped: torch.Tensor) -> None:
-    """timm's EMA update, kept as it was where ``skipped`` (no host
-    sync)."""
+    """timm's EMA update, kept as it was where ``skipped`` (no host sync)."""
     decay = ema.get_decay()
     with torch.no_grad():
-        for e, m in zip(
-            ema.module.state_dict().values(), models.unwrap(model).state_dict().values()
-        ):
+        pairs = zip(ema.module.state_dict().values(), models.unwrap(model).state_dict().values())
+        for e, m in pairs:
             moved = e.lerp(m.to(e.dtype), 1.0 - decay) if e.is_floating_point() else m
             e.copy_(torch.where(skipped, e, moved))

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -224,7 +225,7 @@ class Stepper:
     loss -> (scaled) backward, under the strategy's no_sync for all but
     the last micro-batch -> unscale (fp16) -> gradient clipping -> the
     guard's step (the optimizer's and the EMA's, unless the numbers are
-    not finite) -> zero_grad."""
+    not finite) -> zero_grad. The loop asks it, never its guard."""
 
     def __init__(
         self,
@@ -238,59 +239,46 @@ class Stepper:
         t = cfg.TRAIN
         self.model, self.optimizer, self.device = model, optimizer, device
         self.accum, self.micro, self.no_sync = t.ACCUM_STEPS, 0, strategy.no_sync
-        self.amp_dtype, self.channels_last, self.clip = (
-            AMP_DTYPES[t.AMP],
-            t.CHANNELS_LAST,
-            t.CLIP_GRAD_NORM,
-        )
-        # GradScaler only for fp16: bf16 has fp32's range and needs no
-        # loss scaling.
+        self.channels_last, self.clip = t.CHANNELS_LAST, t.CLIP_GRAD_NORM
+        amp = AMP_DTYPES[t.AMP]
+        self.autocast = functools.partial(torch.autocast, device.type, amp, amp is not None)
+        # GradScaler only for fp16: bf16 has fp32's range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(device.type, enabled=t.AMP == "fp16")
         self.mixup, self.criterion = _mixup_and_criterion(cfg)
         decay = ema_decay_per_step(cfg, global_batch)
         self.ema = ModelEmaV3(models.unwrap(model), decay=decay) if t.EMA_DECAY > 0 else None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         nonfinite.prime_momentum(optimizer)
-        self.guard = nonfinite.guard_for(
-            cfg,
-            device,
-            model,
-            optimizer,
-            self.scaler,
-            self.ema,
-            lambda: strategy.grads_finite(self.params),
-        )
-        self.watch_loss = (
-            self.scaler.is_enabled() and t.NONFINITE != "off"
-        )  # fp16: tell overflow from failure
+
+        def grads_finite() -> torch.Tensor:
+            return strategy.grads_finite(self.params)
+
+        self.guard = nonfinite.guard_for(cfg, model, optimizer, self.scaler, self.ema, grads_finite)
+        # fp16: an overflow is told from a failure by the losses
+        self.watch_loss = self.scaler.is_enabled() and t.NONFINITE != "off"
         # The kernels built here (fused or multi-tensor): a checkpoint's
         # param groups bring theirs back.
         self.kernels = [(g.get("fused"), g.get("foreach")) for g in _groups(optimizer)]
 
     def weigh_classes(self, cfg: CfgNode, weight: torch.Tensor) -> None:
         """TRAIN.CLASS_BALANCE loss: the training loss weighs class c by
-        weight[c] (data.balance.loss_weights, known once the data is
-        built, after the Stepper). Evaluation's loss stays unweighted."""
+        weight[c] (known once the data is built, after the Stepper).
+        Evaluation's loss stays unweighted."""
         self.mixup, self.criterion = _mixup_and_criterion(cfg, weight.to(self.device))
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(
-            self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
-        )
-
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
-        return (
-            images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
-        )
+        if self.channels_last:
+            return images.contiguous(memory_format=torch.channels_last)
+        return images
 
     def micro_step(self, images: torch.Tensor, target: torch.Tensor) -> MicroStep:
-        last, hard = self.micro == self.accum - 1, target
-        if self.micro == 0:
+        self.micro += 1
+        last, hard = self.micro == self.accum, target
+        if self.micro == 1:
             self.guard.before_forward()
         if self.mixup is not None:
             images, target = self.mixup(images, target)
-        # Gradients are synchronised only on the last micro-batch;
-        # before that they just add up.
+        # Gradients are synchronised only on the last micro-batch; before that they add up.
         with contextlib.nullcontext() if last else self.no_sync():
             with self.autocast():
                 logits = self.model(self.prepare(images))
@@ -298,24 +286,31 @@ class Stepper:
             self.scaler.scale(loss / self.accum).backward()
         if self.watch_loss:
             self.guard.watch_loss(loss)
-        self.micro = 0 if last else self.micro + 1
         if last:
-            self.scaler.unscale_(
-                self.optimizer
-            )  # fp16: the true gradients, for clipping and the check
-            norm = None
-            if (
-                self.clip > 0
-            ):  # the total norm is non-finite iff some gradient is: it doubles as the check
-                norm = nonfinite.local_tensor(
-                    torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
-                )
-            self.guard.step(norm)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.micro = 0
+            self.optimizer_step()
         return MicroStep(logits, loss, hard, last)
 
+    def optimizer_step(self) -> None:
+        self.scaler.unscale_(self.optimizer)  # fp16: the true gradients, to clip and check
+        norm = None
+        if self.clip > 0:  # the total norm is non-finite iff a gradient is: it doubles as the check
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+            norm = nonfinite.local_tensor(norm)
+        self.guard.step(norm)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def settle(self, global_step: int) -> int:
+        """The steps the guard skipped since the last call (one host
+        sync); NonFiniteLoss past TRAIN.NONFINITE's limits."""
+        return self.guard.settle(global_step)
+
+    def take_epoch_skips(self) -> int:
+        """The steps skipped in the epoch so far (settled), from zero again."""
+        return self.guard.take_epoch_skips()
+
     def state_dict(self) -> dict:
-        state = {"scaler": self.scaler.state_dict()}
+        state = {"scaler": self.scaler.state_dict(), "epoch_skips": self.guard.epoch_skips}
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
         return state
@@ -328,13 +323,12 @@ class Stepper:
         if len(groups) == len(self.kernels):
             for g, (fused, foreach) in zip(groups, self.kernels):
                 g["fused"], g["foreach"] = fused, foreach
-        nonfinite.prime_momentum(
-            self.optimizer
-        )  # a checkpoint may lack the buffers of untrained parameters
+        nonfinite.prime_momentum(self.optimizer)  # a checkpoint may lack some buffers
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
+        self.guard.epoch_skips = state.get("epoch_skips", 0)
 
 
 def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -33,13 +33,10 @@ from distribuuuu.optim import Stepper
 log = logging.getLogger("distribuuuu")
 
 
-def topk_hits(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
-    """Number of samples whose label is among the k best predictions,
-    for each k in ks."""
-    maxk = min(max(ks), logits.size(1))
-    top = logits.topk(maxk, dim=1).indices  # [B, maxk]
-    hit = top.eq(target.view(-1, 1))  # at most one True per row
-    return torch.stack([hit[:, : min(k, maxk)].sum() for k in ks])
+def topk_hits(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, min(k, classes)] bool: whether the j-th best prediction is the
+    label (at most one True per row)."""
+    return logits.topk(min(k, logits.size(1)), 1).indices == target[:, None]
 
 
 class Counter:
@@ -50,25 +47,20 @@ class Counter:
     number; ``n`` then says how many samples the numbers cover."""
 
     def __init__(self, device: torch.device, topk: int, skip_nonfinite: bool = False) -> None:
-        self.ks = (1, topk)
-        self.skip_nonfinite = skip_nonfinite
-        self.sums = torch.zeros(
-            4, dtype=torch.float64, device=device
-        )  # loss_sum, hit1, hitk, counted
+        self.k, self.skip_nonfinite = topk, skip_nonfinite
+        # loss_sum, hit1, hitk, counted (float64: exact counts past 2**24)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.n = 0  # samples seen, known on the host: no device round trip to count it
+        self.unreadable = 0  # images left out (evaluation), summed by reduce()
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        """Add one batch; ``loss`` is the batch mean (as returned by the
-        criterion)."""
-        n = target.numel()
-        hits = topk_hits(logits.detach(), target, self.ks).to(torch.float64)
-        batch = torch.cat(
-            [(loss.detach().to(torch.float64) * n).reshape(1), hits, hits.new_full((1,), n)]
-        )  # a fill, not a host copy: no sync
-        if (
-            self.skip_nonfinite
-        ):  # on the device: no host sync (where, not a product: NaN * 0 is NaN)
+        """Add one batch; ``loss`` is the batch mean (as the criterion
+        returns it). No host sync."""
+        n, hits = len(target), topk_hits(logits.detach(), target, self.k)
+        count = hits.new_full((), n, dtype=torch.float64)  # a fill, not a host copy
+        batch = torch.stack([loss.detach() * n, hits[:, 0].sum(), hits.any(1).sum(), count])
+        if self.skip_nonfinite:  # where, not a product: NaN * 0 is NaN
             batch = torch.where(torch.isfinite(batch[0]), batch, 0.0)
         self.sums += batch
         self.n += n
@@ -86,10 +78,13 @@ class Counter:
         self.sums += self.sums.new_tensor([*sums_with_n[:3], counted])
         self.n += int(sums_with_n[3])
 
-    def reduce(self) -> Counter:
-        """Sum over all ranks with one all-reduce; returns self."""
-        both = comm.all_reduce_sum(self.sums_with_n())
-        self.sums, self.n = both[[0, 1, 2, 4]], int(both[3].item())
+    def reduce(self, extra: torch.Tensor | None = None) -> Counter:
+        """Sum over all ranks with one all-reduce (with this rank's
+        unreadable count, and ``extra`` sums); returns self."""
+        mine = [self.sums_with_n(), self.sums.new_tensor([self.unreadable])]
+        both = comm.all_reduce_sum(torch.cat(mine if extra is None else [*mine, extra]))
+        self.sums, self.n, self.unreadable = both[[0, 1, 2, 4]], int(both[3]), int(both[5])
+        self.reduced_extra = both[6:]
         return self
 
     def result(self) -> dict[str, Any]:
@@ -99,54 +94,43 @@ class Counter:
         n = int(counted)
         if n == 0:
             return {"loss": float("nan"), "top1": float("nan"), "topk_acc": float("nan"), "n": 0}
-        return {
-            "loss": loss_sum / n,
-            "top1": 100.0 * hit1 / n,
-            "topk_acc": 100.0 * hitk / n,
-            "n": n,
-        }
+        return {"loss": loss_sum / n, "top1": 100 * hit1 / n, "topk_acc": 100 * hitk / n, "n": n}
 
 
 class ClassCounter(Counter):
     """A Counter that also counts, for each true class, the samples
     predicted as each class (the confusion matrix: rows true, columns
     predicted), summed on the device and reduced with the same one
-    all-reduce: exact under DDP. The prediction is the top-k kernel's
-    first column, the same that counts top-1 hits, so the per-class
-    accuracies weighted by their samples give top1 exactly."""
+    all-reduce: exact under DDP. The prediction is topk's first, as
+    for the top-1 hits, so the per-class accuracies weighted by their
+    samples give top1 exactly."""
 
     def __init__(self, device: torch.device, topk: int, num_classes: int) -> None:
         super().__init__(device, topk)
-        self.k = num_classes
-        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.float64, device=device)
+        self.classes = num_classes
+        self.confusion = torch.zeros(num_classes**2, dtype=torch.float64, device=device)
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
         super().update(logits, target, loss)
-        pred = (
-            logits.detach().topk(min(max(self.ks), logits.size(1)), dim=1).indices[:, 0]
-        )  # as topk_hits's
-        self.confusion += torch.bincount(target * self.k + pred, minlength=self.k * self.k).to(
-            torch.float64
-        )
+        pred = logits.detach().topk(min(self.k, self.classes), 1).indices[:, 0]  # as topk_hits's
+        cells = torch.bincount(target * self.classes + pred, minlength=self.classes**2)
+        self.confusion += cells.to(torch.float64)
 
-    def reduce(self) -> ClassCounter:
-        both = comm.all_reduce_sum(torch.cat([self.sums_with_n(), self.confusion]))
-        self.sums, self.n, self.confusion = both[[0, 1, 2, 4]], int(both[3].item()), both[5:]
+    def reduce(self, extra: torch.Tensor | None = None) -> ClassCounter:
+        super().reduce(self.confusion)
+        self.confusion = self.reduced_extra
         return self
 
     def result(self) -> dict[str, Any]:
         """Counter's, with per_class_top1 (percent, class order; None
         for a class without samples) and confusion (K x K counts, rows
         true)."""
-        rows = self.confusion.view(self.k, self.k)
+        rows = self.confusion.view(self.classes, self.classes)
         counts, hits = rows.sum(1).tolist(), rows.diagonal().tolist()
         per_class = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
-        return {
-            **super().result(),
-            "per_class_top1": per_class,
-            "confusion": rows.to(torch.int64).tolist(),
-        }
+        confusion = rows.to(torch.int64).tolist()
+        return {**super().result(), "per_class_top1": per_class, "confusion": confusion}
 
 
 @torch.no_grad()
@@ -175,25 +159,13 @@ def evaluate(
         counter.update(logits, target, criterion(logits.float(), target))
         if ctx.is_main and (it + 1) % cfg.TEST.PRINT_FREQ == 0:
             log.info("[val] iter %d/%d", it + 1, iters)
+    # Unreadable images are left out, not replaced (loading.batches.collate_readable): n
+    # counts the readable ones.
+    counter.unreadable = len(data.take_unreadable(loader.dataset))
     result = counter.reduce().result()
-    # Unreadable images are left out, not replaced
-    # (data.batches.collate_readable): n counts the readable ones.
-    return {
-        **result,
-        "bad_images": bad_images(loader, ctx, "unreadable images left out of the evaluation"),
-    }
-
-
-def bad_images(loader: Any, ctx: DistContext, what: str) -> int:
-    """Collective: the unreadable images the loader met since the last
-    call, over all ranks, and rank 0's warning (each file was named in
-    the log when it was met)."""
-    bad = int(
-        comm.all_reduce_sum(torch.tensor([len(data.take_unreadable(loader.dataset))], device=ctx.device))[0]
-    )
-    if bad and ctx.is_main:
-        log.warning("%d %s", bad, what)
-    return bad
+    if counter.unreadable and ctx.is_main:
+        log.warning("%d unreadable images left out of the evaluation", counter.unreadable)
+    return {**result, "bad_images": counter.unreadable}
 
 
 def validate(

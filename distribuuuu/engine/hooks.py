@@ -1,36 +1,32 @@
 """Hooks: what happens around the training loop, in small pieces a user
 can add to.
 
-A hook subclasses ``HookBase`` and overrides some of its six methods.
-Each gets the Trainer (trainer.py: its attributes are read-only to
-hooks) and what the event produced, as arguments:
+A hook subclasses ``HookBase`` and overrides some of its methods. Each
+gets the Trainer (trainer.py: its attributes are read-only to hooks)
+and what the event produced, as arguments:
 
-    before_fit(trainer)                 after the model, the data and a resume are ready
+    before_fit(trainer)               after the model, the data and a resume are ready
     for each epoch:
-        before_epoch(trainer)           the model is in train mode already: a hook may put parts of
-                                        it in eval mode for the epoch (the built-in FreezeBackboneHook does)
-        for each batch:
-            after_step(trainer, step, printed)
-                                        ``step``: optim.MicroStep (logits, loss, target, ``last``: the
-                                        micro-batch that ended an optimizer step under TRAIN.ACCUM_STEPS);
-                                        ``printed``: rank 0's printed numbers on a print step, else None
-        after_epoch(trainer, metrics)   the epoch's train metrics (reduced over ranks); state.epoch
-                                        counts it; the built-in EvalHook evaluates here and calls
-            after_eval(trainer, split, records)
-                                        "val" after an evaluation ("test" once after the last epoch,
-                                        for the checkpoint chosen by TRAIN.VAL_SPLIT); a record per model
-    after_fit(trainer, summary)         the run's summary
+      before_epoch(trainer)           the model is in train mode already: a hook may put
+                                      parts of it in eval mode (FreezeBackboneHook does)
+      for each batch:
+        after_step(trainer, step, printed)
+                                      step: optim.MicroStep (logits, loss, target, last:
+                                      the micro-batch that ended an optimizer step);
+                                      printed: rank 0's printed numbers, else None
+        after_print(trainer, printed) rank 0's printed numbers, on print steps only
+      after_epoch(trainer, metrics)   the epoch's train metrics (reduced over ranks); the
+                                      built-in EvalHook evaluates here and calls
+        after_eval(trainer, split, records)
+                                      "val" after an evaluation ("test" once after the
+                                      last epoch); a record per model
+    after_fit(trainer, summary)       the run's summary
 
 Each event runs the hooks in list order: the built-in ones
-(``default_hooks``), then TRAIN.HOOKS ("package.module:ClassName", made
-with no arguments), then those passed to ``fit``. Built-in, in order:
-TrackerHook (only with TRAIN.TRACKERS), FreezeBackboneHook (only with
-TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with
-TRAIN.TARGET_TOP1 or PATIENCE), MetricsHook (metrics.jsonl / csv /
-TensorBoard), NonFiniteEpochCheck (only with TRAIN.NONFINITE off),
-EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time
-/ epoch / best checkpoints and stop signals). So a user's after_epoch
-runs after the epoch's checkpoint.
+(``default_hooks``, which says why each stands where it does), then
+TRAIN.HOOKS ("package.module:ClassName", made with no arguments), then
+those passed to ``fit``. So a user's after_epoch runs after the
+epoch's checkpoint.
 
 A hook's own state goes into every checkpoint with
 ``trainer.remember(name, state)`` (plain Python values); after a resume
@@ -49,7 +45,7 @@ import importlib
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 from yacs.config import CfgNode
@@ -63,11 +59,42 @@ from distribuuuu.logger import format_seconds
 from distribuuuu.nonfinite import NonFiniteLoss, advice
 from distribuuuu.optim import MicroStep
 
-Trainer = Any  # engine/trainer.py's Trainer (a name here only: trainer.py imports this module)
-
 log = logging.getLogger("distribuuuu")
 
-EVENTS = ("before_fit", "before_epoch", "after_step", "after_epoch", "after_eval", "after_fit")
+EVENTS = (
+    "before_fit",
+    "before_epoch",
+    "after_step",
+    "after_print",
+    "after_epoch",
+    "after_eval",
+    "after_fit",
+)
+
+
+class Trainer(Protocol):
+    """What hooks read of engine/trainer.py's Trainer (trainer.py imports
+    this module, so its type is named here by what it offers)."""
+
+    cfg: CfgNode
+    ctx: Any  # launch.comm.DistContext
+    state: Any  # trainer.TrainState
+    folder: Any  # run_folder.RunFolder
+    strategy: Any
+    model: nn.Module
+    stepper: Any  # optim.Stepper
+    counter: Any  # evaluation.Counter of the running epoch
+    card: Any  # model_card.ModelCard
+    val_loader: Any
+    wall_start: float
+    epoch_samples: int
+
+    def call(self, event: str, *args: Any) -> None: ...
+    def stop(self, reason: str) -> None: ...
+    def update_best(self, value: float) -> bool: ...
+    def remember(self, hook: str, state: Any) -> None: ...
+    def settle(self) -> None: ...
+    def save(self, is_best: bool = False, train_sums: Any = None) -> None: ...
 
 
 class HookBase:
@@ -83,6 +110,9 @@ class HookBase:
     def after_step(
         self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
     ) -> None:
+        pass
+
+    def after_print(self, trainer: Trainer, printed: dict[str, float]) -> None:
         pass
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
@@ -123,18 +153,31 @@ def _made(spec: str) -> HookBase:
 
 
 def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
-    """The built-in hooks this config needs, in their order (the module
-    docstring)."""
-    t = cfg.TRAIN  # TRAIN.TRACKERS is a list: [] adds nothing
-    return [
-        *(t.TRACKERS and [TrackerHook(cfg)]),
-        *([FreezeBackboneHook(cfg)] if t.FREEZE_BACKBONE_EPOCHS else []),
-        *([EarlyStopHook()] if t.TARGET_TOP1 or t.PATIENCE else []),
-        MetricsHook(),
-        *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []),
-        EvalHook(),
-        CheckpointHook(cfg, world_size),
-    ]
+    """The built-in hooks this config needs, in the order of each event."""
+    t, hooks = cfg.TRAIN, []
+    if t.TRACKERS:
+        # First: a tracker that cannot start refuses the run before MetricsHook sets an
+        # earlier run's records aside; an epoch's record reaches the trackers before
+        # CheckpointHook ends the job for a stop signal.
+        hooks.append(TrackerHook(cfg))
+    if t.FREEZE_BACKBONE_EPOCHS:
+        # Before the epoch's first step: its before_epoch freezes after model.train().
+        hooks.append(FreezeBackboneHook(cfg))
+    if t.TARGET_TOP1 or t.PATIENCE:
+        # Before MetricsHook: it marks the record that reached the target, which is then
+        # written with the mark.
+        hooks.append(EarlyStopHook())
+    # Writes each epoch's records before the checkpoint that follows them.
+    hooks.append(MetricsHook())
+    if t.NONFINITE == "off":
+        # Before EvalHook and CheckpointHook: a non-finite epoch is neither evaluated nor saved
+        # over the last good checkpoint.
+        hooks.append(NonFiniteEpochCheck())
+    # Evaluates before CheckpointHook saves, so that best.pth is this epoch's when it is best.
+    hooks.append(EvalHook())
+    # Last of the built-in ones: it may end the job (a stop signal) once all else is done.
+    hooks.append(CheckpointHook(cfg, world_size))
+    return hooks
 
 
 class TrackerHook(HookBase):
@@ -163,10 +206,8 @@ class TrackerHook(HookBase):
         if failure:
             raise UserError(failure if trainer.ctx.is_main else f"rank 0: {failure}")
 
-    def after_step(
-        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
-    ) -> None:
-        if printed is not None and self.runs is not None:
+    def after_print(self, trainer: Trainer, printed: dict[str, float]) -> None:
+        if self.runs is not None:
             self.runs.log("train_step", printed, trainer.state.global_step)
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
@@ -259,11 +300,8 @@ class MetricsHook(HookBase):
             trainer.ctx.is_main, state.epoch if trainer.resumed else None, state.global_step
         )
 
-    def after_step(
-        self, trainer: Trainer, step: MicroStep, printed: dict[str, float] | None
-    ) -> None:
-        if printed is not None:  # a print step of rank 0
-            self.writer.write_step(trainer.state.global_step, printed)
+    def after_print(self, trainer: Trainer, printed: dict[str, float]) -> None:
+        self.writer.write_step(trainer.state.global_step, printed)
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         state = trainer.state
@@ -378,16 +416,12 @@ class CheckpointHook(HookBase):
     """
 
     def __init__(self, cfg: CfgNode, world_size: int) -> None:
-        self.every_steps, self.every_s = (
-            cfg.TRAIN.CKPT_PERIOD_STEPS,
-            cfg.TRAIN.CKPT_PERIOD_MIN * 60.0,
-        )
+        self.every_steps = cfg.TRAIN.CKPT_PERIOD_STEPS or math.inf
+        self.every_s = cfg.TRAIN.CKPT_PERIOD_MIN * 60.0 or math.inf
         self.vote_every, self.last_save = vote_period(cfg, world_size), time.monotonic()
 
     def before_fit(self, trainer: Trainer) -> None:
-        self.last_save = (
-            time.monotonic()
-        )  # CKPT_PERIOD_MIN counts from the start of training, after setup
+        self.last_save = time.monotonic()  # CKPT_PERIOD_MIN counts from the training's start
 
     def save(self, trainer: Trainer, **kwargs: Any) -> None:
         self.last_save = time.monotonic()
@@ -398,33 +432,28 @@ class CheckpointHook(HookBase):
     ) -> None:
         state = trainer.state
         if not step.last or state.samples_in_epoch >= trainer.epoch_samples:
-            # not an optimizer-step boundary, or the epoch's last:
-            # after_epoch checkpoints and votes
-            return
-        stop, by_time = 0, 0
-        # One small all-reduce: all ranks must take the same decision
-        # (and stop for the same signal: the highest number any rank
-        # got), or a collective would hang. Its latency grows with the
-        # ranks, so they vote every vote_period() steps: a signal or a
-        # due time-based checkpoint (rank 0's clock) is acted on at the
-        # next vote.
+            return  # not a step's end, or the epoch's last: after_epoch saves and votes
+        stop = by_time = 0
         if state.global_step % self.vote_every == 0:
-            due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-            stop, by_time = comm.max_over_ranks(
-                [signals.received or 0, trainer.ctx.rank == 0 and due]
-            )
-        if stop or by_time or (self.every_steps and state.global_step % self.every_steps == 0):
+            stop, by_time = self.vote(trainer)
+        if stop or by_time or state.global_step % self.every_steps == 0:
             trainer.settle()  # a run past TRAIN.NONFINITE's limits ends before it is saved
             self.save(trainer, train_sums=trainer.counter.sums_with_n())
         if stop:
             raise Preempted(stop)
 
+    def vote(self, trainer: Trainer) -> list[int]:
+        """[the highest stop signal any rank got, whether rank 0's clock
+        says a time checkpoint is due]: one small all-reduce, so that all
+        ranks take the same decision, or a collective would hang. Its
+        latency grows with the ranks, hence a vote every vote_period()
+        steps; what happened meanwhile is acted on at the next vote."""
+        due = trainer.ctx.rank == 0 and time.monotonic() - self.last_save >= self.every_s
+        return comm.max_over_ranks([signals.received or 0, due])
+
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        self.save(
-            trainer, is_best=trainer.state.best_epoch == trainer.state.epoch
-        )  # this epoch's eval: a new best
-        stop = comm.max_over_ranks([signals.received or 0])[
-            0
-        ]  # since the last vote, or during the evaluation
+        state = trainer.state
+        self.save(trainer, is_best=state.best_epoch == state.epoch)  # this epoch's eval: a best
+        stop = comm.max_over_ranks([signals.received or 0])[0]  # since the last vote, or in eval
         if stop:
             raise Preempted(stop)

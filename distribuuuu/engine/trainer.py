@@ -57,6 +57,7 @@ from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.evaluation import Counter
 from distribuuuu.engine.hooks import HookBase
 from distribuuuu.errors import UserError
+from distribuuuu.nonfinite import advice
 from distribuuuu.inferred.data import training_data_is_test_data
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
@@ -102,26 +103,18 @@ class TrainState:
 
 
 class Trainer:
-    """The run and its loop. Hooks read its attributes: cfg, ctx,
-    strategy, folder (the RunFolder), model (wrapped), optimizer,
-    stepper, state (TrainState), train_loader / val_loader /
-    test_loader, card (the checkpoints' model card), seed, resumed,
-    wall_start, epoch_samples, counter (the running epoch's sums)."""
+    """The run and its loop. Hooks read its attributes (hooks.Trainer
+    names them); only this class writes them."""
 
     def __init__(self, cfg: CfgNode, ctx: DistContext, hooks: Iterable[HookBase] = ()) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.strategy = strategies.build(cfg, ctx)
-        self.folder = RunFolder(
-            cfg
-        )  # OUT_DIR: the loop reads and writes it only through this object
+        self.folder = RunFolder(cfg)  # OUT_DIR: the loop reads and writes it only through this
         self.state = TrainState()
-        # Built-in hooks first (their order is the contract in
-        # hooks.py), then TRAIN.HOOKS, then these.
-        self.hooks: list[HookBase] = [
-            *hooks_.default_hooks(cfg, ctx.world_size),
-            *hooks_.from_config(cfg),
-            *hooks,
-        ]
+        # The built-in hooks first (hooks.default_hooks says why in that order), then
+        # TRAIN.HOOKS, then these.
+        built_in, configured = hooks_.default_hooks(cfg, ctx.world_size), hooks_.from_config(cfg)
+        self.hooks: list[HookBase] = [*built_in, *configured, *hooks]
         self._callers = {
             e: [getattr(h, e) for h in self.hooks if hooks_.overrides(h, e)] for e in hooks_.EVENTS
         }
@@ -135,8 +128,7 @@ class Trainer:
         for method in self._callers[event]:
             method(self, *args)
 
-    # -- what hooks may ask
-    # ------------------------------------------------------------------------
+    # -- what hooks may ask --------------------------------------------------------------
     def stop(self, reason: str) -> None:
         """End the run after the current epoch. Call it on every rank
         with a reason decided from values that are the same everywhere
@@ -156,168 +148,113 @@ class Trainer:
     def remember(self, hook: str, state: Any) -> None:
         """A hook's own state (plain Python values), written into every
         checkpoint from now on and back in ``state.hooks[hook]`` after a
-        resume (before before_fit): e.g. a tracker's run id
-        (TrackerHook)."""
+        resume (before before_fit): e.g. a tracker's run id."""
         self.state.hooks[hook] = state
 
     def settle(self) -> None:
-        """The guard's exact count of skipped steps, and NonFiniteLoss
-        past TRAIN.NONFINITE's limits (on the device path, one host
-        sync: print steps, checkpoints, an epoch's end)."""
-        self.stepper.guard.settle(self.state.global_step)
+        """The exact count of skipped steps, and NonFiniteLoss past
+        TRAIN.NONFINITE's limits (one host sync: print steps,
+        checkpoints, an epoch's end)."""
+        self.stepper.settle(self.state.global_step)
 
-    # -- building
-    # -------------------------------------------------------------------------------
-    def build_model(self, bare: torch.nn.Module | None = None) -> None:
-        """The model wrapped by the strategy, its optimizer and the
-        stepper (``bare``: a given CPU model)."""
+    # -- building --------------------------------------------------------------------------
+    def build_model(self, bare: torch.nn.Module) -> None:
+        """The model (a CPU model) wrapped by the strategy, its optimizer
+        and the stepper."""
         cfg, ctx = self.cfg, self.ctx
-        self.model = self.strategy.wrap_model(
-            bare if bare is not None else models.build_model(cfg, new_head=True)
-        )
+        self.model = self.strategy.wrap_model(bare)
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS
         self.schedule = optim.Schedule(cfg, optim.peak_lr(cfg, self.global_batch))
         if cfg.OPTIM.BACKBONE_LR_SCALE != 1:
-            log.info(
-                "OPTIM.BACKBONE_LR_SCALE %g: %s",
-                cfg.OPTIM.BACKBONE_LR_SCALE,
-                optim.describe_groups(self.optimizer),
-            )
+            groups = optim.describe_groups(self.optimizer)
+            log.info("OPTIM.BACKBONE_LR_SCALE %g: %s", cfg.OPTIM.BACKBONE_LR_SCALE, groups)
         self.stepper = Stepper(
             cfg, ctx.device, self.model, self.optimizer, self.global_batch, self.strategy
         )
 
     def build_data(self) -> None:
-        cfg, ctx = (
-            rng.seeded_cfg(self.cfg, self.seed),
-            self.ctx,
-        )  # the shuffle follows the run's one seed
-        data.check_overlap(
-            cfg, ctx.is_main
-        )  # val images that are train images: rank 0 looks, every rank hears
-        self.train_loader = data.build_train_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-        self.val_loader = data.build_val_loader(
-            cfg, ctx.rank, ctx.world_size, ctx.device
-        )  # TRAIN.VAL_SPLIT: held out
-        if cfg.TRAIN.VAL_SPLIT and not training_data_is_test_data(
-            cfg
-        ):  # a folder of class folders: no test set
-            self.test_loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
-        if cfg.TRAIN.CLASS_BALANCE == "loss":  # weights from the labels trained on, known only now
-            self.stepper.weigh_classes(
-                cfg, balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES)
-            )
-        # What every checkpoint says about the model: class names of the
-        # data trained on, preprocessing
+        cfg, ctx = rng.seeded_cfg(self.cfg, self.seed), self.ctx  # the shuffle: the run's seed
+        where = ctx.rank, ctx.world_size, ctx.device
+        data.check_overlap(cfg, ctx.is_main)  # val images that are train images: rank 0 looks
+        self.train_loader = data.build_train_loader(cfg, *where)
+        self.val_loader = data.build_val_loader(cfg, *where)  # TRAIN.VAL_SPLIT: the held-out part
+        if cfg.TRAIN.VAL_SPLIT and not training_data_is_test_data(cfg):
+            self.test_loader = data.build_test_loader(cfg, *where)
+        if cfg.TRAIN.CLASS_BALANCE == "loss":  # weights from the labels trained on: known now
+            weight = balance.loss_weights(self.train_loader.dataset, cfg.MODEL.NUM_CLASSES)
+            self.stepper.weigh_classes(cfg, weight)
+        # What every checkpoint says of the model: the classes trained on, the preprocessing.
         self.card = model_card.describe(self.cfg, self.train_loader.dataset)
 
     def log_setup(self) -> None:
         """The run's sizes, computed and logged once."""
         cfg, ctx, train, val = self.cfg, self.ctx, self.train_loader, self.val_loader
+        t, steps = cfg.TRAIN, len(train) // cfg.TRAIN.ACCUM_STEPS
         log.info(
-            "world size %d | batch %d per process x %d accumulation = %d global | peak LR %g "
-            "(BASE_LR %g, LR_SCALING %s) | %d train / %d val samples | %d optimizer steps per "
-            "epoch",
-            ctx.world_size,
-            cfg.TRAIN.BATCH_SIZE,
-            cfg.TRAIN.ACCUM_STEPS,
-            self.global_batch,
-            self.schedule.peak,
-            cfg.OPTIM.BASE_LR,
-            cfg.OPTIM.LR_SCALING,
-            len(train.dataset),
-            len(val.dataset),
-            len(train) // cfg.TRAIN.ACCUM_STEPS,
+            f"world size {ctx.world_size} | batch {t.BATCH_SIZE} per process x {t.ACCUM_STEPS} "
+            f"accumulation = {self.global_batch} global | peak LR {self.schedule.peak:g} "
+            f"(BASE_LR {cfg.OPTIM.BASE_LR:g}, LR_SCALING {cfg.OPTIM.LR_SCALING}) | "
+            f"{len(train.dataset)} train / {len(val.dataset)} val samples | {steps} optimizer "
+            "steps per epoch"
         )
         if ctx.device.type == "cuda":
+            on = "on" if cfg.CUDNN.TF32 else "off"
             log.info(
-                "TF32 %s for float32 matmuls and convolutions (CUDNN.TF32 %s)",
-                "on" if cfg.CUDNN.TF32 else "off",
-                cfg.CUDNN.TF32,
+                f"TF32 {on} for float32 matmuls and convolutions (CUDNN.TF32 {cfg.CUDNN.TF32})"
             )
-        test = (
-            self.test_loader
-        )  # with a test set, the val set is held out of the training data: "valid"
-        held_out = (
-            f"val: {len(val.dataset)}"
-            if test is None
-            else f"valid: {len(val.dataset)} - test: {len(test.dataset)}"
-        )
-        log.info("train: %d - %s", len(train.dataset), held_out)
-        if len(train) < cfg.TRAIN.ACCUM_STEPS:
-            raise UserError(
-                "an epoch has no complete optimizer step; lower TRAIN.BATCH_SIZE or "
-                "TRAIN.ACCUM_STEPS, or use more data"
-            )
+        held_out = f"val: {len(val.dataset)}"
+        if self.test_loader is not None:  # the val set is held out of the training data: "valid"
+            held_out = f"valid: {len(val.dataset)} - test: {len(self.test_loader.dataset)}"
+        log.info(f"train: {len(train.dataset)} - {held_out}")
 
-    # -- the run
-    # --------------------------------------------------------------------------------
+    # -- the run ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train for OPTIM.MAX_EPOCH epochs (resuming if asked); return
         the run's summary."""
         cfg, state, folder = self.cfg, self.state, self.folder
         self.wall_start = time.perf_counter()
-        self.seed = rng.seed_everything(
-            cfg, self.ctx.rank, folder.previous_seed() if self.ctx.is_main else None
-        )
-        # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another
-        # class count is re-initialised); a run about to resume takes
-        # its weights from its checkpoint instead, so they are not read.
+        previous = folder.previous_seed() if self.ctx.is_main else None
+        self.seed = rng.seed_everything(cfg, self.ctx.rank, previous)
+        # MODEL.WEIGHTS / PRETRAINED start a new run (a head of another class count is
+        # re-initialised); a run about to resume takes its weights from its checkpoint.
         bare = models.build_model(cfg, new_head=True, with_weights=not folder.has_checkpoint())
-        record = folder.prepare_record(self.ctx, bare)  # model.txt before sharding; a collective
+        record = folder.prepare_record(self.ctx, bare)  # model.txt before sharding; collective
         self.build_model(bare)
         self.build_data()
         self.log_setup()
-        state.data_identity = folder.data_identity(
-            len(self.train_loader.dataset), len(self.val_loader.dataset), self.card.classes
-        )
+        sizes = len(self.train_loader.dataset), len(self.val_loader.dataset)
+        state.data_identity = folder.data_identity(*sizes, self.card.classes)
         ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
         if ckpt is not None:
             self.resume(ckpt, path)
         folder.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
         self.call("before_fit")
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
-            # before before_epoch: a hook may put parts in eval mode (a
-            # frozen backbone)
-            self.stepper.model.train()
+            self.model.train()  # before before_epoch: a hook may put parts in eval mode
             self.call("before_epoch")
             metrics = self.train_epoch(self.train_loader)
             comm.average_buffers(self.model)  # one model on every rank for eval and the checkpoint
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+            accuracy = accuracies(metrics["top1"], cfg.TRAIN.TOPK, metrics["topk_acc"])
             log.info(
-                "[train] epoch %d/%d done | loss %.4f | %s | %.0f img/s | %.1fs",
-                state.epoch,
-                cfg.OPTIM.MAX_EPOCH,
-                metrics["loss"],
-                accuracies(metrics["top1"], cfg.TRAIN.TOPK, metrics["topk_acc"]),
-                metrics["img_per_s"],
-                metrics["time_s"],
+                f"[train] epoch {state.epoch}/{cfg.OPTIM.MAX_EPOCH} done | loss "
+                f"{metrics['loss']:.4f} | {accuracy} | {metrics['img_per_s']:.0f} img/s | "
+                f"{metrics['time_s']:.1f}s"
             )
-            self.call(
-                "after_epoch", metrics
-            )  # metrics, evaluation (after_eval), checkpoint, stop signals
-
-        self.stepper.guard.require_saved(folder.checkpoints)
-        summary = {
-            "best": state.best_metric,
-            "best_epoch": state.best_epoch,
-            "epochs": state.epoch,
-            "wall_s": time.perf_counter() - self.wall_start,
-            "out_dir": os.path.abspath(cfg.OUT_DIR),
-        }
-        if self.test_loader is not None:  # once, on the checkpoint that the validation split chose
+            self.call("after_epoch", metrics)  # metrics, evaluation, checkpoint, stop signals
+        folder.require_saved(advice(cfg))
+        wall = time.perf_counter() - self.wall_start
+        summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch}
+        summary.update(wall_s=wall, out_dir=os.path.abspath(cfg.OUT_DIR))
+        if self.test_loader is not None:  # once, on the checkpoint the validation split chose
             summary["test"] = self.test_chosen_checkpoint()
         self.call("after_fit", summary)
+        why = f" ({self.stop_reason})" if self.stop_reason else ""
+        metric = "top-1" if cfg.TRAIN.BEST_METRIC == "top1" else "EMA top-1"
         log.info(
-            "done%s: best val %s %.2f%% (epoch %d) | %d epochs | wall %s | run folder %s",
-            f" ({self.stop_reason})" if self.stop_reason else "",
-            "top-1" if cfg.TRAIN.BEST_METRIC == "top1" else "EMA top-1",
-            summary["best"],
-            summary["best_epoch"],
-            summary["epochs"],
-            format_seconds(summary["wall_s"]),
-            cfg.OUT_DIR,
+            f"done{why}: best val {metric} {state.best_metric:.2f}% (epoch {state.best_epoch}) | "
+            f"{state.epoch} epochs | wall {format_seconds(wall)} | run folder {cfg.OUT_DIR}"
         )
         return summary
 
@@ -326,19 +263,14 @@ class Trainer:
         end of the epoch; returns the epoch's metrics summed over all
         ranks. Hooks see every batch (after_step)."""
         cfg, ctx, state, stepper = self.cfg, self.ctx, self.state, self.stepper
-        self.counter = counter = Counter(
-            ctx.device, cfg.TRAIN.TOPK, skip_nonfinite=cfg.TRAIN.NONFINITE != "off"
-        )
-        if (
-            state.resumed_sums is not None and ctx.is_main
-        ):  # the part of the epoch done before a restart
+        skip_nonfinite = cfg.TRAIN.NONFINITE != "off"
+        self.counter = counter = Counter(ctx.device, cfg.TRAIN.TOPK, skip_nonfinite)
+        if state.resumed_sums is not None and ctx.is_main:  # the epoch's part before a restart
             counter.add(state.resumed_sums)
         state.resumed_sums = None
         micro_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size  # samples per micro-step, all ranks
         self.epoch_samples = _epoch_samples(loader, micro_batch, cfg.TRAIN.ACCUM_STEPS)
-        loader.sampler.set_epoch(
-            state.epoch, start=state.samples_in_epoch
-        )  # same shuffle on all ranks
+        loader.sampler.set_epoch(state.epoch, start=state.samples_in_epoch)  # one shuffle for all
         iters = (self.epoch_samples - state.samples_in_epoch) // micro_batch
         progress = Progress(cfg, ctx.is_main, ctx.world_size, state.epoch, iters)
         lr, data_total, gpus = self.schedule.peak, 0.0, self.strategy.gpus()
@@ -346,62 +278,46 @@ class Trainer:
         epoch_start = tick = time.perf_counter()
         try:
             for it, (images, target) in zip(range(iters), loader):
-                images, target = (
-                    images.to(ctx.device, non_blocking=True),
-                    target.to(ctx.device, non_blocking=True),
-                )
+                images = images.to(ctx.device, non_blocking=True)
+                target = target.to(ctx.device, non_blocking=True)
                 data_s = time.perf_counter() - tick
                 data_total += data_s
-                lr = self.schedule.apply(
-                    stepper.optimizer, state.epoch + state.samples_in_epoch / self.epoch_samples
-                )
+                epoch = state.epoch + state.samples_in_epoch / self.epoch_samples
+                lr = self.schedule.apply(stepper.optimizer, epoch)
                 step = stepper.micro_step(images, target)
                 state.samples_in_epoch += micro_batch
                 state.global_step += step.last
-                counter.update(
-                    step.logits, step.target, step.loss
-                )  # on-device sums: no host sync here
-                if (
-                    step.last and cfg.TRAIN.COMPILE and not self.first_step_s
-                ):  # compile time is not throughput
-                    self.first_step_s = time.perf_counter() - tick
+                counter.update(step.logits, step.target, step.loss)  # on the device: no sync
+                if step.last and cfg.TRAIN.COMPILE and not self.first_step_s:
+                    self.first_step_s = time.perf_counter() - tick  # compile time: not throughput
                     log.info(
-                        "torch.compile + first step: %.1fs (left out of img/s)", self.first_step_s
+                        f"torch.compile + first step: {self.first_step_s:.1f}s (left out of img/s)"
                     )
                 if (it + 1) % cfg.TRAIN.PRINT_FREQ == 0:  # the same iterations on every rank
                     self.settle()
-                # Shows rank 0's running averages every PRINT_FREQ
-                # iterations: a host sync on print steps.
+                # rank 0's running averages every PRINT_FREQ iterations: a host sync there
                 printed = progress.step(it, data_s, images.size(0), lr, counter.result)
-                self.call(
-                    "after_step", step, printed
-                )  # step checkpoints, stop signals (at optimizer-step boundaries)
+                if printed is not None:
+                    self.call("after_print", printed)
+                self.call("after_step", step, printed)  # step checkpoints, stop signals
                 tick = time.perf_counter()
         finally:
-            progress.close()  # also when a hook ends the run (Preempted): the bar is left finished
-        _synchronize(gpus)  # the GPU runs behind the host: the epoch ends when its last kernel does
+            progress.close()  # also when a hook ends the run (Preempted): the bar left finished
+        _synchronize(gpus)  # the GPU runs behind the host: the epoch ends with its last kernel
         seconds = time.perf_counter() - epoch_start - self.first_step_s
         self.settle()
         result = counter.reduce().result()
-        bad, state.unreadable = (
-            len(data.unreadable_so_far(loader, state.unreadable)),
-            [],
-        )  # each file once
+        bad = len(data.unreadable_so_far(loader, state.unreadable))  # each image once
+        state.unreadable = []
         if bad and ctx.is_main:
             log.warning(
-                "%d unreadable training images skipped in epoch %d (TRAIN.BAD_IMAGES skip)",
-                bad,
-                state.epoch + 1,
+                f"{bad} unreadable training images skipped in epoch {state.epoch + 1} "
+                "(TRAIN.BAD_IMAGES skip)"
             )
-        result.update(
-            lr=lr,
-            img_per_s=result["n"] / max(seconds, 1e-9),
-            time_s=seconds,
-            bad_images=bad,
-            skipped_steps=stepper.guard.take_epoch_skips(),
-            data_frac=data_total / max(seconds, 1e-9),
-            peak_mem_mb=_peak_memory_mb(ctx.device, gpus),
-        )
+        result.update(lr=lr, img_per_s=result["n"] / max(seconds, 1e-9), time_s=seconds)
+        result.update(bad_images=bad, skipped_steps=stepper.take_epoch_skips())
+        result.update(data_frac=data_total / max(seconds, 1e-9))
+        result.update(peak_mem_mb=_peak_memory_mb(ctx.device, gpus))
         return result
 
     def test_chosen_checkpoint(self) -> dict:
@@ -434,9 +350,7 @@ class Trainer:
         weights = "ema" if cfg.TRAIN.BEST_METRIC == "ema_top1" else "model"
         net = self.strategy.test_model(self.model, ckpt, weights, folder.checkpoints)
         result = evaluation.evaluate(net, self.test_loader, cfg, ctx, self.stepper)
-        result.pop(
-            "confusion"
-        )  # the record keeps the per-class top-1; confusion.csv is the best val's
+        result.pop("confusion")  # the record keeps per-class top-1; confusion.csv: best val's
         record = {
             "epoch": ckpt.get("epoch"),
             "split": "test",
@@ -476,7 +390,6 @@ class Trainer:
             "rng": rngs,
             "world_size": ctx.world_size,
             "train_sums": train_sums,
-            "epoch_skips": self.stepper.guard.epoch_skips,
             "facts": state.data_identity,
             "seed": self.seed,
             model_card.CARD_KEY: self.card.to_dict(),
@@ -486,21 +399,11 @@ class Trainer:
             self.model, self.optimizer, self.folder.shards_path(saved)
         )
         record.update(entries)
-        if ctx.is_main:
-            if finite:
-                log.info(
-                    "saved %s%s",
-                    self.folder.save(record, is_best=is_best),
-                    " (best)" if is_best else "",
-                )
-            else:
-                log.error(
-                    "not saving a checkpoint at step %d: the weights are not finite",
-                    state.global_step,
-                )
-            self.stepper.guard.saved(
-                finite
-            )  # the end asks whether the run could save (require_saved)
+        if ctx.is_main and finite:
+            path = self.folder.save(record, is_best=is_best)
+            log.info(f"saved {path}{' (best)' if is_best else ''}")
+        elif ctx.is_main:
+            self.folder.refuse(state.global_step)
         comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
 
     def resume(self, ckpt: dict[str, Any], path: str) -> None:
@@ -510,9 +413,7 @@ class Trainer:
         refused before anything is loaded."""
         cfg, state, strategy = self.cfg, self.state, self.strategy
         net, opt = models.unwrap(self.model), self.optimizer if cfg.TRAIN.LOAD_OPT else None
-        plain = strategy.checkable(
-            ckpt
-        )  # the shapes of sharded state: torch checks them while loading
+        plain = strategy.checkable(ckpt)  # sharded state's shapes: torch checks them on load
         self.folder.check_resume(
             ckpt, path, state.data_identity, net if plain else None, opt if plain else None
         )
@@ -520,10 +421,7 @@ class Trainer:
         for key in TrainState.SAVED:
             setattr(state, key, ckpt.get(key, getattr(state, key)))
         data.require_same_plan(self.train_loader, state.samples_in_epoch, ckpt, path)
-        state.resumed_sums, self.stepper.guard.epoch_skips = (
-            ckpt.get("train_sums"),
-            ckpt.get("epoch_skips", 0),
-        )
+        state.resumed_sums = ckpt.get("train_sums")
         # A checkpoint of an older version has no seed: its RNG_SEED
         # None run shuffled with seed 0
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
@@ -571,9 +469,7 @@ class Trainer:
             self.seed,
         )
         self.seed = seed
-        self.train_loader.sampler.seed = (
-            seed  # env.json is written after the resume, with this seed
-        )
+        self.train_loader.sampler.seed = seed  # env.json is written after the resume
 
 
 def _epoch_samples(loader: Any, micro_batch: int, accum: int) -> int:

@@ -143,7 +143,9 @@ def dataset_format(cfg: Any) -> str:
             "data export mnist5k DIR` writes one) or at a shard set (`distribuuuu data shard SRC "
             "DEST`)"
         )
-    folder.folder_split_dir(path, cfg.TRAIN.SPLIT, "TRAIN", registry.note())  # a UserError naming what is missing
+    folder.folder_split_dir(
+        path, cfg.TRAIN.SPLIT, "TRAIN", registry.note()
+    )  # a UserError naming what is missing
     return "folder"
 
 

@@ -104,7 +104,9 @@ class LoaderPipeline(Pipeline):
     def eval_loader(self, part: str | None, place: Place) -> Any:
         dataset, sampler, fast = self.items(False, part, place)
         batch = self.cfg.TEST.BATCH_SIZE
-        loader = self.data_loader(dataset, sampler, batch, False, place, 1, collate_fn=collate_readable)
+        loader = self.data_loader(
+            dataset, sampler, batch, False, place, 1, collate_fn=collate_readable
+        )
         loader = ReadableBatches(loader)
         if not fast:
             return loader
