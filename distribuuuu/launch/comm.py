@@ -74,6 +74,11 @@ __all__ = [
 ]
 
 
+# What a plain DDP run's collectives are (a strategy names its own:
+# Strategy.collectives), for the check of gloo on CUDA tensors
+_DDP_COLLECTIVES = ["all_reduce", "broadcast"]
+
+
 @dataclass(frozen=True)
 class DistContext(LaunchInfo):
     """The launch (rank, world size, launcher, master...), plus the
@@ -279,14 +284,12 @@ def setup(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Dis
     _set_threads(cfg, info)
     _set_determinism(cfg)
     if dist.is_initialized():  # made by the engine that started us (Ray Train)
-        _adopt_group(cfg, info, backend, strategy)
+        _adopt_group(cfg, info, device, backend, strategy)
     elif info.world_size > 1:
         group_backend = strategy.group_backend(cfg, backend) if strategy else backend
         _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, group_backend)
         if backend == "gloo" and device.type == "cuda":
-            _check_gloo_cuda(
-                device, strategy.collectives(cfg) if strategy else ["all_reduce", "broadcast"]
-            )
+            _check_gloo_cuda(device, strategy.collectives(cfg) if strategy else _DDP_COLLECTIVES)
     _print_dist_line(info, device, backend)
     # Only now: until the group exists a signal may end the process at
     # once (nothing to clean up), and a Python handler could not run
@@ -295,11 +298,14 @@ def setup(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Dis
     return DistContext(**asdict(info), device=device, backend=backend)
 
 
-def _adopt_group(cfg: Any, info: LaunchInfo, backend: str, strategy: Any) -> None:
+def _adopt_group(
+    cfg: Any, info: LaunchInfo, device: torch.device, backend: str, strategy: Any
+) -> None:
     """Use the process group an engine made before it called us, as it
     is: its rank, world size and backend must be this launch's, since
-    neither can change now. Under nccl a gloo side group is added for
-    the votes, as setup() adds one to its own group."""
+    neither can change now. Then what setup() adds to a group it makes:
+    under nccl a gloo side group for the votes, under gloo on CUDA the
+    check of its collectives (launch.gloo_cuda)."""
     global _adopted
     rank, world_size, made = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     wanted = strategy.group_backend(cfg, backend) if strategy else backend
@@ -324,6 +330,8 @@ def _adopt_group(cfg: Any, info: LaunchInfo, backend: str, strategy: Any) -> Non
         )
     if backend == "nccl":
         set_control_group(gloo_side_group(datetime.timedelta(seconds=cfg.DIST.TIMEOUT_S)))
+    if backend == "gloo" and device.type == "cuda":
+        gloo_cuda.check(device, strategy.collectives(cfg) if strategy else _DDP_COLLECTIVES)
     _adopted = dist.group.WORLD
     # What joining a group does: every rank is past its checks before
     # rank 0 takes the run lock, which a rank still checking would see
