@@ -33,6 +33,8 @@ from tests.conftest import (
     write_image_tree,
 )
 
+# Ray's own deprecations, raised as it imports ray.data: not ours to act on
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
 EXAMPLES = os.path.join(ROOT, "examples")
 MEASURED = ("img_per_s", "time_s", "data_frac", "peak_mem_mb")  # how fast and how big, not what was learnt
 
