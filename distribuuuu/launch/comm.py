@@ -24,7 +24,10 @@ above it):
   string the strategy asks for), only with more than one process, and
   under nccl a gloo side group for ``max_over_ranks``; under gloo on
   CUDA, a check that gloo serves the collectives the strategy runs on
-  CUDA tensors (launch.gloo_cuda), before any work.
+  CUDA tensors (launch.gloo_cuda), before any work. A group that exists
+  already was made by an engine that owns the processes (Ray Train's
+  TorchTrainer): it is adopted (``_adopt_group``), checked against the
+  launch and the backend, and left for its maker to destroy.
 - stop signals: from then on, SIGINT (Ctrl-C), SIGTERM and SIGHUP unwind
   the process cleanly and exit with 130 / 143 / 129
   (launch.signals.handle_stop_signals); ``teardown()`` puts the old
@@ -40,6 +43,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -68,6 +72,11 @@ __all__ = [
     "max_over_ranks",
     "set_control_group",
 ]
+
+
+# What a plain DDP run's collectives are (a strategy names its own:
+# Strategy.collectives), for the check of gloo on CUDA tensors
+_DDP_COLLECTIVES = ["all_reduce", "broadcast"]
 
 
 @dataclass(frozen=True)
@@ -222,10 +231,6 @@ def _init_process_group(
 ) -> None:
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; run a single process")
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a process group already exists; call launch.comm.teardown() before setup() again"
-        )
     if info.launcher in ("slurm", "spawn"):
         _export_launch_env(info)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -278,19 +283,59 @@ def setup(cfg: Any, info: LaunchInfo | None = None, strategy: Any = None) -> Dis
         _set_cuda_flags(cfg)
     _set_threads(cfg, info)
     _set_determinism(cfg)
-    if info.world_size > 1:
+    if dist.is_initialized():  # made by the engine that started us (Ray Train)
+        _adopt_group(cfg, info, device, backend, strategy)
+    elif info.world_size > 1:
         group_backend = strategy.group_backend(cfg, backend) if strategy else backend
         _init_process_group(info, backend, device, cfg.DIST.TIMEOUT_S, group_backend)
         if backend == "gloo" and device.type == "cuda":
-            _check_gloo_cuda(
-                device, strategy.collectives(cfg) if strategy else ["all_reduce", "broadcast"]
-            )
+            _check_gloo_cuda(device, strategy.collectives(cfg) if strategy else _DDP_COLLECTIVES)
     _print_dist_line(info, device, backend)
     # Only now: until the group exists a signal may end the process at
     # once (nothing to clean up), and a Python handler could not run
     # while init_process_group blocks in C++ anyway.
     signals.handle_stop_signals()
     return DistContext(**asdict(info), device=device, backend=backend)
+
+
+def _adopt_group(
+    cfg: Any, info: LaunchInfo, device: torch.device, backend: str, strategy: Any
+) -> None:
+    """Use the process group an engine made before it called us, as it
+    is: its rank, world size and backend must be this launch's, since
+    neither can change now. Then what setup() adds to a group it makes:
+    under nccl a gloo side group for the votes, under gloo on CUDA the
+    check of its collectives (launch.gloo_cuda)."""
+    global _adopted
+    rank, world_size, made = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    wanted = strategy.group_backend(cfg, backend) if strategy else backend
+    if (rank, world_size) != (info.rank, info.world_size):
+        raise UserError(
+            f"the process group that exists is rank {rank} of {world_size}, but {info.launcher} "
+            f"says RANK={info.rank} of WORLD_SIZE={info.world_size}; start each process with "
+            "the variables of its own group"
+        )
+    if made != wanted:
+        raise UserError(
+            f"the process group that {info.launcher} made uses backend {made}, but this run needs "
+            f"{wanted} (device {cfg.DEVICE}, DIST.BACKEND {cfg.DIST.BACKEND}); make the group "
+            f"with {wanted} (Ray Train: TorchConfig(backend={wanted!r})) or set DEVICE and "
+            "DIST.BACKEND to match it"
+        )
+    if cfg.TRAIN.PREEMPT_SIGNALS and threading.current_thread() is not threading.main_thread():
+        raise UserError(
+            "this run is not in the main thread, where Python delivers signals (Ray Train runs "
+            "the training function in a thread of its own): set TRAIN.PREEMPT_SIGNALS [], as "
+            "distribuuuu.ray_train does"
+        )
+    if backend == "nccl":
+        set_control_group(gloo_side_group(datetime.timedelta(seconds=cfg.DIST.TIMEOUT_S)))
+    if backend == "gloo" and device.type == "cuda":
+        gloo_cuda.check(device, strategy.collectives(cfg) if strategy else _DDP_COLLECTIVES)
+    _adopted = dist.group.WORLD
+    # What joining a group does: every rank is past its checks before
+    # rank 0 takes the run lock, which a rank still checking would see
+    barrier()
 
 
 def _print_dist_line(info: LaunchInfo, device: torch.device, backend: str) -> None:
@@ -308,12 +353,12 @@ def _print_dist_line(info: LaunchInfo, device: torch.device, backend: str) -> No
 
 
 def teardown() -> None:
-    """Destroy the process group if there is one, restore the signal
-    handlers setup() replaced.
+    """Destroy the process group if there is one (an adopted one is its
+    maker's), restore the signal handlers setup() replaced.
 
     Safe to call twice or without setup().
     """
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.group.WORLD is not _adopted:
         dist.destroy_process_group()
     store.forget()
     set_control_group(None)
@@ -347,6 +392,9 @@ def session(
 # CPU all-reduce does not wait for the GPU queue, so a per-step decision
 # costs no host-device sync. None: the default group (gloo).
 _control_group: Any = None
+# The process group an engine made and setup() adopted (_adopt_group):
+# teardown() leaves it to its maker.
+_adopted: Any = None
 
 
 def set_control_group(group: Any) -> None:

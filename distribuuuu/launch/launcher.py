@@ -15,14 +15,20 @@ How ``detect()`` decides who started us (first match wins):
    rank on the command line; ``LOCAL_RANK`` may be missing from the
    environment (no ``--use-env``), so the argv value is used. A
    ``--local-rank`` without ``RANK`` is ignored.
-2. ``spawn``: ``DISTRIBUUUU_LAUNCHER=spawn``, set with the other
-   variables by ``launch.spawn``.
-3. ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun also sets
+2. ``spawn`` / ``ray``: ``DISTRIBUUUU_LAUNCHER`` names it, set with
+   the other variables by ``launch.spawn``, or beside Ray Train's
+   (``LOCAL_RANK``, ``NODE_RANK``, ...) by ``distribuuuu.ray_train``.
+3. ``one-per-node``: ``RANK`` and ``WORLD_SIZE`` are set but not
+   ``LOCAL_RANK``: one process per node, as a Kubeflow PyTorchJob v1 pod
+   runs a plain ``python`` (its operator sets ``RANK``, ``WORLD_SIZE``,
+   ``MASTER_ADDR``, ``MASTER_PORT``): local rank 0 of 1, node = rank. A
+   ``LOCAL_WORLD_SIZE`` above 1 says otherwise and is refused.
+4. ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun also sets
    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
    ``MASTER_ADDR``/``MASTER_PORT``). This wins over Slurm: ``srun
    torchrun ...`` runs one agent per node and the workers must follow
    torchrun.
-4. ``slurm``: ``SLURM_PROCID`` is set AND we are a task of a job step
+5. ``slurm``: ``SLURM_PROCID`` is set AND we are a task of a job step
    started by ``srun`` (``SLURM_STEP_ID``/``SLURM_STEPID`` holds a real
    step number and ``SLURM_STEP_NUM_TASKS`` is set). A bare ``python
    train.py`` in an sbatch script (the batch step) also sees
@@ -37,7 +43,7 @@ How ``detect()`` decides who started us (first match wins):
    node do not fight over one port (two concurrent steps of ONE job
    still need ``MASTER_PORT``). Use ``srun --kill-on-bad-exit=1`` so
    that one failing task stops the others at once.
-5. ``plain``: rank 0 of 1, no process group.
+6. ``plain``: rank 0 of 1, no process group.
 
 Every value read is checked: a non-integer or inconsistent value
 (``RANK=4`` with ``WORLD_SIZE=4``) raises ``UserError`` naming the
@@ -60,6 +66,7 @@ from distribuuuu.launch.hostlist import parse_hostlist, parse_tasks_per_node
 
 __all__ = [
     "LAUNCHERS",
+    "NAMED_LAUNCHERS",
     "LOCAL_RANK_FLAGS",
     "SPAWN_MASTER_ADDR",
     "LaunchInfo",
@@ -76,7 +83,9 @@ __all__ = [
     "job_and_attempt",
 ]
 
-LAUNCHERS = ("plain", "torchrun", "launch", "slurm", "spawn")
+LAUNCHERS = ("plain", "torchrun", "launch", "slurm", "spawn", "ray", "one-per-node")
+# DISTRIBUUUU_LAUNCHER's values: set by launch.spawn and distribuuuu.ray_train
+NAMED_LAUNCHERS = ("spawn", "ray")
 LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
 SPAWN_MASTER_ADDR = "127.0.0.1"
 # Step ids >= this are Slurm's special steps (batch script, extern,
@@ -167,12 +176,7 @@ def _from_rank_env(
     RANK/WORLD_SIZE/... dialect."""
     rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if local_rank is None:
-        if "LOCAL_RANK" not in env and world_size > 1:
-            raise UserError(
-                f"RANK and WORLD_SIZE are set but LOCAL_RANK is not (launcher {launcher}); set "
-                "LOCAL_RANK too, or start the processes with torchrun"
-            )
-        local_rank = _int(env, "LOCAL_RANK", 0)
+        local_rank = _int(env, "LOCAL_RANK")
     elif "LOCAL_RANK" in env and _int(env, "LOCAL_RANK") != local_rank:
         raise UserError(f"LOCAL_RANK={env['LOCAL_RANK']} disagrees with --local-rank {local_rank}")
     # Missing LOCAL_WORLD_SIZE (torch 1.x launch): assume one node; it
@@ -184,6 +188,19 @@ def _from_rank_env(
     return LaunchInfo(
         launcher, rank, local_rank, world_size, local_world_size, node_rank, addr, port
     )
+
+
+def _one_per_node(env: Mapping[str, str]) -> LaunchInfo:
+    """RANK and WORLD_SIZE without LOCAL_RANK: one process per node
+    (a PyTorchJob v1 pod), so local rank 0 of 1 on node RANK."""
+    rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if _int(env, "LOCAL_WORLD_SIZE", 1) != 1:
+        raise UserError(
+            f"RANK and WORLD_SIZE are set, and LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}, but "
+            "LOCAL_RANK is not; set LOCAL_RANK too, or start the processes with torchrun"
+        )
+    addr, port = _master(env, world_size, "a launcher of one process per node")
+    return LaunchInfo("one-per-node", rank, 0, world_size, 1, rank, addr, port)
 
 
 def _is_srun_step(env: Mapping[str, str]) -> bool:
@@ -314,8 +331,10 @@ def detect(
     argv_local_rank = _argv_local_rank(argv)
     if argv_local_rank is not None and has_rank_env:
         info = _from_rank_env("launch", env, local_rank=argv_local_rank)
-    elif env.get("DISTRIBUUUU_LAUNCHER") == "spawn":
-        info = _from_rank_env("spawn", env)
+    elif env.get("DISTRIBUUUU_LAUNCHER") in NAMED_LAUNCHERS:
+        info = _from_rank_env(env["DISTRIBUUUU_LAUNCHER"], env)
+    elif has_rank_env and "LOCAL_RANK" not in env:
+        info = _one_per_node(env)
     elif has_rank_env:
         info = _from_rank_env("torchrun", env)
     elif "SLURM_PROCID" in env and _is_srun_step(env):
