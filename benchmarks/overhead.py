@@ -43,8 +43,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from distribuuuu.data.decoding import cpu
-
 RESULTS: list[tuple[str, str, str]] = []  # (section, figure, value) for the final table
 
 
@@ -455,7 +453,7 @@ def section_jpeg(args: argparse.Namespace) -> None:
     _jpeg_reduced_decoding(args, cpu)
 
 
-def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
+def _jpeg_reduced_decoding(args: argparse.Namespace, cpu: Any) -> None:
     """What decoding at 1/2 scale buys on large JPEGs (1000x750): the fast decoder with and without it."""
     n = 32 if args.quick else 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -470,7 +468,7 @@ def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
             torch.manual_seed(0)
             start = time.process_time()
             for p in paths:
-                decode(p)
+                decode(open(p, "rb").read())
             cpu.HALF_SCALE_MIN_PIXELS = threshold
             return len(paths) / (time.process_time() - start)
 
@@ -479,7 +477,7 @@ def _jpeg_reduced_decoding(args: argparse.Namespace, dtf: Any) -> None:
            f"{med(res['on']):.1f} / {med(res['off']):.1f} = {med(res['on']) / med(res['off']):.2f}x")
 
 
-def _jpeg_distribution(root: str, size: int, dtf: Any) -> None:
+def _jpeg_distribution(root: str, size: int, cpu: Any) -> None:
     """Same crop and flip draws in both pipelines (same seed, same RNG calls in the same order),
     so each output pair can be compared pixel by pixel; and the statistics over all images."""
     import torchvision.transforms as T
@@ -493,7 +491,7 @@ def _jpeg_distribution(root: str, size: int, dtf: Any) -> None:
         torch.manual_seed(i)
         r = ref_tf(Image.open(path).convert("RGB")).float()
         torch.manual_seed(i)
-        x = fast(path).float()
+        x = fast(open(path, "rb").read()).float()
         torch.manual_seed(i)  # the crop the fast path drew: was it decoded at reduced scale?
         width, height = Image.open(path).size
         _, _, h, w = T.RandomResizedCrop.get_params(torch.empty(1).expand(1, height, width), [0.08, 1.0], [3 / 4, 4 / 3])

@@ -6,7 +6,8 @@ without the CLI.
     cfg = config.load_config("config/synthetic_tiny.yaml", ["OUT_DIR", "runs/api"])
     summary = api.train(cfg)            # what `distribuuuu train` runs, in this process
     record = api.evaluate(cfg)          # what `distribuuuu eval` runs (OUT_DIR's best.pth)
-    loaded = api.load_model("runs/api/checkpoints/best.pth")   # .model (eval mode), .transform, .classes
+    loaded = api.load_model("runs/api/checkpoints/best.pth")
+    loaded.model, loaded.transform, loaded.classes   # the model in eval mode, its inputs, classes
 
 ``cfg`` is a yacs CfgNode from ``config.load_config(cfg_file, opts)``
 (validated, frozen, the IMPORTS modules imported); a path to a YAML file

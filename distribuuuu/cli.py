@@ -3,16 +3,21 @@ predict, export.
 
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] --checkpoint PATH [KEY VALUE ...]
-    distribuuuu config [--cfg FILE] [KEY VALUE ...]      print the merged, validated config
-    distribuuuu config --explain KEY | --list            a key's comment, type and default | the shipped configs
-    distribuuuu data export mnist5k|digits|faces DIR      write a dataset a package ships as an ImageFolder tree
-    distribuuuu data shard SRC DEST [--shard-size 256MB]  an image folder (or mnist5k) as tar shards + index.json
-    distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of one or more runs
-    distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]   model / data / step timings, scaling
-    distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]   one job, four ways
-    distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]   loader img/s: folder vs shards
-    distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ... [--output F.csv|F.json]
-    distribuuuu export [--cfg FILE] [--out DIR] --checkpoint PATH [KEY VALUE ...]  TorchScript, ONNX, safetensors
+    distribuuuu config [--cfg FILE] [KEY VALUE ...]      the merged, validated config
+    distribuuuu config --explain KEY | --list            a key's comment | the shipped configs
+    distribuuuu data export mnist5k|digits|faces DIR      a dataset a package ships, as files
+    distribuuuu data shard SRC DEST [--shard-size 256MB]  image files as tar shards + index.json
+    distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of runs
+    distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]
+                                                          model / data / step timings, scaling
+    distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]
+                                                          one job, four ways
+    distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]
+                                                          loader img/s: folder vs shards
+    distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ...
+                        [--output F.csv|F.json]
+    distribuuuu export [--cfg FILE] [--out DIR] --checkpoint PATH [KEY VALUE ...]
+                                                          TorchScript, ONNX, safetensors
 
 --checkpoint PATH is the same as MODEL.WEIGHTS PATH. Options may also
 follow the KEY VALUE pairs.

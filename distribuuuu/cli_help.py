@@ -440,17 +440,18 @@ EXAMPLES: dict[str, str] = {
     "train": """examples:
   distribuuuu data export digits digits_folder   # a folder of class folders to try it on
   distribuuuu train TRAIN.DATASET digits_folder TRAIN.TARGET_TOP1 95
-      (the model, classes, image size, recipe, val set and workers follow the data: see the setup lines, README)
+      (the model, classes, image size, recipe, val set and workers follow the data:
+       see the setup lines, README)
   distribuuuu train --cfg mnist5k_fast --nproc-per-node 2 OUT_DIR runs/demo
-  distribuuuu train --cfg my.yaml OPTIM.BASE_LR 0.05 --nproc-per-node 2   # options may follow the pairs
+  distribuuuu train --cfg my.yaml OPTIM.BASE_LR 0.05 --nproc-per-node 2   # options after pairs
   distribuuuu train --import my_models.py MODEL.ARCH my_net TRAIN.DATASET digits_folder""",
     "eval": """examples:
   distribuuuu eval --checkpoint runs/demo/checkpoints/best.pth
-  distribuuuu eval --checkpoint best.pth TEST.DATASET other_images TEST.SPLIT test --out results/
+  distribuuuu eval --checkpoint best.pth TEST.DATASET other_images TEST.SPLIT test --out out/
   distribuuuu eval OUT_DIR runs/demo --nproc-per-node 2         # the run's best.pth""",
     "config": """examples:
   distribuuuu config --list                        # the shipped configs
-  distribuuuu config --cfg mnist5k_fast            # a merged config, unset keys decided from the data
+  distribuuuu config --cfg mnist5k_fast            # a merged config, its unset keys decided
   distribuuuu config --explain MODEL.NUM_CLASSES   # a key's comment, type and default""",
     "predict": """examples:
   distribuuuu predict --checkpoint runs/demo/checkpoints/best.pth photo.png photos/ 'more/*.jpg'
@@ -469,9 +470,9 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data export mnist5k digits
   distribuuuu data shard digits shards/ --shard-size 64MB""",
     "data export": """examples:
-  distribuuuu data export mnist5k digits      # digits/train/<0-9>/*.png and digits/val/<0-9>/*.png
-  distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png (one's own folder)
-  distribuuuu data export faces faces         # faces/face/*.png and faces/background/*.png, 25x25 gray""",
+  distribuuuu data export mnist5k digits      # digits/{train,val}/<0-9>/*.png
+  distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png
+  distribuuuu data export faces faces         # faces/{face,background}/*.png, 25x25 gray""",
     "data shard": """examples:
   distribuuuu data shard digits shards/ --shard-size 64MB
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",

@@ -143,9 +143,11 @@ def output_problem(path: str, folder: bool) -> str | None:
     if not os.path.isdir(base):
         return f"{path} cannot be {what}: {base} is a file, not a folder"
     if not folder and base != os.path.dirname(os.path.abspath(path)):
-        return f"{path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist; create it first"
+        parent = os.path.dirname(os.path.abspath(path))
+        return f"{path}: its folder {parent} does not exist; create it first"
     if not os.access(base, os.W_OK | os.X_OK) or (
         os.path.exists(path) and not os.access(path, os.W_OK)
     ):
-        return f"{path} is not writable ({base} is read-only for this user); give a path you can write to"
+        why = f"{base} is read-only for this user"
+        return f"{path} is not writable ({why}); give a path you can write to"
     return None

@@ -4,10 +4,12 @@ model_card.py) and the model itself, ready for inference.
 
 The one path from a checkpoint to a model, for eval, predict, export and
 ``api.load_model``:
-  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint (run_folder.best_or_last);
+  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint
+                  (run_folder.best_or_last);
                   eval resolves its weights here too (preflight, api.run_eval)
   prepared        predict's and export's (config, card): load_config, chosen_weights, card_for
-  build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform, classes
+  build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform,
+                  classes
   load            ``api.load_model``: a checkpoint file -> its stored config and card -> build
 
 ``eval``, ``predict`` and ``export`` without ``--cfg`` take the config

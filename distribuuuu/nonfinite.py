@@ -265,13 +265,9 @@ class OnDevice(Synced):
 
     def step(self, norm: torch.Tensor | None) -> None:
         finite = torch.isfinite(norm) if norm is not None else self.grads_finite()
-        skipped = ~finite.reshape(())
-        opt = self.optimizer
-        opt.grad_scale, opt.found_inf = None, skipped.float()  # the fused kernel skips on found_inf
-        try:
-            opt.step()
-        finally:
-            del opt.grad_scale, opt.found_inf
+        skipped = ~finite
+        self.optimizer.found_inf = skipped.float()  # as the GradScaler sets it: the kernel skips
+        self.optimizer.step()
         for b, copy in zip(self.buffers, self.copies):
             b.copy_(torch.where(skipped, copy, b))
         if self.ema is not None:

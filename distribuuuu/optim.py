@@ -239,7 +239,10 @@ class Stepper:
         t = cfg.TRAIN
         self.model, self.optimizer, self.device = model, optimizer, device
         self.accum, self.micro, self.no_sync = t.ACCUM_STEPS, 0, strategy.no_sync
-        self.channels_last, self.clip = t.CHANNELS_LAST, t.CLIP_GRAD_NORM
+        self.clip = t.CLIP_GRAD_NORM
+        # the memory layout the model trains in (a no-op for the usual one)
+        layout = torch.channels_last if t.CHANNELS_LAST else torch.contiguous_format
+        self.prepare = functools.partial(torch.Tensor.contiguous, memory_format=layout)
         amp = AMP_DTYPES[t.AMP]
         self.autocast = functools.partial(torch.autocast, device.type, amp, amp is not None)
         # GradScaler only for fp16: bf16 has fp32's range and needs no loss scaling.
@@ -249,10 +252,7 @@ class Stepper:
         self.ema = ModelEmaV3(models.unwrap(model), decay=decay) if t.EMA_DECAY > 0 else None
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         nonfinite.prime_momentum(optimizer)
-
-        def grads_finite() -> torch.Tensor:
-            return strategy.grads_finite(self.params)
-
+        grads_finite = functools.partial(strategy.grads_finite, self.params)
         self.guard = nonfinite.guard_for(cfg, model, optimizer, self.scaler, self.ema, grads_finite)
         # fp16: an overflow is told from a failure by the losses
         self.watch_loss = self.scaler.is_enabled() and t.NONFINITE != "off"
@@ -265,11 +265,6 @@ class Stepper:
         weight[c] (known once the data is built, after the Stepper).
         Evaluation's loss stays unweighted."""
         self.mixup, self.criterion = _mixup_and_criterion(cfg, weight.to(self.device))
-
-    def prepare(self, images: torch.Tensor) -> torch.Tensor:
-        if self.channels_last:
-            return images.contiguous(memory_format=torch.channels_last)
-        return images
 
     def micro_step(self, images: torch.Tensor, target: torch.Tensor) -> MicroStep:
         self.micro += 1

@@ -268,7 +268,8 @@ def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
 
       to 1 channel    the sum over the c channels (a gray value g on every channel gave sum(w) * g)
       from 1 channel  the weight repeated chans times and divided by chans
-      otherwise       the c channels repeated in turn up to chans, scaled by c / chans (only roughly the same)
+      otherwise       the c channels repeated in turn up to chans, scaled by c / chans (only roughly
+                      the same)
 
     Written here: timm's adapt_input_conv returns a 1-channel weight
     unchanged for 3 channels, which then failed in load_state_dict with
@@ -336,7 +337,8 @@ def trained_as(path: str) -> str:
         return ""
     if not isinstance(card, dict) or not {"arch", "in_chans", "num_classes"} <= set(card):
         return ""
-    keys = f"MODEL.ARCH {card['arch']} MODEL.IN_CHANS {card['in_chans']} MODEL.NUM_CLASSES {card['num_classes']}"
+    keys = f"MODEL.ARCH {card['arch']} MODEL.IN_CHANS {card['in_chans']}"
+    keys += f" MODEL.NUM_CLASSES {card['num_classes']}"
     keys += " MODEL.SMALL_STEM True" if card.get("small_stem") else ""
     return f"; its model card says it was trained as {keys} (give those keys to build that model)"
 

@@ -57,9 +57,9 @@ class Counter:
     def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
         """Add one batch; ``loss`` is the batch mean (as the criterion
         returns it). No host sync."""
-        n, hits = len(target), topk_hits(logits.detach(), target, self.k)
+        n, hits = len(target), topk_hits(logits, target, self.k)
         count = hits.new_full((), n, dtype=torch.float64)  # a fill, not a host copy
-        batch = torch.stack([loss.detach() * n, hits[:, 0].sum(), hits.any(1).sum(), count])
+        batch = torch.stack([loss * n, hits[:, 0].sum(), hits.any(1).sum(), count])
         if self.skip_nonfinite:  # where, not a product: NaN * 0 is NaN
             batch = torch.where(torch.isfinite(batch[0]), batch, 0.0)
         self.sums += batch

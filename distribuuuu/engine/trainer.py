@@ -25,15 +25,15 @@ checkpoint).
 
 A checkpoint is a plain dict (the file format: weights.py; the folder's
 checkpoints: run_folder):
-  model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries),
-  scaler / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the
-  epoch in progress, all ranks together), global_step (optimizer steps of the schedule, a skipped
-  one too), best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
+  model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries), scaler
+  / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the epoch in
+  progress, all ranks together), global_step (optimizer steps of the schedule, a skipped one too),
+  best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
   engine/rng.py), world_size, train_sums (metrics of the part-done epoch) with its counters so far
-  (unreadable: the training samples found unreadable, epoch_skips: the steps the guard skipped), facts
-  (what the run trained on, checked on resume), seed, card (model_card: the config, class names and
-  preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's own state by
-  name, from ``Trainer.remember``: e.g. the tracker run ids).
+  (unreadable: the training samples found unreadable, epoch_skips: the steps the guard skipped),
+  facts (what the run trained on, checked on resume), seed, card (model_card: the config, class
+  names and preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's
+  own state by name, from ``Trainer.remember``: e.g. the tracker run ids).
 Saving is collective (every rank calls ``Trainer.save``); only rank 0
 writes the .pth file.
 """
@@ -57,11 +57,11 @@ from distribuuuu.engine import hooks as hooks_
 from distribuuuu.engine.evaluation import Counter
 from distribuuuu.engine.hooks import HookBase
 from distribuuuu.errors import UserError
-from distribuuuu.nonfinite import advice
 from distribuuuu.inferred.data import training_data_is_test_data
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, accuracies, format_seconds
+from distribuuuu.nonfinite import advice
 from distribuuuu.optim import Stepper
 from distribuuuu.run_folder import RunFolder
 
@@ -158,10 +158,11 @@ class Trainer:
         self.stepper.settle(self.state.global_step)
 
     # -- building --------------------------------------------------------------------------
-    def build_model(self, bare: torch.nn.Module) -> None:
-        """The model (a CPU model) wrapped by the strategy, its optimizer
-        and the stepper."""
+    def build_model(self, bare: torch.nn.Module | None = None) -> None:
+        """The model (``bare``: a given CPU model) wrapped by the
+        strategy, its optimizer and the stepper."""
         cfg, ctx = self.cfg, self.ctx
+        bare = bare if bare is not None else models.build_model(cfg, new_head=True)
         self.model = self.strategy.wrap_model(bare)
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.global_batch = cfg.TRAIN.BATCH_SIZE * ctx.world_size * cfg.TRAIN.ACCUM_STEPS

@@ -11,7 +11,8 @@ all-to-all, and builds reduce-scatter and all-gather-into-one-tensor on
 top of them; its coalesced all-reduce / all-gather and send/recv take
 CPU tensors only. distribuuuu needs:
 
-  every run       all-reduce (DDP buckets, exact eval counters, clipping), broadcast (DDP's and ZeRO's)
+  every run       all-reduce (DDP buckets, exact eval counters, clipping), broadcast (DDP's and
+                  ZeRO's)
   MODEL.SYNCBN    all-gather into a list (SyncBatchNorm's gloo branch)
   DIST.STRATEGY   fsdp: all-gather into one tensor (parameters), reduce-scatter with AVG (gradients)
 

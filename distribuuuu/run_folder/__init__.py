@@ -3,13 +3,14 @@ and writes it only through ``RunFolder``; the commands around it use the
 few functions below. Only this package writes here.
 
 OUT_DIR/
-  checkpoints/      epoch_NNNN.pth, step_NNNNNNNN.pth, last.pth (the newest), best.pth (the chosen one),
-                    <name>.dcp/ (an FSDP run's shards, DIST.FSDP_STATE_DICT sharded): RunFolder below,
-                    the file format: weights.py
+  checkpoints/      epoch_NNNN.pth, step_NNNNNNNN.pth, last.pth (the newest), best.pth (the chosen
+                    one), <name>.dcp/ (an FSDP run's shards, DIST.FSDP_STATE_DICT sharded):
+                    RunFolder below, the file format: weights.py
   run.lock          the training run that owns the folder (lock.py)
   metrics.jsonl, metrics.csv, tb/   the run's records, one per epoch and split (metrics_files.py);
                     metrics_dropped.jsonl: those a resume moved out
-  eval.jsonl        the records of ``distribuuuu eval`` into this folder (RunFolder.write_eval_record)
+  eval.jsonl        the records of ``distribuuuu eval`` into this folder
+                    (RunFolder.write_eval_record)
   config.yaml (CFG_DEST), config_diff.yaml, env.json, env_history.jsonl, model.txt   the run's
                     config, what ran where, and the model (records.py); log.txt (logger.py)
 
@@ -18,7 +19,8 @@ resume_check.py, entered only by a run that resumes. The order of the
 calls in one training run (api.run_command, engine/trainer.py):
   check_folder (every process, before any process group) -> owned (rank 0 takes the lock) ->
   RunFolder(cfg) -> previous_seed -> has_checkpoint -> prepare_record -> latest + check_resume
-  (resuming) -> write_record -> metrics -> save (each checkpoint) -> best (the test of the chosen one).
+  (resuming) -> write_record -> metrics -> save (each checkpoint) -> best (the test of the chosen
+  one).
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ them with the new run's, the config flattened to keys such as
                  or a new run from these weights (MODEL.WEIGHTS path/to/checkpoint.pth)
   SAFE_KEYS      change how long, how often, how fast or where, not what: the run goes on and logs
                  ``resume: KEY changed old -> new`` once per key
-  any other key  (learning rate, weight decay, augmentation, class balance, ...) changes the recipe in the middle of
-                 the run: refused too, unless named in TRAIN.RESUME_ALLOW, the explicit request to
-                 mix. RESUME_ALLOW may also name an identity key (a dataset that moved to another
-                 path); the data identity and the shapes of the saved state are checked all the same.
+  any other key  (learning rate, weight decay, augmentation, class balance, ...) changes the recipe
+                 in the middle of the run: refused too, unless named in TRAIN.RESUME_ALLOW, the
+                 explicit request to mix. RESUME_ALLOW may also name an identity key (a dataset that
+                 moved to another path); the data identity and the shapes of the saved state are
+                 checked all the same.
 
 A differing dataset size, a class renamed, reordered or relabelled (the
 first label that differs), a model whose state dict does not fit, and an
@@ -314,7 +315,8 @@ def optimizer_mismatch(optimizer: torch.optim.Optimizer, saved: Any) -> str | No
         return None
     mine, theirs = own["param_groups"], saved["param_groups"]
     if len(mine) != len(theirs):
-        return f"the saved optimizer state has {len(theirs)} parameter groups, this optimizer {len(mine)}"
+        groups = f"{len(theirs)} parameter groups, this optimizer {len(mine)}"
+        return f"the saved optimizer state has {groups}"
     for a, b in zip(mine, theirs):
         extra, lacking = sorted(set(b) - set(a)), sorted(set(a) - set(b))
         if extra or lacking:

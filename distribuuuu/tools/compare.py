@@ -307,7 +307,8 @@ def print_table(rows: Sequence[dict[str, Any]], header: str) -> None:
         speedup = f"{r['speedup']:.2f}x" if isinstance(r["speedup"], float) else r["speedup"]
         print(
             f"{r['method']:<9}{_fmt(r['processes'], 'd'):>6}{_fmt(r['threads'], 'd'):>8}"
-            f"{r['batch_per_process']:>11}{r['amp']:>6}{_fmt(r['epoch_s'], '.3f'):>9}{_fmt(r['img_per_s'], '.1f'):>9}"
+            f"{r['batch_per_process']:>11}{r['amp']:>6}{_fmt(r['epoch_s'], '.3f'):>9}"
+            f"{_fmt(r['img_per_s'], '.1f'):>9}"
             f"{speedup:>9}{_fmt(r['final_loss'], '.4f'):>11}{_fmt(r['val_top1'], '.2f'):>10}  "
             f"{note}"
         )

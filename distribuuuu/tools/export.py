@@ -1,7 +1,8 @@
 """`distribuuuu export`: the trained model as TorchScript, ONNX and
 safetensors, each checked.
 
-    distribuuuu export [--cfg FILE] [--out DIR] [--tol 1e-4] [--batch 4] MODEL.WEIGHTS PATH [KEY VALUE ...]
+    distribuuuu export [--cfg FILE] [--out DIR] [--tol 1e-4] [--batch 4] MODEL.WEIGHTS PATH [KEY
+    VALUE ...]
 
 Without --cfg the config stored in the checkpoint is used
 (inference.py). Writes into --out (default OUT_DIR/export; without
@@ -11,8 +12,8 @@ card (model_card.py: config, class names, preprocessing) as JSON:
                         torch.jit.load(path, _extra_files={"model_card.json": ""}))
   model.onnx            ONNX with a dynamic batch dimension, when the onnx package is installed
                         (the card: metadata_props "model_card")
-  model.safetensors     the weights alone (load: MODEL.WEIGHTS model.safetensors, or safetensors.torch;
-                        the card: safe_open(path, "pt").metadata()["model_card"])
+  model.safetensors     the weights alone (load: MODEL.WEIGHTS model.safetensors, or
+                        safetensors.torch; the card: safe_open(path, "pt").metadata()["model_card"])
   export.json           input shape, files, the differences measured below and the card ("card")
 Each file is loaded back and run on a random batch (and on a batch of
 another size, which catches shapes baked into a trace); the largest

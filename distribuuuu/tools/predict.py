@@ -1,8 +1,8 @@
 """`distribuuuu predict`: the top-k classes of image files, with
 probabilities.
 
-    distribuuuu predict MODEL.WEIGHTS CKPT [KEY VALUE ...] INPUT [INPUT ...] [--topk 5] [--output preds.csv|.json]
-    distribuuuu predict --cfg FILE MODEL.WEIGHTS PATH [KEY VALUE ...] INPUT ...
+    distribuuuu predict MODEL.WEIGHTS CKPT [KEY VALUE ...] INPUT [INPUT ...] [--topk 5] [--output
+    preds.csv|.json] distribuuuu predict --cfg FILE MODEL.WEIGHTS PATH [KEY VALUE ...] INPUT ...
 
 An INPUT is an image file, a folder (its images, recursively: image
 extensions only) or a glob in quotes ('photos/*.jpg', 'data/**/*.png'),

@@ -181,8 +181,9 @@ def _require_same_labels(cfg: CfgNode, train: list[str], test: list[str]) -> Non
 
 
 def _require_class_count(cfg: CfgNode, key: str, n_classes: int) -> None:
-    """The model has one output per training class: MODEL.NUM_CLASSES must be the TRAIN data's count,
-    and the TEST data may hold no more classes than that."""
+    """The model has one output per training class: MODEL.NUM_CLASSES
+    must be the TRAIN data's count, and the TEST data may hold no more
+    classes than that."""
     num, dataset = cfg.MODEL.NUM_CLASSES, cfg[key].DATASET
     if n_classes == num or (key == "TEST" and n_classes < num):
         return

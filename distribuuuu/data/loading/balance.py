@@ -1,12 +1,14 @@
 """Imbalanced classes: the setup line that says the training classes'
 sizes spread widely, and what TRAIN.CLASS_BALANCE needs from the data.
 
-  none     the data as it is (default); with a wide spread, one setup line says so and names the way out
-  sampler  BalancedDraw, the epoch's order of the training sampler (pipeline.ResumableDistributedSampler):
-           every class drawn equally often (a sample with probability 1 / (classes x its class's size),
-           with replacement), as many samples an epoch as now
-  loss     the training cross-entropy weighs class c by N / (K x n_c): inverse to its size, mean 1 over
-           the training samples (scikit-learn's 'balanced'), so the loss keeps its scale
+  none     the data as it is (default); with a wide spread, one setup line says so and names the way
+           out
+  sampler  BalancedDraw, the epoch's order of the training sampler
+           (pipeline.ResumableDistributedSampler): every class drawn equally often (a sample with
+           probability 1 / (classes x its class's size), with replacement), as many samples an epoch
+           as now
+  loss     the training cross-entropy weighs class c by N / (K x n_c): inverse to its size, mean 1
+           over the training samples (scikit-learn's 'balanced'), so the loss keeps its scale
 Evaluation stays on the real distribution: its exact sampler, and an
 unweighted loss.
 

@@ -76,14 +76,20 @@ class ImageDataset(Dataset):
             # The CPU generator only: torch.manual_seed seeds every device too (~130x slower).
             item_seed = (seed * 1_000_003 + epoch) * 1_000_000_007 + index
             torch.default_generator.manual_seed(item_seed % 2**63)
-        tries = min(len(self), self.MAX_UNREADABLE_IN_A_ROW) if self.replace else 1
-        for i in range(index, index + tries):
+        try:
+            return self.item(index)
+        except cpu.DECODE_ERRORS as e:
+            self.note_unreadable(index, e)
+        return self.stand_in(index) if self.replace else None
+
+    def stand_in(self, index: int) -> tuple[Any, int]:
+        """The first readable item after the unreadable item index."""
+        tries = min(len(self), self.MAX_UNREADABLE_IN_A_ROW)
+        for i in range(index + 1, index + tries):
             try:
                 return self.item(i % len(self))
             except cpu.DECODE_ERRORS as e:
                 self.note_unreadable(i % len(self), e)
-        if not self.replace:
-            return None
         raise UnreadableImage(
             f"{tries} unreadable images in a row in {self.files.root}; is this an image folder?"
         )

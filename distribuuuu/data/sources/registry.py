@@ -258,7 +258,8 @@ def note() -> str:
     builtin = f"a built-in source: {', '.join(BUILTIN)}"
     if names:
         return f"{builtin}; registered sources: {', '.join(names)}"
-    return f"{builtin} (or register one: distribuuuu.data.register_source, in a module named by IMPORTS)"
+    how = "distribuuuu.data.register_source, in a module named by IMPORTS"
+    return f"{builtin} (or register one: {how})"
 
 
 def registered_data(cfg: CfgNode, key: str) -> SourceData | None:
