@@ -71,14 +71,17 @@ _C.TRAIN.BATCH_SIZE = 32
 # typical image side, at least 32 (8 with MODEL.SMALL_STEM) and at most
 # the model's default size (224 for resnet18), else 224
 _C.TRAIN.IM_SIZE = 0
-# Training data: a folder path (<DATASET>/<SPLIT>/<class>/*, or
-# <DATASET>/<class>/* when it has no SPLIT/), a CIFAR folder, a shard
-# set (its folder, index.json or a brace pattern:
-# docs/data-at-scale.md), or mnist5k / synthetic
+# Training data: a folder of class folders (<DATASET>/<SPLIT>/<class>/*, or <DATASET>/<class>/*),
+# a label file (labels.csv, metadata.jsonl, ...), a CIFAR folder, a shard set, or mnist5k /
+# synthetic (docs/data-formats.md)
 _C.TRAIN.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for training; a folder of
 # class folders without it is the split itself
 _C.TRAIN.SPLIT = "train"
+# The image column of a label file (a Hugging Face dataset's image feature); '' = the usual names
+_C.TRAIN.IMAGE_FIELD = ""
+# The label column of a label file (a dataset's label feature); '' = the usual names
+_C.TRAIN.LABEL_FIELD = ""
 # Resume from OUT_DIR/checkpoints/last.pth when it exists; False starts
 # afresh, and refuses an OUT_DIR that already holds a run (checkpoints
 # or metrics records) rather than overwrite it

@@ -10,12 +10,13 @@ import math
 import os
 import sys
 
+import numpy as np
 from yacs.config import CfgNode
 
 from distribuuuu.config.reading import TEST_FOLLOWED
 from distribuuuu.data import holdout, sources
 from distribuuuu.data.shards.index import load_shard_set
-from distribuuuu.data.sources import cifar, folder, registry
+from distribuuuu.data.sources import cifar, folder, labels, registry
 from distribuuuu.errors import UserError
 from distribuuuu.inferred.decision import Decision
 
@@ -42,11 +43,13 @@ def layout(cfg: CfgNode) -> list[Decision]:
         why = f"the config file's {test!r} goes with its TRAIN.DATASET {train!r}, which the "
         why += "command line replaced"
         decided.append(Decision("TEST.DATASET", "follows TRAIN.DATASET", why))
-    t = cfg.TRAIN
+    t, kind = cfg.TRAIN, sources.kind_of(cfg, "TRAIN")
     flat = (
         t.SPLIT and os.path.isdir(t.DATASET) and not os.path.isdir(os.path.join(t.DATASET, t.SPLIT))
     )
-    if flat and not cfg.MODEL.DUMMY_INPUT:
+    if kind == "labels":
+        decided += _label_files(cfg)
+    elif kind == "folder" and flat:
         decided += _flat_folder(cfg)
     if cfg.TEST.DATASET == "":
         cfg.TEST.DATASET = t.DATASET
@@ -60,7 +63,7 @@ def _flat_folder(cfg: CfgNode) -> list[Decision]:
     when no TEST.DATASET is given, a held-out part of it the val set."""
     t = cfg.TRAIN
     classes = _class_dirs(t.DATASET)
-    if sources.source_kind(t.DATASET) != "folder" or not classes:
+    if not classes:
         return []  # no class folders: the preflight says what it lacks
     if {"train", "val", "test"} & set(classes):
         return []  # a split layout with another split name
@@ -68,26 +71,60 @@ def _flat_folder(cfg: CfgNode) -> list[Decision]:
     decided = [Decision("TRAIN.SPLIT", "''", why + "so it is the training split")]
     t.SPLIT = ""
     if cfg.TEST.DATASET == "":
-        cfg.TEST.DATASET, cfg.TEST.SPLIT = t.DATASET, ""
-        if not t.VAL_SPLIT:
-            t.VAL_SPLIT = HOLDOUT_FRACTION
-            decided.append(Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, _held_out(t.DATASET, classes)))
+        decided += _hold_out(cfg, "from the folder: no val/ folder, so ")
     return decided
 
 
-def _held_out(dataset: str, classes: list[str]) -> str:
-    """The held-out part's counts, for the setup line."""
-    why = "from the folder: no val/ folder, so "
-    try:
-        listing = folder.list_split(dataset, classes)
-        counts = {c: listing.count(c) for c in classes}
-        held = holdout.check_holdout(counts, HOLDOUT_FRACTION)
-    except (UserError, OSError):
-        return why + "a tenth of each class is held out as the val set"
-    return why + (
-        f"{held} of its {sum(counts.values())} images, a tenth of each class, chosen by a fixed "
-        "seed, are held out as the val set"
+def _label_files(cfg: CfgNode) -> list[Decision]:
+    """Label files: all the rows are the training split when the file has
+    no rows of TRAIN.SPLIT (no split column, no <SPLIT> file); when
+    TEST.DATASET is not given and there are no 'val' rows, a held-out
+    part of them is the val set."""
+    t = cfg.TRAIN
+    path = labels.find(t.DATASET, t.SPLIT)
+    if path is None:
+        return []  # the preflight names what is missing
+    values, whole = labels.splits(path), labels.find(t.DATASET)
+    decided = []
+    if path == whole and (values is None or t.SPLIT not in values):
+        why = f"from the label file: {path} has no {t.SPLIT!r} rows, so all its rows are the "
+        decided.append(Decision("TRAIN.SPLIT", "''", why + "training split"))
+        t.SPLIT = ""
+    val = (
+        "val" in values
+        if values is not None
+        else labels.find(t.DATASET, "val") not in (None, whole)
     )
+    if cfg.TEST.DATASET == "" and not val:
+        decided += _hold_out(cfg, f"from the label file: no val rows in {path}, so ")
+    return decided
+
+
+def _hold_out(cfg: CfgNode, why: str) -> list[Decision]:
+    """TEST.DATASET unset and no val split: TEST is the training split,
+    and TRAIN.VAL_SPLIT (unless set) holds a tenth of it out."""
+    t = cfg.TRAIN
+    cfg.TEST.DATASET, cfg.TEST.SPLIT = t.DATASET, t.SPLIT
+    if t.VAL_SPLIT:
+        return []
+    t.VAL_SPLIT = HOLDOUT_FRACTION
+    try:
+        targets = sources.image_files(cfg, "TRAIN").targets
+        counts = {str(c): n for c, n in zip(*np.unique(targets, return_counts=True))}
+        held = holdout.check_holdout(counts, HOLDOUT_FRACTION)
+    except (UserError, OSError, ValueError):
+        return [
+            Decision(
+                "TRAIN.VAL_SPLIT",
+                t.VAL_SPLIT,
+                why + "a tenth of each class is held out as the val set",
+            )
+        ]
+    why += (
+        f"{held} of its {len(targets)} images, a tenth of each class, chosen by a fixed seed, are "
+        "held out as the val set"
+    )
+    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
 
 
 def training_data_is_test_data(cfg: CfgNode) -> bool:
@@ -111,6 +148,8 @@ def train_classes(cfg: CfgNode) -> tuple[list[str] | None, str]:
         if kind == "folder":
             classes = _class_dirs(os.path.join(t.DATASET, t.SPLIT))
             return (classes, "from the folder") if classes else unreadable
+        if kind == "labels":
+            return sources.image_files(cfg, "TRAIN").classes, "from the label file"
         if kind == "cifar":
             return cifar.cifar_classes(*cifar.find_cifar(t.DATASET)), "from the CIFAR folder"
         if kind == "shards":
@@ -149,7 +188,7 @@ def eval_size(cfg: CfgNode) -> Decision:
     if not cfg.TEST.IM_SIZE:
         cfg.TEST.IM_SIZE = int(math.floor(size / (pct or EVAL_CROP_PCT)))
         origin = f"follows TRAIN.IM_SIZE: {size} / {pct or EVAL_CROP_PCT:g}"
-    if sources.kind_of(cfg, "TEST") not in ("folder", "shards"):
+    if sources.kind_of(cfg, "TEST") not in (*sources.IMAGE_FILES, "shards"):
         why = f"TRAIN.IM_SIZE; {cfg.TEST.DATASET} images are resized whole"
         return Decision("eval size", f"{size} px", why)
     resize = int(math.floor(size / pct)) if pct else cfg.TEST.IM_SIZE
@@ -163,7 +202,7 @@ def absolute_datasets(cfg: CfgNode) -> None:
     for key in ("TRAIN", "TEST"):  # (a shard set's brace pattern names no file itself)
         group = cfg[key]
         here = os.path.exists(group.DATASET) or "{" in group.DATASET
-        if here and sources.kind_of(cfg, key) in ("folder", "cifar", "shards"):
+        if here and sources.kind_of(cfg, key) in (*sources.IMAGE_FILES, "cifar", "shards"):
             group.DATASET = os.path.abspath(group.DATASET)
 
 

@@ -117,7 +117,7 @@ def decide(cfg: CfgNode) -> list[Decision]:
     if all(cfg[k.split(".")[0]][k.split(".")[1]] != unset for k, unset in UNSET.items()):
         return []
     files = None
-    if sources.kind_of(cfg, "TRAIN") == "folder":
+    if sources.kind_of(cfg, "TRAIN") in sources.IMAGE_FILES:
         try:
             files = sources.image_files(cfg, "TRAIN")
         except (UserError, OSError):

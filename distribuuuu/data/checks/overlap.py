@@ -156,7 +156,9 @@ def check_overlap(cfg: CfgNode, is_main: bool) -> None:
             f"and TRAIN.VAL_SPLIT holds nothing out: all {count} evaluation images are training "
             f"images. {_overstates(cfg, way_out)}"
         )
-    elif sources.kind_of(cfg, "TRAIN") != "folder" or sources.kind_of(cfg, "TEST") != "folder":
+    elif not {sources.kind_of(cfg, "TRAIN"), sources.kind_of(cfg, "TEST")} <= set(
+        sources.IMAGE_FILES
+    ):
         return
     else:
         from distribuuuu.launch import comm  # torch.distributed: only when there is work

@@ -16,6 +16,7 @@ the TEST data's label i must be the training class i.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 from yacs.config import CfgNode
@@ -63,10 +64,10 @@ def scan(cfg: CfgNode, key: str) -> tuple[list[str], int, dict[str, int] | None]
     None for a shard set) of cfg[key].DATASET, with the source's own
     checks."""
     group, kind = cfg[key], sources.kind_of(cfg, key)
-    if kind in ("folder", "cifar", "shards"):
+    if kind in (*sources.IMAGE_FILES, "cifar", "shards"):
         sources.require_image_chans(cfg, key)
-    if kind == "folder":
-        counts = _scan_folder(cfg, key)
+    if kind in sources.IMAGE_FILES:
+        counts = _scan_folder(cfg, key) if kind == "folder" else _scan_files(cfg, key)
         return list(counts), sum(counts.values()), counts
     if kind == "shards":
         shard_set = index.load_shard_set(group.DATASET, group.SPLIT, key)
@@ -123,6 +124,40 @@ def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
     return counts
 
 
+def _scan_files(cfg: CfgNode, key: str) -> dict[str, int]:
+    """{class: number of images} of label files, after refusing what
+    cannot work (the reader refuses missing files, empty labels and two
+    labels for one file): a class of which no image decodes, a file
+    listed twice (unless TRAIN.DUPLICATE_IMAGES keep)."""
+    files = sources.image_files(cfg, key)
+    if not len(files):
+        raise UserError(f"{key}.DATASET: {files.root} lists no image of split {cfg[key].SPLIT!r}")
+    by_class: dict[int, list[str]] = {}
+    for path, label in zip(files.paths, files.targets):
+        by_class.setdefault(label, []).append(path)
+    dead = [
+        f"{files.classes[c]} ({len(p)} files; {why})"
+        for c, p in sorted(by_class.items())
+        if (why := _none_decodes(p))
+    ]
+    if dead:
+        raise UserError(
+            f"{key}.DATASET: every image of {len(dead)} class(es) of {files.root} is unreadable: "
+            f"{'; '.join(dead[:NAMED])}{_more(dead)}. Replace them with images that open, or "
+            "remove their rows"
+        )
+    twice = [p for p, n in Counter(files.paths).items() if n > 1]
+    if twice and cfg.TRAIN.DUPLICATE_IMAGES == "fail":
+        raise UserError(
+            f"{key}.DATASET: {len(twice)} image(s) are listed twice in {files.root} "
+            f"({', '.join(twice[:NAMED])}{_more(twice)}); remove the extra rows, or set "
+            "TRAIN.DUPLICATE_IMAGES keep to train on every listed copy (oversampling)"
+        )
+    if key == "TEST":
+        _require_eval_resize(cfg, "val images are")
+    return {files.classes[c]: len(p) for c, p in sorted(by_class.items())}
+
+
 def _with_skipped(name: str, skipped: dict[str, int] | None) -> str:
     """'birds: 20 .gif files, which are not image files here' (a class
     whose files are all of formats that are not read), else the name."""
@@ -168,7 +203,8 @@ def _require_same_labels(cfg: CfgNode, train: list[str], test: list[str]) -> Non
     other TEST data is read in its own numbering, which must then name
     the same class at each label."""
     kinds = {sources.kind_of(cfg, key) for key in ("TRAIN", "TEST")}
-    if (len(kinds) == 1 and kinds <= {"folder", "shards"}) or test == train[: len(test)]:
+    by_name = kinds <= set(sources.IMAGE_FILES) or kinds == {"shards"}
+    if by_name or test == train[: len(test)]:
         return
     i = next(i for i, (a, b) in enumerate(zip(train, test)) if a != b)
     raise UserError(
@@ -220,7 +256,7 @@ def _training_samples(
                 "cannot give; shard a val split too (`distribuuuu data shard` writes one per "
                 "folder) and set TEST.DATASET to it, with TRAIN.VAL_SPLIT 0"
             )
-        if sources.kind_of(cfg, "TRAIN") == "folder":
+        if sources.kind_of(cfg, "TRAIN") in sources.IMAGE_FILES:
             _require_eval_resize(cfg, "the images TRAIN.VAL_SPLIT holds out are")
         held = holdout.check_holdout(counts, t.VAL_SPLIT)
         n, kept = n - held, f" left after TRAIN.VAL_SPLIT holds out {held}"

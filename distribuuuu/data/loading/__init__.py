@@ -57,11 +57,12 @@ def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
         from distribuuuu.data.shards.loader import ShardPipeline
 
         return ShardPipeline
-    if kind == "folder" and (decode == "gpu" or decode == "auto" and torch.cuda.is_available()):
+    files = kind in sources.IMAGE_FILES
+    if files and (decode == "gpu" or decode == "auto" and torch.cuda.is_available()):
         from distribuuuu.data.decoding.device import DeviceDecodePipeline
 
         return DeviceDecodePipeline
-    if choice == "loader" or kind == "folder":
+    if choice == "loader" or files:
         return LoaderPipeline
     from distribuuuu.data.loading.memory import MemoryPipeline
 

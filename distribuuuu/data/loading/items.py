@@ -155,7 +155,7 @@ def split_dataset(cfg: CfgNode, key: str, train: bool, batched: bool) -> Dataset
     the eval ones. Image files are decoded one at a time; batched
     (TRAIN.IMAGE_DECODE fast): to uint8 crops, normalized (and erased)
     per batch on the device. Other sources: source_dataset."""
-    if sources.kind_of(cfg, key) != "folder":
+    if sources.kind_of(cfg, key) not in sources.IMAGE_FILES:
         return source_dataset(cfg, key, train)
     sources.require_image_chans(cfg, key)
     files = sources.image_files(cfg, key)

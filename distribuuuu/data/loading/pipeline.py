@@ -117,7 +117,7 @@ class LoaderPipeline(Pipeline):
         are image files' uint8 crops, normalized per batch)."""
         cfg = self.cfg
         kind = sources.kind_of(cfg, self.key)
-        fast = kind == "folder" and cfg.TRAIN.IMAGE_DECODE != "pil"
+        fast = kind in sources.IMAGE_FILES and cfg.TRAIN.IMAGE_DECODE != "pil"
         dataset = items.split_dataset(cfg, self.key, train, batched=fast)
         if part is not None:
             dataset = holdout.part_of(cfg, dataset, part)
