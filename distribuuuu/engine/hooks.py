@@ -29,8 +29,10 @@ TRAIN.FREEZE_BACKBONE_EPOCHS), EarlyStopHook (only with
 TRAIN.TARGET_TOP1 or PATIENCE), MetricsHook (metrics.jsonl / csv /
 TensorBoard), NonFiniteEpochCheck (only with TRAIN.NONFINITE off),
 EvalHook (evaluation on EVAL_PERIOD epochs), CheckpointHook (step / time
-/ epoch / best checkpoints and stop signals). So a user's after_epoch
-runs after the epoch's checkpoint.
+/ epoch / best checkpoints and stop signals), CalibrationHook (after the
+run: the chosen checkpoint's temperature). So a user's after_epoch runs
+after the epoch's checkpoint, and a user's after_fit sees the
+temperature in best.pth.
 
 A hook's own state goes into every checkpoint with
 ``trainer.remember(name, state)`` (plain Python values); after a resume
@@ -54,7 +56,7 @@ from typing import Any
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import heads, models, trackers
+from distribuuuu import calibration, heads, models, trackers
 from distribuuuu.engine import evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
@@ -134,6 +136,7 @@ def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
         *([NonFiniteEpochCheck()] if t.NONFINITE == "off" else []),
         EvalHook(),
         CheckpointHook(cfg, world_size),
+        CalibrationHook(),
     ]
 
 
@@ -429,3 +432,22 @@ class CheckpointHook(HookBase):
         ]  # since the last vote, or during the evaluation
         if stop:
             raise Preempted(stop)
+
+
+class CalibrationHook(HookBase):
+    """After the run: the temperature of the checkpoint it chose
+    (best.pth, else last.pth), fitted on the validation split by every
+    rank together and written into that checkpoint's model card
+    (calibration.py), with one line of ECE before and after."""
+
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        path, folder = trainer.folder.best(), trainer.folder
+        ckpt = folder.load(path)
+        net = trainer.strategy.test_model(trainer.model, ckpt, "model", folder.checkpoints)
+        fit = calibration.calibrate(
+            net, trainer.val_loader, trainer.ctx.device, trainer.cfg.MODEL.NUM_CLASSES
+        )
+        if trainer.ctx.is_main:
+            calibration.store(path, ckpt, fit)
+            log.info("[calibration] %s (epoch %s) | %s", path, ckpt.get("epoch"), fit.line())
+        comm.barrier()  # nobody exits while rank 0 writes
