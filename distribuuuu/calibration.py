@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,37 +38,15 @@ SEARCH_STEPS = 40
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
-@dataclass(frozen=True)
-class Fit:
-    """A fitted temperature and the split's numbers (before, after)."""
-
-    temperature: float
-    n: int
-    nll: tuple[float, float]
-    ece: tuple[float, float]
-    top1: tuple[float, float]  # percent
-
-    def record(self) -> dict[str, Any]:
-        """Plain values, for the model card and records."""
-        return {
-            "temperature": self.temperature,
-            "n": self.n,
-            "nll": self.nll[0],
-            "nll_calibrated": self.nll[1],
-            "ece": self.ece[0],
-            "ece_calibrated": self.ece[1],
-            "top1": self.top1[0],
-            "top1_calibrated": self.top1[1],
-        }
-
-    def line(self) -> str:
-        """The numbers, for the log."""
-        same = "unchanged" if self.top1[0] == self.top1[1] else f"{self.top1[1]:.2f}% after"
-        return (
-            f"temperature {self.temperature:.4f} | ECE {100 * self.ece[0]:.2f}% -> "
-            f"{100 * self.ece[1]:.2f}% | NLL {self.nll[0]:.4f} -> {self.nll[1]:.4f} | "
-            f"top-1 {self.top1[0]:.2f}% ({same}) | n {self.n}"
-        )
+def line(fit: dict[str, Any]) -> str:
+    """A fit's numbers (calibrate's record), for the log."""
+    same = fit["top1"] == fit["top1_calibrated"]
+    after = "unchanged" if same else f"{fit['top1_calibrated']:.2f}% after"
+    return (
+        f"temperature {fit['temperature']:.4f} | ECE {100 * fit['ece']:.2f}% -> "
+        f"{100 * fit['ece_calibrated']:.2f}% | NLL {fit['nll']:.4f} -> "
+        f"{fit['nll_calibrated']:.4f} | top-1 {fit['top1']:.2f}% ({after}) | n {fit['n']}"
+    )
 
 
 @torch.no_grad()
@@ -131,10 +108,12 @@ def _bins(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tor
     return sums
 
 
-def calibrate(net: torch.nn.Module, loader: Any, device: torch.device, num_classes: int) -> Fit:
+def calibrate(
+    net: torch.nn.Module, loader: Any, device: torch.device, num_classes: int
+) -> dict[str, Any]:
     """Collective: the temperature of net on the loader's split (every
-    rank holding its shard), and the NLL, ECE and top-1 before and
-    after."""
+    rank holding its shard), with the split's size and its NLL, ECE
+    and top-1 (percent) before and after (the *_calibrated keys)."""
     logits, labels = shard_logits(net, loader, device, num_classes)
     temperature = fit_temperature(logits, labels)
     nll = _summed([_nll_sum(logits, labels, 0.0), _nll_sum(logits, labels, math.log(temperature))])
@@ -142,24 +121,27 @@ def calibrate(net: torch.nn.Module, loader: Any, device: torch.device, num_class
     n = int(bins[0, 0].sum().item())
     if n == 0:
         raise UserError("the validation split holds no images to fit a temperature on")
-    gaps = (bins[:, 2] - bins[:, 1]).abs().sum(1) / n
-    top1 = 100.0 * bins[:, 2].sum(1) / n
-    return Fit(
-        temperature,
-        n,
-        (nll[0].item() / n, nll[1].item() / n),
-        (gaps[0].item(), gaps[1].item()),
-        (top1[0].item(), top1[1].item()),
-    )
+    nll, ece = (nll / n).tolist(), ((bins[:, 2] - bins[:, 1]).abs().sum(1) / n).tolist()
+    top1 = (100.0 * bins[:, 2].sum(1) / n).tolist()
+    return {
+        "temperature": temperature,
+        "n": n,
+        "nll": nll[0],
+        "nll_calibrated": nll[1],
+        "ece": ece[0],
+        "ece_calibrated": ece[1],
+        "top1": top1[0],
+        "top1_calibrated": top1[1],
+    }
 
 
-def store(path: str, ckpt: dict[str, Any], fit: Fit) -> bool:
+def store(path: str, ckpt: dict[str, Any], fit: dict[str, Any]) -> bool:
     """Write the checkpoint file again with the fit in its model card,
     atomically, its digest renewed; the hard links to it in its folder
     (best.pth, last.pth, epoch_NNNN.pth) are made again to the new file.
     False, and nothing written, when the card holds this fit already."""
     card = ckpt[weights.CARD_KEY]
-    if card.get("calibration") == fit.record():
+    if card.get("calibration") == fit:
         return False
     folder = os.path.dirname(path) or "."
     links = [
@@ -168,7 +150,7 @@ def store(path: str, ckpt: dict[str, Any], fit: Fit) -> bool:
         if name.endswith(".pth") and os.path.samefile(os.path.join(folder, name), path)
     ]
     state = {k: v for k, v in ckpt.items() if k != weights.INTEGRITY_KEY}
-    state[weights.CARD_KEY] = {**card, "temperature": fit.temperature, "calibration": fit.record()}
+    state[weights.CARD_KEY] = {**card, "temperature": fit["temperature"], "calibration": fit}
     weights.save_checkpoint(state, path)
     for link in links:
         if not os.path.samefile(link, path):

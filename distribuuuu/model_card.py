@@ -81,8 +81,8 @@ class ModelCard:
     # calibrate` (calibration.py); 1.0: not calibrated. The exported
     # files output the logits undivided and carry it in their card.
     temperature: float = 1.0
-    # the fit's record (calibration.Fit.record: n, and the NLL, ECE and
-    # top-1 before and after); None: not calibrated
+    # the fit's record (calibration.calibrate's: n, and the NLL, ECE
+    # and top-1 before and after); None: not calibrated
     calibration: dict[str, Any] | None = None
     version: int = field(default=CARD_VERSION)
 

@@ -44,14 +44,15 @@ def _ece_by_hand(logits, labels, temperature) -> float:
 def test_the_fit_undoes_overconfidence_and_keeps_top1():
     logits, labels = _overconfident()
     fit = _fit(logits, labels)
-    assert fit.temperature == pytest.approx(3.0, rel=0.05)
-    assert fit.n == 8000 and fit.top1[0] == fit.top1[1]
-    assert fit.top1[0] == pytest.approx(100.0 * float((logits.argmax(1) == labels).double().mean()))
-    assert fit.nll[1] < fit.nll[0] and fit.ece[1] < fit.ece[0] / 4
-    assert fit.ece[0] == pytest.approx(_ece_by_hand(logits, labels, 1.0), abs=1e-12)
-    assert fit.ece[1] == pytest.approx(_ece_by_hand(logits, labels, fit.temperature), abs=1e-12)
-    nll = torch.nn.functional.cross_entropy(logits.double() / fit.temperature, labels).item()
-    assert fit.nll[1] == pytest.approx(nll, rel=1e-12)
+    assert fit["temperature"] == pytest.approx(3.0, rel=0.05)
+    assert fit["n"] == 8000 and fit["top1"] == fit["top1_calibrated"]
+    assert fit["top1"] == pytest.approx(100.0 * float((logits.argmax(1) == labels).double().mean()))
+    assert fit["nll_calibrated"] < fit["nll"] and fit["ece_calibrated"] < fit["ece"] / 4
+    assert fit["ece"] == pytest.approx(_ece_by_hand(logits, labels, 1.0), abs=1e-12)
+    assert fit["ece_calibrated"] == pytest.approx(_ece_by_hand(logits, labels, fit["temperature"]), abs=1e-12)
+    nll = torch.nn.functional.cross_entropy(logits.double() / fit["temperature"], labels).item()
+    assert fit["nll_calibrated"] == pytest.approx(nll, rel=1e-12)
+    assert calibration.line(fit).startswith(f"temperature {fit['temperature']:.4f} | ECE ")
 
 
 def test_the_fit_is_the_least_nll_on_a_fine_grid():
@@ -60,8 +61,8 @@ def test_the_fit_is_the_least_nll_on_a_fine_grid():
     grid = torch.exp(torch.linspace(math.log(0.3), math.log(1.2), 401, dtype=torch.float64))
     nll = [torch.nn.functional.cross_entropy(logits.double() / t, labels).item() for t in grid]
     best = int(torch.tensor(nll).argmin())
-    assert fit.temperature < 1 and fit.nll[1] <= nll[best] + 1e-12
-    assert abs(math.log(fit.temperature) - math.log(grid[best])) < 4e-3  # the grid's own spacing
+    assert fit["temperature"] < 1 and fit["nll_calibrated"] <= nll[best] + 1e-12
+    assert abs(math.log(fit["temperature"]) - math.log(grid[best])) < 4e-3  # the grid's own spacing
 
 
 def test_store_writes_the_fit_into_the_card_and_keeps_the_hard_links(tmp_path):
@@ -79,7 +80,7 @@ def test_store_writes_the_fit_into_the_card_and_keeps_the_hard_links(tmp_path):
     assert all(os.path.samefile(best, folder / n) for n in ("last.pth", "epoch_0003.pth"))
     assert not os.path.samefile(best, other) and "card" not in weights.load_checkpoint(other)
     ckpt = weights.load_checkpoint(epoch)  # the digest verified: written whole
-    assert ckpt["card"] == {"classes": ["a", "b"], "temperature": fit.temperature, "calibration": fit.record()}
+    assert ckpt["card"] == {"classes": ["a", "b"], "temperature": fit["temperature"], "calibration": fit}
     inode = os.stat(best).st_ino
     assert not calibration.store(best, ckpt, fit) and os.stat(best).st_ino == inode  # the same fit: not written
 
@@ -103,12 +104,12 @@ def test_every_rank_fits_the_temperature_of_the_whole_split(tmp_path):
             shard, truth = logits[part], labels[part]
             batches = [(shard[i : i + 128], truth[i : i + 128]) for i in range(0, len(truth), 128)]
             fit = calibration.calibrate(torch.nn.Identity(), batches, ctx.device, 10)
-            print("FIT", ctx.rank, json.dumps(fit.record()), flush=True)
+            print("FIT", ctx.rank, json.dumps(fit), flush=True)
     """))
     proc = check(torchrun(2, str(script)))
     fits = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("FIT "))
     assert fits.keys() == {"0", "1"} and fits["0"] == fits["1"], proc.stdout  # the same on every rank
-    fit, alone = json.loads(fits["0"]), _fit(*_overconfident(n=2000)).record()
+    fit, alone = json.loads(fits["0"]), _fit(*_overconfident(n=2000))
     assert fit["n"] == alone["n"] == 2000 and fit["top1"] == alone["top1"]
     assert fit["temperature"] == pytest.approx(alone["temperature"], rel=1e-6)
     for key in ("nll", "nll_calibrated", "ece", "ece_calibrated"):

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from distribuuuu.weights import load_checkpoint
-from tests.conftest import ROOT, check, check_user_error, cli_main, distribuuuu, env, make_cfg, read_metrics
+from tests.conftest import (
+    ROOT,
+    check,
+    check_user_error,
+    cli_main,
+    distribuuuu,
+    env,
+    make_cfg,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts processes, or uses a module fixture that does
 

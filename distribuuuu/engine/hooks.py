@@ -449,5 +449,6 @@ class CalibrationHook(HookBase):
         )
         if trainer.ctx.is_main:
             calibration.store(path, ckpt, fit)
-            log.info("[calibration] %s (epoch %s) | %s", path, ckpt.get("epoch"), fit.line())
+            epoch = ckpt.get("epoch")
+            log.info("[calibration] %s (epoch %s) | %s", path, epoch, calibration.line(fit))
         comm.barrier()  # nobody exits while rank 0 writes

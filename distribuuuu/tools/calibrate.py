@@ -18,7 +18,7 @@ from distribuuuu.errors import UserError
 
 
 def main(cfg_file: str | None, opts: list[str]) -> int:
-    """Fit, write, and print the fit's line."""
+    """Fit, write into the checkpoint, print the line."""
     from distribuuuu import calibration, data, inference  # torch: after the parsing
     from distribuuuu.weights import CARD_KEY
 
@@ -41,5 +41,5 @@ def main(cfg_file: str | None, opts: list[str]) -> int:
     fit = calibration.calibrate(model, loader, device, cfg.MODEL.NUM_CLASSES)
     written = calibration.store(path, ckpt, fit)
     kept = "" if written else " (its card held this fit already: the file is unchanged)"
-    print(f"calibrated {path} | {fit.line()}{kept}")
+    print(f"calibrated {path} | {calibration.line(fit)}{kept}")
     return 0
