@@ -27,7 +27,8 @@ JSON:
                         below and the card ("card")
 Every file outputs the model's logits, undivided: the probabilities are
 softmax(logits / card["temperature"]) (calibration.py), as predict
-computes them; docs/deploy.md shows a consumer's twenty lines.
+computes them; docs/tour.md ("Use an exported model without
+distribuuuu") shows a consumer's whole program.
 
 Each file is written into a temporary folder inside --out, loaded back
 and run on a random batch and on a batch of another size (which catches
