@@ -303,6 +303,8 @@ def test_predict_export_and_calibrate_refuse_bad_input_with_exit_2(trained, expo
     image = str(tmp_path / "blank.png")
     Image.new("L", (28, 28)).save(image)
     (tmp_path / "a_file").write_text("")
+    garbage = tmp_path / "model.pt2"
+    garbage.write_text("not an archive")
     empty = tmp_path / "run"
     empty.mkdir()
     cases = [
@@ -311,6 +313,7 @@ def test_predict_export_and_calibrate_refuse_bad_input_with_exit_2(trained, expo
         (("predict", "--cfg", FAST, "MODEL.WEIGHTS", "w.pth"), ["give one or more image files"]),
         (("predict", "--model", str(tmp_path / "model.onnx"), image), ["--model", "does not exist"]),
         (("predict", "--model", weights, image), ["not a .pt2 or .onnx file", f"--checkpoint {weights}"]),
+        (("predict", "--model", str(garbage), image), ["cannot be loaded (BadZipFile", "`distribuuuu export` wrote"]),
         (("predict", "--model", os.path.join(out, "model.pt2"), "TEST.BATCH_SIZE", "2", image),
          ["takes no KEY VALUE pairs"]),
         (("export", "--cfg", FAST, "MODEL.WEIGHTS", str(tmp_path / "nope.pth")), ["MODEL.WEIGHTS", "does not exist"]),
@@ -323,3 +326,17 @@ def test_predict_export_and_calibrate_refuse_bad_input_with_exit_2(trained, expo
     for args, fragments in cases:
         check_user_error(cli_main(*args), *fragments)
     assert sorted(os.listdir(empty)) == []  # nothing written by a refusal
+
+
+def test_without_the_onnx_packages_the_default_export_says_it_skips_onnx(monkeypatch):
+    import importlib.util
+
+    from distribuuuu.errors import UserError
+    from distribuuuu.tools import export
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else find_spec(name))
+    assert export.chosen_formats(None) == (
+        ["pt2", "safetensors"], "ONNX skipped: ONNX needs onnxruntime: pip install 'distribuuuu[onnx]'")
+    with pytest.raises(UserError, match=r"--format onnx: ONNX needs onnxruntime"):
+        export.chosen_formats("pt2,onnx")

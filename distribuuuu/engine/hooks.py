@@ -436,12 +436,14 @@ class CheckpointHook(HookBase):
 
 class CalibrationHook(HookBase):
     """After the run: the temperature of the checkpoint it chose
-    (best.pth, else last.pth), fitted on the validation split by every
-    rank together and written into that checkpoint's model card
-    (calibration.py), with one line of ECE before and after."""
+    (best.pth, else last.pth; its raw weights, which eval, predict and
+    export use), fitted on the validation split by every rank together
+    and written into that checkpoint's model card (calibration.py), with
+    one line of ECE before and after."""
 
     def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
-        path, folder = trainer.folder.best(), trainer.folder
+        folder = trainer.folder
+        path = folder.best()
         ckpt = folder.load(path)
         net = trainer.strategy.test_model(trainer.model, ckpt, "model", folder.checkpoints)
         fit = calibration.calibrate(

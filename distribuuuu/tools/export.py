@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -98,31 +99,45 @@ def chosen_formats(text: str | None) -> tuple[list[str], str]:
 def load_exported(path: str) -> tuple[Any, Callable[[Any], Any]]:
     """(model card, images -> logits) of a model.pt2 or model.onnx that
     export wrote (predict --model, and export's own check)."""
-    import torch
-
     from distribuuuu.model_card import ModelCard
 
     if not os.path.isfile(path):
         raise UserError(f"--model {path} does not exist; give a model.pt2 or model.onnx file")
+    if not path.endswith((".pt2", ".onnx")):
+        raise UserError(
+            f"--model {path}: not a .pt2 or .onnx file; for a checkpoint or weights, use "
+            f"--checkpoint {path}"
+        )
     try:
         if path.endswith(".pt2"):
-            extra = {CARD_FILE: ""}
-            program = torch.export.load(path, extra_files=extra)
-            card_json, run = extra[CARD_FILE], program.module()
-        elif path.endswith(".onnx"):
-            card_json, run = _onnx_session(path)
+            card_json, run = _pt2_program(path)
         else:
-            raise UserError(
-                f"--model {path}: not a .pt2 or .onnx file; for a checkpoint or "
-                f"weights, use --checkpoint {path}"
-            )
-    except (OSError, RuntimeError, ValueError) as e:  # torch and onnxruntime raise these
-        raise UserError(f"--model {path} cannot be loaded ({type(e).__name__}: {e})") from None
+            card_json, run = _onnx_session(path)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch, zipfile and onnxruntime raise their own types
+        raise UserError(
+            f"--model {path} cannot be loaded ({_first_line(e)}); give a model.pt2 or model.onnx "
+            "that `distribuuuu export` wrote"
+        ) from None
     if not card_json:
         raise UserError(
             f"--model {path} holds no model card: give a file that `distribuuuu export` wrote"
         )
     return ModelCard.from_dict(json.loads(card_json)), run
+
+
+def _pt2_program(path: str) -> tuple[str, Callable[[Any], Any]]:
+    """The card in a model.pt2 archive, and its program as a module."""
+    import torch
+
+    extra = {CARD_FILE: ""}
+    logging.disable(logging.WARNING)  # torch logs a bad file's traceback: our one line says it
+    try:
+        program = torch.export.load(path, extra_files=extra)
+    finally:
+        logging.disable(logging.NOTSET)
+    return extra[CARD_FILE], program.module()
 
 
 def _onnx_session(path: str) -> tuple[str, Callable[[Any], Any]]:
