@@ -154,7 +154,9 @@ def ranked(
     return results
 
 
-def _from_exported(path: str, opts: list[str], images: list[str], topk: int):
+def _from_exported(
+    path: str, opts: list[str], images: list[str], topk: int
+) -> list[list[tuple[str, float]]]:
     """predict --model: the exported file and the card it carries; no
     config, so no KEY VALUE pairs."""
     if opts:
