@@ -1,5 +1,5 @@
 """The `distribuuuu` command: train, eval, config, data, plot, bench,
-predict, export.
+predict, export, calibrate.
 
     distribuuuu train  [--cfg FILE] [--nproc-per-node N] [KEY VALUE ...]
     distribuuuu eval   [--cfg FILE] [--nproc-per-node N] --checkpoint PATH [KEY VALUE ...]
@@ -16,14 +16,18 @@ predict, export.
                                                           loader img/s: folder vs shards
     distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ...
                         [--output F.csv|F.json]
-    distribuuuu export [--cfg FILE] [--out DIR] --checkpoint PATH [KEY VALUE ...]
-                                                          TorchScript, ONNX, safetensors
+    distribuuuu predict --model model.pt2|model.onnx IMAGE|FOLDER|'GLOB' ...
+                                                          an exported file
+    distribuuuu export [--cfg FILE] [--out DIR] [--format LIST] --checkpoint PATH
+                       [KEY VALUE ...]                    torch.export, ONNX, safetensors
+    distribuuuu calibrate [--cfg FILE] --checkpoint PATH [KEY VALUE ...]
+                                                          its temperature, fitted
 
 --checkpoint PATH is the same as MODEL.WEIGHTS PATH. Options may also
 follow the KEY VALUE pairs.
 
-eval, predict and export need no --cfg for a checkpoint of `distribuuuu
-train`: its stored config, class names and preprocessing are used
+eval, predict, export and calibrate need no --cfg for a checkpoint of
+`distribuuuu train`: its stored config, class names and preprocessing are used
 (distribuuuu/inference.py); --cfg and KEY VALUE still win.
 
 --cfg takes a YAML file or a shipped config's name (`--cfg
@@ -212,7 +216,7 @@ def _flags_as_overrides(args: argparse.Namespace) -> None:
         from distribuuuu import config
 
         args.opts = config.with_imports(args.cfg_file, list(args.opts or []), args.imports)
-    if getattr(args, "checkpoint", None) is not None or args.command in ("eval", "export"):
+    if getattr(args, "checkpoint", None) is not None or args.command in _CHECKPOINT_WORDS:
         args.opts = _with_checkpoint(
             args.command, getattr(args, "checkpoint", None), list(args.opts or [])
         )
@@ -221,6 +225,7 @@ def _flags_as_overrides(args: argparse.Namespace) -> None:
 
 
 _CHECKPOINT_SUFFIXES = (".pth", ".pt", ".safetensors", ".ckpt")
+_CHECKPOINT_WORDS = ("eval", "export", "calibrate")  # commands whose words are KEY VALUE pairs only
 
 
 def _with_checkpoint(command: str, checkpoint: str | None, opts: list[str]) -> list[str]:
@@ -236,7 +241,7 @@ def _with_checkpoint(command: str, checkpoint: str | None, opts: list[str]) -> l
                 "them"
             )
         return ["MODEL.WEIGHTS", checkpoint, *opts]
-    if command in ("eval", "export") and len(opts) % 2:
+    if command in _CHECKPOINT_WORDS and len(opts) % 2:
         bare = [t for t in opts if t.endswith(_CHECKPOINT_SUFFIXES) and t not in pairs.values()]
         if bare:
             raise UserError(
@@ -341,7 +346,7 @@ def _nproc(value: str) -> int:
 
 
 def _other_command(args: argparse.Namespace) -> int:
-    """plot, bench, predict, export, data, config: each tool module
+    """plot, bench, predict, export, calibrate, data, config: each tool module
     (distribuuuu/tools/) is imported only when chosen; `distribuuuu
     --help` and train/eval load none of them."""
     opts = list(getattr(args, "opts", None) or [])
@@ -354,11 +359,15 @@ def _other_command(args: argparse.Namespace) -> int:
     if args.command == "predict":
         from distribuuuu.tools import predict
 
-        return predict.main(args.cfg_file, opts, args.topk, args.output, args.fmt)
+        return predict.main(args.cfg_file, opts, args.topk, args.output, args.fmt, args.model)
     if args.command == "export":
         from distribuuuu.tools import export
 
-        return export.main(args.cfg_file, opts, args.out, args.tol, args.batch)
+        return export.main(args.cfg_file, opts, args.out, args.tol, args.batch, args.fmt)
+    if args.command == "calibrate":
+        from distribuuuu.tools import calibrate
+
+        return calibrate.main(args.cfg_file, opts)
     return _run_data(args) if args.command == "data" else _print_config(args, opts)
 
 

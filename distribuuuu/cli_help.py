@@ -302,6 +302,17 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
                     ),
                 ),
             ),
+            (
+                ("--model",),
+                dict(
+                    default=None,
+                    metavar="FILE",
+                    help=(
+                        "run a file of `distribuuuu export` (model.pt2 or model.onnx) with the "
+                        "card it carries, instead of a checkpoint (default: none)"
+                    ),
+                ),
+            ),
             (("--topk",), dict(type=int, default=5, help="how many classes to print per image")),
             (
                 ("--output",),
@@ -329,7 +340,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
         ],
     ),
     "export": (
-        "TorchScript, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model "
+        "torch.export, ONNX and safetensors files of MODEL.WEIGHTS, checked, each with the model "
         "card (without --cfg: the checkpoint's config)",
         [
             CFG_STORED,
@@ -338,6 +349,19 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
             IMPORT,
             OPTS,
             (("--out",), dict(default=None, help="output folder (default OUT_DIR/export)")),
+            (
+                ("--format",),
+                dict(
+                    dest="fmt",
+                    default=None,
+                    metavar="LIST",
+                    help=(
+                        "comma-separated formats among pt2, onnx, safetensors and torchscript "
+                        "(deprecated by torch: only when named) (default: pt2,onnx,safetensors; "
+                        "onnx only when its extra is installed)"
+                    ),
+                ),
+            ),
             (
                 ("--tol",),
                 dict(
@@ -348,6 +372,11 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
             ),
             (("--batch",), dict(type=int, default=4, help="batch size of the check")),
         ],
+    ),
+    "calibrate": (
+        "fit MODEL.WEIGHTS' temperature on the validation split and write it into its model "
+        "card (training does it at its end)",
+        [CFG_STORED, CHECKPOINT, LOCAL_RANK, IMPORT, OPTS],
     ),
 }
 
@@ -455,10 +484,14 @@ EXAMPLES: dict[str, str] = {
   distribuuuu config --explain MODEL.NUM_CLASSES   # a key's comment, type and default""",
     "predict": """examples:
   distribuuuu predict --checkpoint runs/demo/checkpoints/best.pth photo.png photos/ 'more/*.jpg'
-  distribuuuu predict --checkpoint best.pth photos/ --topk 3 --output preds.csv""",
+  distribuuuu predict --checkpoint best.pth photos/ --topk 3 --output preds.csv
+  distribuuuu predict --model runs/demo/export/model.onnx photos/   # an exported file alone""",
     "export": """examples:
   distribuuuu export --checkpoint runs/demo/checkpoints/best.pth --out exported/
-      (ONNX's check needs the onnx extra: pip install 'distribuuuu[onnx]')""",
+      (model.onnx needs the onnx extra: pip install 'distribuuuu[onnx]')
+  distribuuuu export --checkpoint best.pth --format pt2,torchscript""",
+    "calibrate": """examples:
+  distribuuuu calibrate --checkpoint runs/demo/checkpoints/best.pth""",
     "bench": """examples:
   distribuuuu bench --cfg mnist5k_fast
   distribuuuu bench --cfg mnist5k_fast --scaling 1,2

@@ -2,15 +2,17 @@
 trained with, its model card (class names and preprocessing,
 model_card.py) and the model itself, ready for inference.
 
-The one path from a checkpoint to a model, for eval, predict, export and
-``api.load_model``:
-  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen checkpoint
-                  (run_folder.best_or_last);
-                  eval resolves its weights here too (preflight, api.run_eval)
-  prepared        predict's and export's (config, card): load_config, chosen_weights, card_for
-  build           (config, card) -> LoadedModel: the model on a device in eval mode, its transform,
-                  classes
-  load            ``api.load_model``: a checkpoint file -> its stored config and card -> build
+The one path from a checkpoint to a model, for eval, predict, export,
+calibrate and ``api.load_model``:
+  chosen_weights  the file: MODEL.WEIGHTS, else OUT_DIR's chosen
+                  checkpoint (run_folder.best_or_last); eval resolves
+                  its weights here too (preflight, api.run_eval)
+  prepared        predict's, export's and calibrate's (config, card):
+                  load_config, chosen_weights, card_for
+  build           (config, card) -> LoadedModel: the model on a device
+                  in eval mode, its transform, classes
+  load            ``api.load_model``: a checkpoint file -> its stored
+                  config and card -> build
 
 ``eval``, ``predict`` and ``export`` without ``--cfg`` take the config
 stored in the checkpoint that MODEL.WEIGHTS names (or OUT_DIR's chosen
@@ -27,7 +29,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -293,15 +295,20 @@ def card_for(cfg: CfgNode, cfg_file: str | None, opts: list[str]) -> ModelCard:
     config came from it (described again when the overrides change the
     data or the preprocessing: the stored class names are kept unless
     the data changed); else, for --cfg or an older checkpoint, described
-    from the config."""
+    from the config. The temperature belongs to the weights: the stored
+    card's, whenever the file has one."""
     weights = cfg.MODEL.WEIGHTS
-    stored = file_card(weights) if not cfg_file and weights and os.path.isfile(weights) else None
+    stored = file_card(weights) if weights and os.path.isfile(weights) else None
     given = set(opts[0::2])
-    if stored is None or given & DATA_KEYS:
+    if stored is None:
         return card_from_config(cfg)
-    if given & PREPROCESS_KEYS:
-        return card_from_config(cfg, stored.classes)
-    return stored  # its config stays the one the model was trained with
+    if cfg_file or given & DATA_KEYS:
+        card = card_from_config(cfg)
+    elif given & PREPROCESS_KEYS:
+        card = card_from_config(cfg, stored.classes)
+    else:
+        return stored  # its config stays the one the model was trained with
+    return replace(card, temperature=stored.temperature, calibration=stored.calibration)
 
 
 def _older_card(cfg: CfgNode, path: str) -> ModelCard:

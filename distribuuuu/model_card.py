@@ -9,7 +9,8 @@ model.
 
     card = ModelCard.from_dict(torch.load("best.pth", weights_only=True)["card"])
     x = card.transform()(Image.open("cat.jpg"))       # the model's input tensor [C, H, W]
-    card.classes[int(model(x[None]).argmax())]         # the class name
+    probs = (model(x[None]) / card.temperature).softmax(1)
+    card.classes[int(probs.argmax())]                  # the class name
 
 The preprocessing is the evaluation pipeline's: the image as a uint8
 tensor (``resize_on`` "tensor"; "pil": the PIL image, then to a tensor),
@@ -77,6 +78,14 @@ class ModelCard:
     # (TRAIN.IMAGE_DECODE pil)
     resize_on: str = "tensor"
     config: str = ""  # the full run config as YAML (what OUT_DIR/config.yaml holds)
+    # Probabilities are softmax(logits / temperature): fitted on the
+    # validation split at the end of training or by `distribuuuu
+    # calibrate` (calibration.py); 1.0: not calibrated. The exported
+    # files output the logits undivided and carry it in their card.
+    temperature: float = 1.0
+    # the fit's record (calibration.calibrate's: n, and the NLL, ECE
+    # and top-1 before and after); None: not calibrated
+    calibration: dict[str, Any] | None = None
     version: int = field(default=CARD_VERSION)
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +113,7 @@ class ModelCard:
                 "classes": [str(c) for c in kept["classes"]],
                 "mean": [float(m) for m in kept["mean"]],
                 "std": [float(s) for s in kept["std"]],
+                "temperature": float(kept.get("temperature", 1.0)),
             }
         )
 

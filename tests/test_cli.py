@@ -244,7 +244,7 @@ def test_eval_predict_and_export_take_checkpoint_as_model_weights(trained, tmp_p
     proc = check(cli_main("predict", "--checkpoint", trained, str(tmp_path / "x.png"), "--topk", "2"))
     assert proc.stdout.splitlines()[0] == str(tmp_path / "x.png") and "  2. " in proc.stdout
     check(cli_main("export", "--checkpoint", trained, "--out", str(tmp_path / "ex")))
-    assert {"model.torchscript.pt", "model.safetensors"} <= set(os.listdir(tmp_path / "ex"))
+    assert {"model.pt2", "model.safetensors"} <= set(os.listdir(tmp_path / "ex"))
     check_user_error(cli_main("eval", "--checkpoint", trained, "MODEL.WEIGHTS", str(tmp_path / "other.pth")),
                      "--checkpoint", "MODEL.WEIGHTS", "name two files")
     for command in ("eval", "export"):  # a bare checkpoint word: the option it meant

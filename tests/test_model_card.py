@@ -160,7 +160,8 @@ def test_load_model_of_an_older_checkpoint_and_of_a_bare_state_dict(digits_run, 
     image = str(digits / "val" / "7" / "0700.png")
     older = check(cli_main("predict", "MODEL.WEIGHTS", str(tmp_path / "old.pth"), image, "--format", "json"))
     newer = check(cli_main("predict", "MODEL.WEIGHTS", str(run / "checkpoints" / "best.pth"), image, "--format", "json"))
-    assert json.loads(older.stdout) == json.loads(newer.stdout)  # the same answer, from its stored config
+    # the same answer, from its stored config (the probabilities differ: the older file has no temperature)
+    assert [r["classes"] for r in json.loads(older.stdout)] == [r["classes"] for r in json.loads(newer.stdout)]
     bare_run = tmp_path / "bare"
     (bare_run / "checkpoints").mkdir(parents=True)
     torch.save(ckpt["model"], bare_run / "checkpoints" / "weights.pth")
@@ -201,7 +202,6 @@ def test_load_model_keeps_timms_recipe_of_a_pretrained_timm_model(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # eval, predict, export with only a checkpoint path (from a folder outside the repository)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_eval_predict_and_export_need_only_the_checkpoint(digits_run, tmp_path):
     run, _, digits = digits_run
     best = str(run / "checkpoints" / "best.pth")
@@ -221,7 +221,7 @@ def test_eval_predict_and_export_need_only_the_checkpoint(digits_run, tmp_path):
     card = _ckpt(run)[CARD_KEY]
     assert json.loads((tmp_path / "ex" / "export.json").read_text())["card"] == card
     extra = {"model_card.json": ""}
-    torch.jit.load(str(tmp_path / "ex" / "model.torchscript.pt"), _extra_files=extra)
+    torch.export.load(str(tmp_path / "ex" / "model.pt2"), extra_files=extra)
     assert json.loads(extra["model_card.json"]) == card
     from safetensors import safe_open
 

@@ -168,7 +168,7 @@ def test_a_source_states_classes_and_normalization_that_inference_applies(user_s
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads((tmp_path / "p.json").read_text())[0]
     with torch.no_grad():
-        probs = loaded.model(x[None]).softmax(1)[0]
+        probs = (loaded.model(x[None]) / loaded.card.temperature).softmax(1)[0]  # calibrated
     assert row["probs"] == pytest.approx([probs[loaded.classes.index(c)].item() for c in row["classes"]], abs=1e-5)
 
 

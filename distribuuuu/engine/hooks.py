@@ -26,7 +26,8 @@ Each event runs the hooks in list order: the built-in ones
 (``default_hooks``, which says why each stands where it does), then
 TRAIN.HOOKS ("package.module:ClassName", made with no arguments), then
 those passed to ``fit``. So a user's after_epoch runs after the
-epoch's checkpoint.
+epoch's checkpoint, and a user's after_fit sees the temperature in
+best.pth.
 
 A hook's own state goes into every checkpoint with
 ``trainer.remember(name, state)`` (plain Python values); after a resume
@@ -50,7 +51,7 @@ from typing import Any, Protocol
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import heads, models, trackers
+from distribuuuu import calibration, heads, models, trackers
 from distribuuuu.engine import evaluation
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
@@ -175,8 +176,12 @@ def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
         hooks.append(NonFiniteEpochCheck())
     # Evaluates before CheckpointHook saves, so that best.pth is this epoch's when it is best.
     hooks.append(EvalHook())
-    # Last of the built-in ones: it may end the job (a stop signal) once all else is done.
+    # After the evaluation and the checkpoint: it may end the job (a stop signal) once all
+    # else of the epoch is done.
     hooks.append(CheckpointHook(cfg, world_size))
+    # After the run (after_fit): the temperature of the checkpoint the run chose, once it is
+    # the chosen one for good.
+    hooks.append(CalibrationHook())
     return hooks
 
 
@@ -457,3 +462,25 @@ class CheckpointHook(HookBase):
         stop = comm.max_over_ranks([signals.received or 0])[0]  # since the last vote, or in eval
         if stop:
             raise Preempted(stop)
+
+
+class CalibrationHook(HookBase):
+    """After the run: the temperature of the checkpoint it chose
+    (best.pth, else last.pth; its raw weights, which eval, predict and
+    export use), fitted on the validation split by every rank together
+    and written into that checkpoint's model card (calibration.py), with
+    one line of ECE before and after."""
+
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        folder = trainer.folder
+        path = folder.best()
+        ckpt = folder.load(path)
+        net = trainer.strategy.test_model(trainer.model, ckpt, "model", folder.checkpoints)
+        fit = calibration.calibrate(
+            net, trainer.val_loader, trainer.ctx.device, trainer.cfg.MODEL.NUM_CLASSES
+        )
+        if trainer.ctx.is_main:
+            calibration.store(path, ckpt, fit)
+            epoch = ckpt.get("epoch")
+            log.info("[calibration] %s (epoch %s) | %s", path, epoch, calibration.line(fit))
+        comm.barrier()  # nobody exits while rank 0 writes

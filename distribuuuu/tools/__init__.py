@@ -6,8 +6,11 @@ the core.
     compare.py   `distribuuuu bench --compare single,dp,ddp,ddp+amp`: one job trained each way
     runner.py    the sweeps' one way to start a `distribuuuu train` child and read how it ended
     plot.py      `distribuuuu plot`: learning curves from metrics.jsonl
-    predict.py   `distribuuuu predict`: top-k classes of image files
-    export.py    `distribuuuu export`: TorchScript, ONNX and safetensors files, each checked
+    predict.py   `distribuuuu predict`: top-k classes of image files (a checkpoint, or --model an
+                 exported file)
+    export.py    `distribuuuu export`: torch.export, ONNX and safetensors files (TorchScript on
+                 request), each checked
+    calibrate.py `distribuuuu calibrate`: a checkpoint's temperature (calibration.py) on demand
 
 Tools import the core (config, data, models, engine, dist); the core
 never imports a tool, and no tool imports cli.py (cli.py imports each

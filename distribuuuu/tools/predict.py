@@ -1,8 +1,10 @@
 """`distribuuuu predict`: the top-k classes of image files, with
 probabilities.
 
-    distribuuuu predict MODEL.WEIGHTS CKPT [KEY VALUE ...] INPUT [INPUT ...] [--topk 5] [--output
-    preds.csv|.json] distribuuuu predict --cfg FILE MODEL.WEIGHTS PATH [KEY VALUE ...] INPUT ...
+    distribuuuu predict --checkpoint CKPT [KEY VALUE ...] INPUT [INPUT ...]
+        [--topk 5] [--output preds.csv|.json]
+    distribuuuu predict --cfg FILE --checkpoint PATH [KEY VALUE ...] INPUT ...
+    distribuuuu predict --model model.pt2|model.onnx INPUT ...
 
 An INPUT is an image file, a folder (its images, recursively: image
 extensions only) or a glob in quotes ('photos/*.jpg', 'data/**/*.png'),
@@ -14,9 +16,12 @@ the config: images go through the validation transform of its data
 source, class names come from the ImageFolder tree
 TRAIN.DATASET/TRAIN.SPLIT when TRAIN.DATASET is a folder, else from the
 built-in source (TEST.DATASET: mnist5k digits, CIFAR names, synthetic
-class numbers). The top-k classes are printed per image, or written with
---output FILE (CSV or JSON from the suffix, or --format; --format
-without --output writes to stdout).
+class numbers). With --model, a file of `distribuuuu export` runs
+instead (torch.export or onnxruntime: no model code), with the card it
+carries. The probabilities are softmax(logits / the card's temperature)
+(calibration.py) in every case. The top-k classes are printed per
+image, or written with --output FILE (CSV or JSON from the suffix, or
+--format; --format without --output writes to stdout).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from distribuuuu.errors import UserError
 from distribuuuu.files import output_problem
 from distribuuuu.tools import predict_io as outputs
 
+EXPORTED_BATCH = 64  # images per run of an exported file (predict --model has no config)
 # torch, and the modules that import it (checkpoint, data, models), are
 # imported inside the functions, after the checks of the arguments and
 # files: a mistyped path is reported at once, not after torch's start-up
@@ -99,41 +105,69 @@ def predict(
     """The top-k (class name, probability) of each image; cfg and card:
     inference.prepared's (the weights resolved; the card prepares the
     images and names the classes)."""
-    import torch  # inside: main checks the arguments and files before torch starts (see above)
+    from distribuuuu import inference  # imports torch: after the checks (see above)
 
-    from distribuuuu import inference
-
-    if card.in_chans not in (1, 3):
-        raise UserError(
-            f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels"
-        )
     if len(card.classes) > cfg.MODEL.NUM_CLASSES:
         raise UserError(
             f"the data source has {len(card.classes)} classes but MODEL.NUM_CLASSES is "
             f"{cfg.MODEL.NUM_CLASSES}; use the config the weights were trained with"
         )
     device = inference.device_for(cfg)
-    loaded = inference.build(cfg, card, device)
-    model, classes = loaded.model, loaded.classes
-    names = classes + [str(c) for c in range(len(classes), cfg.MODEL.NUM_CLASSES)]
-    k = max(1, min(topk, cfg.MODEL.NUM_CLASSES))
+    model = inference.build(cfg, card, device).model
+
+    def run(images: Any) -> Any:
+        return model(images.to(device))
+
+    return ranked(run, card, image_paths, topk, max(1, cfg.TEST.BATCH_SIZE))
+
+
+def ranked(
+    run: Any, card: Any, image_paths: Sequence[str], topk: int, batch: int
+) -> list[list[tuple[str, float]]]:
+    """The top-k (class name, probability) of each image, run: a batch
+    of the card's inputs -> logits (the eager model, or an exported
+    file's)."""
+    import torch
+
+    if card.in_chans not in (1, 3):
+        raise UserError(
+            f"MODEL.IN_CHANS is {card.in_chans}; image files become 1 (gray) or 3 (RGB) channels"
+        )
+    transform = card.transform()
+    names = card.classes + [str(c) for c in range(len(card.classes), card.num_classes)]
+    k = max(1, min(topk, card.num_classes))
     results = []
-    batch = max(1, cfg.TEST.BATCH_SIZE)
     for start in range(0, len(image_paths), batch):
         tensors = []
         for path in image_paths[start : start + batch]:
             try:
-                tensors.append(loaded.transform(Image.open(path)))
+                tensors.append(transform(Image.open(path)))
             except OSError as e:  # a file whose header was fine but whose data is not (truncated)
                 raise UserError(f"cannot read {path!r} as an image: {e}") from None
         with torch.no_grad():
-            probs = model(torch.stack(tensors).to(device)).float().softmax(dim=1)
-        top_p, top_i = probs.topk(k, dim=1)
+            logits = run(torch.stack(tensors)).float()
+        top_p, top_i = (logits / card.temperature).softmax(dim=1).topk(k, dim=1)
         results += [
             [(names[i], p) for p, i in zip(ps.tolist(), idx.tolist())]
             for ps, idx in zip(top_p, top_i)
         ]
     return results
+
+
+def _from_exported(
+    path: str, opts: list[str], images: list[str], topk: int
+) -> list[list[tuple[str, float]]]:
+    """predict --model: the exported file and the card it carries; no
+    config, so no KEY VALUE pairs."""
+    if opts:
+        raise UserError(
+            f"--model {path} takes no KEY VALUE pairs ({' '.join(opts[:2])}): the file's model "
+            "card says how to prepare images; for a checkpoint, use --checkpoint PATH"
+        )
+    from distribuuuu.tools import export
+
+    card, run = export.load_exported(path)
+    return ranked(run, card, images, topk, EXPORTED_BATCH)
 
 
 def main(
@@ -142,9 +176,12 @@ def main(
     topk: int,
     output: str | None = None,
     fmt: str | None = None,
+    model: str | None = None,
 ) -> int:
     """`distribuuuu predict`: each image's top-k classes, printed, or
     written as CSV / JSON."""
+    if model is not None and cfg_file is not None:
+        raise UserError(f"--model {model} runs with the card it carries; drop --cfg {cfg_file}")
     opts, inputs = split_opts_and_images(tokens)
     if not inputs:
         raise UserError(
@@ -160,10 +197,13 @@ def main(
         raise UserError(f"--output {problem}")
     images = outputs.expand_inputs(inputs)
     _check_images(images)  # before torch starts: a wrong path is reported at once
-    from distribuuuu import inference
+    if model is not None:
+        results = _from_exported(model, opts, images, topk)
+    else:
+        from distribuuuu import inference
 
-    cfg, card = inference.prepared(cfg_file, opts, "predict")
-    results = predict(cfg, card, images, topk)
+        cfg, card = inference.prepared(cfg_file, opts, "predict")
+        results = predict(cfg, card, images, topk)
     if fmt is None:
         outputs.print_table(images, results)
     elif output is None or output == "-":
