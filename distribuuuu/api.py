@@ -258,12 +258,14 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     result = engine.evaluate(model, loader, cfg, ctx)
     confusion, classes = result.pop("confusion"), model_card.describe(cfg, loader.dataset).classes
     log.info(
-        "[eval] %s | loss %.4f | %s | n %d | %.1fs",
+        "[eval] %s | loss %.4f | %s | balanced top-1 %.2f%% | n %d | %.1fs%s",
         weights,
         result["loss"],
         accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"),
+        result["balanced_top1"],
         result["n"],
         time.perf_counter() - start,
+        evaluation.thinly_judged(classes, confusion),
     )
     log.info(
         "[eval] worst classes: %s",

@@ -42,6 +42,7 @@ PACKAGE = os.path.join(ROOT, "distribuuuu")
 GUIDE = os.path.join(ROOT, "docs", "reading-guide.md")
 MARK, WINDOW = "Optimizer.zero_grad", (10, 20)  # the steady-state steps: from the 10th call to the 20th
 BOUNDS = {"step": (200, 10), "run": (2500, 36)}  # issue #34: at most (code lines, files) a default run executes
+TRAIN_EPOCH = "Trainer.train_epoch"  # where setup ends and the loop begins
 ARGS = ["OPTIM.MAX_EPOCH", "1", "TRAIN.IM_SIZE", "32", "TRAIN.WORKERS", "0", "OUT_DIR", "run"]
 
 
@@ -158,6 +159,23 @@ def count(records: list[dict], part: str) -> dict[str, list[tuple[str, int]]]:
     return files
 
 
+def stages(records: list[dict]) -> tuple[dict, dict]:
+    """(setup, train the model) in count()'s form: what each process entered before its first
+    Trainer.train_epoch, and what it entered after that the steady-state step does not hold (the
+    epoch's end, evaluation, checkpoints, the exit). The step itself is the middle stage."""
+    before, after = [], []
+    for record in records:
+        names = [name for _, _, name in record["run"]]
+        cut = names.index(TRAIN_EPOCH) if TRAIN_EPOCH in names else len(names)
+        before.append({**record, "run": record["run"][:cut]})
+        after.append({**record, "run": record["run"][cut:]})
+    setup, step = count(before, "run"), count(records, "step")
+    late = {path: [(n, lines) for n, lines in fns if n not in {m for m, _ in step.get(path, [])}
+                   and n not in {m for m, _ in setup.get(path, [])}]
+            for path, fns in count(after, "run").items()}
+    return setup, {path: fns for path, fns in late.items() if fns}
+
+
 def totals(files: dict[str, list[tuple[str, int]]]) -> tuple[int, int, int]:
     """(code lines, files, functions)."""
     return sum(n for fns in files.values() for _, n in fns), len(files), sum(len(fns) for fns in files.values())
@@ -171,7 +189,9 @@ loop a run spends its time in; then the whole run, from the command line to the 
 functions in each, are in the order they were first entered: read them in that order. What is not
 listed did not run and can wait for a second pass.
 
-The whole run goes through these stages, in this order:
+Read it by stage, as pycls's trainer reads (setup, train one epoch, train the model): the three
+tables below list, for each stage, the files it enters first and their functions; the whole run's
+table after them gives the execution order. In detail, the run goes through these steps:
 - **entry**: the command line becomes one frozen config (defaults, `--cfg` file, `KEY VALUE` pairs),
   checked once per process before any process group exists;
 - **the process group and the run folder**: who launched the process (torchrun here), its device,
@@ -227,6 +247,8 @@ def render(records: list[dict]) -> str:
     """docs/reading-guide.md for these records."""
     step, run = count(records, "step"), count(records, "run")
     (sl, sf, sn), (rl, rf, rn) = totals(step), totals(run)
+    setup, model = stages(records)
+    su, tm = totals(setup), totals(model)
     return f"""# Reading guide: what one default run executes
 
 <!-- Written by scripts/trace_run.py (make guide) from a traced run; tests/test_layout.py fails when it
@@ -236,9 +258,23 @@ is out of date. Edit the script, not this file. -->
 
 {INTRODUCTION}
 
-## One steady-state step: {sl:,} code lines in {sf} files ({sn} functions)
+## 1. Setup: {su[0]:,} code lines in {su[1]} files
+
+From the command line to the first epoch: the config and the decisions from the data, the processes
+and the run folder, the model, its strategy and optimizer, the data and its checks.
+
+{_table(setup)}
+
+## 2. Train one epoch: the steady-state step, {sl:,} code lines in {sf} files ({sn} functions)
 
 {_table(step)}
+
+## 3. Train the model: {tm[0]:,} code lines in {tm[1]} files
+
+What the loop does around its steps, first entered after the first step: the epoch's end, evaluation
+over every rank, the checkpoint, the records, the exit.
+
+{_table(model)}
 
 ## The whole run: {rl:,} code lines in {rf} files ({rn:,} functions)
 

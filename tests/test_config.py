@@ -30,8 +30,9 @@ def test_baseline_configs_load_unchanged(arch):
     assert (flat["MODEL.NUM_CLASSES"], flat["TEST.IM_SIZE"], flat["TRAIN.WORKERS"], flat["TRAIN.TOPK"]) == (1000, 256, 4, 5)
     assert flat["OPTIM.WARMUP_EPOCHS"] == 5 and flat["TEST.DATASET"] == "./data/ILSVRC/"
     # Every key it does not state is at its default, but those decided here: no ILSVRC folder here, so the
-    # former 3 channels (224 px is stated), and NUM_THREADS from the free cores.
-    assert set(config.diff_from_defaults(cfg)) <= set(stated) | {"MODEL.IN_CHANS", "NUM_THREADS"}
+    # former 3 channels (224 px is stated), NUM_THREADS from the free cores, and TRAIN.PATIENCE 0 (the
+    # epochs are stated).
+    assert set(config.diff_from_defaults(cfg)) <= set(stated) | {"MODEL.IN_CHANS", "NUM_THREADS", "TRAIN.PATIENCE"}
     assert (cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE) == (3, 224)
 
 
@@ -57,7 +58,7 @@ def test_every_key_has_a_comment():
 
 
 def test_overrides_parse_as_python_literals():
-    cfg = config.load_config(None, ["OPTIM.STEPS", "[0, 30, 60]", "OPTIM.LR_POLICY", "steps",
+    cfg = config.load_config(None, ["OPTIM.STEPS", "[0, 30, 60]", "OPTIM.LR_POLICY", "steps", "OPTIM.MAX_EPOCH", "90",
                                     "TRAIN.BATCH_SIZE", "7", "OPTIM.BASE_LR", "1", "MODEL.SYNCBN", "True",
                                     "TRAIN.DATASET", "/some/path", "RNG_SEED", "5", "MODEL.WEIGHTS", "None"])
     assert cfg.OPTIM.STEPS == [0, 30, 60]
@@ -88,7 +89,8 @@ def test_later_overrides_win_over_the_file(tmp_path):
     (["OPTIM.LR_POLICY", "exp"], "OPTIM.LR_POLICY must be one of cos, steps, linear, constant, got 'exp'"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[30, 60]"], "OPTIM.STEPS must start at 0"),
     (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 60, 30]"], "strictly increasing"),
-    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 200]"], "below OPTIM.MAX_EPOCH"),
+    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 200]", "OPTIM.MAX_EPOCH", "100"], "below OPTIM.MAX_EPOCH"),
+    (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0, 20]"], "must be given with the 'steps' policy"),
     (["OPTIM.NESTEROV", "True", "OPTIM.MOMENTUM", "0.0"], "OPTIM.NESTEROV True needs OPTIM.MOMENTUM > 0"),
     (["DEVICE", "tpu"], "DEVICE must be one of auto, cpu, cuda"),
     (["OPTIM.MIN_LR", "2.0"], "OPTIM.MIN_LR is a fraction"),

@@ -110,7 +110,7 @@ def test_the_defaults_hold_out_a_tenth_and_the_loaders_read_the_file(tmp_path):
     data.check_datasets(cfg, 1)
     train = data.build_train_loader(cfg, 0, 1, torch.device("cpu"))
     val = data.build_val_loader(cfg, 0, 1, torch.device("cpu"))
-    assert (len(train.dataset), len(val.dataset)) == (54, 6)  # 2 of each class's 20 held out
+    assert (len(train.dataset), len(val.dataset)) == (48, 12)  # 4 of each class's 20 held out (a fifth)
     images, target = next(iter(train))
     assert images.shape == (4, 1, 32, 32) and target.dtype == torch.int64
 

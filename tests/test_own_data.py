@@ -164,19 +164,43 @@ def test_a_folder_of_class_folders_holds_out_a_stratified_seeded_tenth(tmp_path)
     assert cfg.MODEL.NUM_CLASSES == 3
     f = decisions(cfg)
     assert "holds 3 class folders and no train/" in f["TRAIN.SPLIT"].origin
-    assert "6 of its 60 images, a tenth of each class, chosen by a fixed seed" in f["TRAIN.VAL_SPLIT"].origin
+    # A tenth, at least 5 of a class of 25 or more and a fifth of a smaller one: 20 -> 4, 10 -> 2, 30 -> 5
+    held = f["TRAIN.VAL_SPLIT"]
+    assert "11 of its 60 images chosen by a fixed seed" in held.origin and held.warn
+    assert "per class ant 4, bee 2, cat 5; fewer than 5" in held.origin and "ant 4 of 20, bee 2 of 10" in held.origin
     data.check_datasets(cfg, 1)
     val = data.build_val_loader(cfg, 0, 1, CPU)
     train = data.build_train_loader(cfg, 0, 1, CPU)
     labels = sorted(int(y) for _, ys in val for y in ys)
-    assert labels == [0, 0, 1, 2, 2, 2]  # 2 of 20, 1 of 10, 3 of 30
-    assert len(train.dataset) == 54
+    assert labels == [0] * 4 + [1] * 2 + [2] * 5
+    assert len(train.dataset) == 49
     again = [int(y) for _, ys in data.build_val_loader(make_cfg(*opts), 0, 1, CPU) for y in ys]
     assert sorted(again) == labels
     # A TEST.DATASET given: the folder is the training split, nothing is held out unasked.
     other = three_classes(tmp_path / "other")
     cfg = make_cfg(*opts, "TEST.DATASET", other)
     assert (cfg.TRAIN.SPLIT, cfg.TRAIN.VAL_SPLIT, cfg.TEST.SPLIT) == ("", 0.0, "val")
+
+
+def test_the_run_length_follows_the_training_set_and_a_given_length_is_kept(tmp_path):
+    """OPTIM.MAX_EPOCH 0: about 20,000 training images seen, 10 to 100 epochs, and then TRAIN.PATIENCE -1 is
+    5; a given OPTIM.MAX_EPOCH is kept, and TRAIN.PATIENCE -1 is 0 (no line: nothing was decided)."""
+    write_image_tree(str(tmp_path), "", {"ant": 30, "bee": 30})  # 5 of each held out: 50 train
+    cfg = make_cfg("TRAIN.DATASET", tmp_path)
+    length = decisions(cfg)["OPTIM.MAX_EPOCH"]
+    assert (cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PATIENCE) == (100, 5)  # 20,000 / 50 = 400: at most 100
+    assert "about 20,000 of its 50 training images seen" in length.origin
+    assert "second half of the run" in decisions(cfg)["TRAIN.PATIENCE"].origin
+    for samples, epochs in ((1000, 20), (1500, 14), (5000, 10)):  # ceil(20,000 / n), at least 10
+        cfg = make_cfg("TRAIN.DATASET", "synthetic", "TRAIN.SYNTHETIC_SAMPLES", samples)
+        assert (cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PATIENCE) == (epochs, 5), samples
+    cfg = make_cfg("TRAIN.DATASET", "synthetic", "TRAIN.SYNTHETIC_SAMPLES", 1000, "TRAIN.PATIENCE", 2)
+    assert (cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PATIENCE) == (20, 2)  # the user's patience stays
+    cfg = make_cfg("TRAIN.DATASET", tmp_path, "OPTIM.MAX_EPOCH", 7)
+    assert (cfg.OPTIM.MAX_EPOCH, cfg.TRAIN.PATIENCE) == (7, 0)
+    assert not {"OPTIM.MAX_EPOCH", "TRAIN.PATIENCE"} & set(decisions(cfg))
+    cfg = make_cfg("TRAIN.DATASET", tmp_path / "missing")  # the preflight will say why
+    assert cfg.OPTIM.MAX_EPOCH == 100 and "not readable" in decisions(cfg)["OPTIM.MAX_EPOCH"].origin
 
 
 def test_a_split_layout_is_not_taken_for_a_folder_of_class_folders(tmp_path):

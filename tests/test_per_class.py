@@ -74,10 +74,12 @@ def test_val_records_hold_per_class_top1_and_the_best_checkpoints_confusion_csv(
     for record in val:
         weighted = sum(a * n for a, n in zip(record["per_class_top1"], sizes)) / sum(sizes)
         assert weighted == pytest.approx(record["top1"], abs=1e-9) and record["n"] == sum(sizes)
+        assert record["balanced_top1"] == pytest.approx(sum(record["per_class_top1"]) / len(sizes))
     with open(os.path.join(out, "confusion.csv"), newline="") as f:
         header, *rows = list(csv.reader(f))
     assert header[1:] == sorted(CLASSES) and [r[0] for r in rows] == sorted(CLASSES)
-    best = max(val, key=lambda r: r["top1"])  # confusion.csv is the best evaluation's
+    # confusion.csv is best.pth's: the highest balanced top-1, then the lower val loss, the later epoch
+    best = max(val, key=lambda r: (r["balanced_top1"], -r["loss"], r["epoch"]))
     assert [int(r[i + 1]) for i, r in enumerate(rows)] == [round(a * n / 100) for a, n in
                                                          zip(best["per_class_top1"], sizes)]
     with open(os.path.join(out, "metrics.csv")) as f:
@@ -103,3 +105,28 @@ def test_plot_draws_the_confusion_matrix(trained, tmp_path):
     _, out = trained
     proc = check(distribuuuu("plot", out, "--out", str(tmp_path)))
     assert os.path.getsize(tmp_path / "confusion.png") > 1000 and "confusion.png" in proc.stdout
+
+
+def test_best_is_the_balanced_top1_then_the_lower_loss_then_the_later_epoch_and_patience_counts_late():
+    """Trainer.update_best on its own: the rule that picks best.pth, and the count TRAIN.PATIENCE reads
+    (no progress in the first half of the run counts)."""
+    from types import SimpleNamespace
+
+    from distribuuuu.engine.trainer import Trainer, TrainState
+
+    cfg = load_config(None, ["OPTIM.MAX_EPOCH", "10"])
+    t = SimpleNamespace(state=TrainState(), cfg=cfg)
+    evaluations = [  # epoch, balanced top-1, loss, is best, evaluations without progress after it
+        (1, 50.0, 1.0, True, 0),
+        (2, 40.0, 2.0, False, 0),  # worse, but in the first half: not counted
+        (3, 100.0, 0.5, True, 0),
+        (6, 100.0, 0.6, False, 1),  # a tie on top-1 with a higher loss: not best, no progress
+        (7, 100.0, 0.5, True, 2),  # a tie of both: the later epoch is best; the loss fell by < 1%
+        (8, 100.0, 0.4, True, 0),  # the lower loss breaks the tie, and is progress
+        (9, 99.0, 0.1, False, 0),  # a lower top-1 is never best, whatever its loss; the loss is progress
+    ]
+    for epoch, top1, loss, best, stalled in evaluations:
+        t.state.epoch = epoch
+        assert Trainer.update_best(t, top1, loss) is best, epoch
+        assert t.state.evals_without_progress == stalled, epoch
+    assert (t.state.best_epoch, t.state.best_metric, t.state.best_loss, t.state.lowest_loss) == (8, 100.0, 0.4, 0.1)

@@ -57,6 +57,11 @@ def test_holdout_is_stratified_disjoint_covering_and_fixed():
         again = holdout.holdout_indices(labels, val_split)
         assert np.array_equal(again[0], kept) and np.array_equal(again[1], held)
     assert holdout.holdout_fraction(500, 4000) == 0.125
+    # A fraction keeps at least MIN_HELD (5) of a class of 25 or more, a fifth of a smaller one:
+    # round(0.05 x 50) = 2 -> 5, round(0.05 x 31) = 2 -> 5, 0 -> 9 // 5 = 1, 0 -> 2 // 5 = 0
+    held = holdout.holdout_indices(labels, 0.05)[1]
+    assert _per_class(labels, held) == {0: 5, 1: 5, 2: 1}
+    assert _per_class(labels, holdout.holdout_indices(labels, 5)[1]) == {0: 3, 1: 2}  # a count: none
 
 
 def test_holdout_errors_name_the_sizes():
@@ -66,7 +71,7 @@ def test_holdout_errors_name_the_sizes():
     with pytest.raises(UserError, match=r"no training sample in class '1' \(1 samples\)"):
         holdout.holdout_indices(labels, 0.6)  # round(0.6 x 1) = 1: class 1 would be all validation
     with pytest.raises(UserError, match="holds out no sample"):
-        holdout.holdout_indices(labels, 0.01)
+        holdout.holdout_indices(np.repeat([0, 1], [4, 1]), 0.01)  # 4 // 5 = 0: no floor either
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,11 +203,15 @@ _C.TRAIN.VAL_SPLIT = 0.0
 # EMA); the decay used is EMA_DECAY ** (global batch / REF_BATCH_SIZE),
 # so the average spans the same number of samples
 _C.TRAIN.EMA_DECAY = 0.0
-# Metric that picks best.pth and drives early stopping: 'top1' (raw
-# model) or 'ema_top1'
+# The weights whose evaluations pick best.pth and drive early stopping:
+# 'top1' (the model's) or 'ema_top1' (the EMA's); judged by balanced
+# top-1 (the mean of the per-class top-1), ties broken by the lower val
+# loss, then the later epoch
 _C.TRAIN.BEST_METRIC = "top1"
-# Stop after PATIENCE evaluations without a new best (0: never)
-_C.TRAIN.PATIENCE = 0
+# Stop after PATIENCE evaluations in the second half of the run without
+# progress: a better balanced top-1 or a 1% lower val loss (0: never;
+# -1: 5 when OPTIM.MAX_EPOCH is from the data, else 0)
+_C.TRAIN.PATIENCE = -1
 # Stop once val top-1 reaches this (percent; 0: never); the time to
 # reach it is logged
 _C.TRAIN.TARGET_TOP1 = 0.0
@@ -312,8 +316,9 @@ _C.CUDNN.TF32 = True
 # Optimizer and learning-rate schedule (SGD)
 # ---------------------------------------------------------------------------------------------
 _C.OPTIM = CN()
-# Number of training epochs
-_C.OPTIM.MAX_EPOCH = 100
+# Number of training epochs; 0 = from the data: about 20,000 training
+# images seen, 10 to 100 epochs (inferred/length.py)
+_C.OPTIM.MAX_EPOCH = 0
 # LR policy: 'cos' (half-period cosine), 'steps' (x LR_MULT at each of
 # STEPS), 'linear' (to MIN_LR), 'constant'
 _C.OPTIM.LR_POLICY = "cos"

@@ -111,8 +111,8 @@ _POSITIVE, _NON_NEGATIVE = "must be positive, got {v}", "must be >= 0, got {v}"
 
 RULES: list[Rule] = [
     # Counts and sizes. 0 means "decided from the data" for
-    # MODEL.NUM_CLASSES, MODEL.IN_CHANS, TRAIN.IM_SIZE and TEST.IM_SIZE
-    # (inferred.py)
+    # MODEL.NUM_CLASSES, MODEL.IN_CHANS, TRAIN.IM_SIZE, TEST.IM_SIZE and
+    # OPTIM.MAX_EPOCH (inferred/)
     *[
         (key, _positive, _POSITIVE)
         for key in (
@@ -121,7 +121,6 @@ RULES: list[Rule] = [
             "TRAIN.PRINT_FREQ",
             "TEST.PRINT_FREQ",
             "TRAIN.TOPK",
-            "OPTIM.MAX_EPOCH",
             "TRAIN.SYNTHETIC_SAMPLES",
             "TEST.SYNTHETIC_SAMPLES",
             "TRAIN.EVAL_PERIOD",
@@ -190,8 +189,13 @@ RULES: list[Rule] = [
     ),
     (
         "OPTIM.STEPS",
-        _steps(lambda v, c: v[-1] < c.OPTIM.MAX_EPOCH),
+        _steps(lambda v, c: not c.OPTIM.MAX_EPOCH or v[-1] < c.OPTIM.MAX_EPOCH),
         "must lie below OPTIM.MAX_EPOCH ({c.OPTIM.MAX_EPOCH}), got {v}",
+    ),
+    (
+        "OPTIM.MAX_EPOCH",
+        lambda v, c: v or c.OPTIM.LR_POLICY != "steps",
+        "must be given with the 'steps' policy, whose OPTIM.STEPS are epochs, got {v}",
     ),
     ("OPTIM.LR_SCALING", *_one_of(LR_SCALINGS)),
     # Names
@@ -232,10 +236,11 @@ RULES: list[Rule] = [
             "TRAIN.CLIP_GRAD_NORM",
             "TRAIN.MIXUP_ALPHA",
             "TRAIN.CUTMIX_ALPHA",
-            "TRAIN.PATIENCE",
             "TRAIN.TARGET_TOP1",
+            "OPTIM.MAX_EPOCH",
         )
     ],
+    ("TRAIN.PATIENCE", lambda v, c: v >= -1, "must be >= 0, or -1 (decided), got {v}"),
     ("TRAIN.RANDAUG_MAGNITUDE", lambda v, c: 0 <= v <= 30, "must be in [0, 30], got {v}"),
     ("TRAIN.RANDOM_ERASE", lambda v, c: 0 <= v <= 1, "is a probability in [0, 1], got {v}"),
     (

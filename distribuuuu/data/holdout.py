@@ -4,8 +4,11 @@ keeps apart for validation.
 TRAIN.VAL_SPLIT (a fraction < 1, or a number of images) holds out, from
 each class of the TRAIN data, round(fraction x class size) images chosen
 by a constant seed (HOLDOUT_SEED, never RNG_SEED): the same images on
-every rank, in every run and on resume, and never in training.
-mnist5k's own train/val split is cut the same way, once and for all.
+every rank, in every run and on resume, and never in training. A
+fraction holds out at least MIN_HELD images of a class that has five
+times as many (a fifth of a smaller one): best.pth is chosen on them, and a class judged on one or
+two images ties at 0% or 100% (docs/recipes.md). mnist5k's own train/val
+split is cut by round(fraction x class size), once and for all.
 """
 
 from __future__ import annotations
@@ -17,22 +20,35 @@ from yacs.config import CfgNode
 from distribuuuu.errors import UserError
 
 HOLDOUT_SEED = 0  # TRAIN.VAL_SPLIT: a constant, not RNG_SEED (the split must not move between runs)
+MIN_HELD = 5  # a fraction holds out at least this many of a class of 5 x MIN_HELD or more
 
 
 def stratified_split(
-    labels: np.ndarray, fraction: float, seed: int
+    labels: np.ndarray, fraction: float, seed: int, at_least: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) sorted index arrays: of the n_c samples of class
-    c, round(fraction * n_c) chosen by a shuffle seeded once with seed
-    (classes in increasing order) are held out."""
+    c, held_out(n_c, fraction, at_least) chosen by a shuffle seeded once
+    with seed (classes in increasing order) are held out."""
     labels = np.asarray(labels)
     rng = np.random.default_rng(seed)
     held = [
-        rng.permutation(np.flatnonzero(labels == c))[: round(fraction * n)]
+        rng.permutation(np.flatnonzero(labels == c))[: held_out(n, fraction, at_least)]
         for c, n in zip(*np.unique(labels, return_counts=True))
     ]
     held_idx = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
     return np.setdiff1d(np.arange(len(labels)), held_idx), held_idx
+
+
+def held_out(class_size: int, fraction: float, at_least: int) -> int:
+    """round(fraction x class_size), raised to at_least for a class of
+    five times as many images or more (a fifth of a smaller class)."""
+    return max(round(fraction * class_size), min(at_least, class_size // 5))
+
+
+def at_least(val_split: float) -> int:
+    """The floor per class: MIN_HELD for a fraction, none for a number
+    of images (the user counted them)."""
+    return MIN_HELD if val_split < 1 else 0
 
 
 def holdout_fraction(val_split: float, total: int) -> float:
@@ -52,7 +68,7 @@ def check_holdout(class_counts: dict[str, int], val_split: float) -> int:
             f"samples; use fewer (e.g. {max(1, total // 10)}) or a fraction such as 0.1"
         )
     fraction = holdout_fraction(val_split, total)
-    held = {c: round(fraction * n) for c, n in class_counts.items()}
+    held = held_per_class(class_counts, val_split)
     emptied = [c for c, n in class_counts.items() if n - held[c] < 1]
     if emptied:
         named = ", ".join(f"{c!r} ({class_counts[c]} samples)" for c in emptied[:5])
@@ -70,12 +86,20 @@ def check_holdout(class_counts: dict[str, int], val_split: float) -> int:
     return sum(held.values())
 
 
+def held_per_class(class_counts: dict[str, int], val_split: float) -> dict[str, int]:
+    """The images TRAIN.VAL_SPLIT holds out of each class."""
+    fraction = holdout_fraction(val_split, sum(class_counts.values()))
+    floor = at_least(val_split)
+    return {c: held_out(n, fraction, floor) for c, n in class_counts.items()}
+
+
 def holdout_indices(labels: np.ndarray, val_split: float) -> tuple[np.ndarray, np.ndarray]:
     """(training, validation) indices of TRAIN.VAL_SPLIT carved from a
     training set with these labels (UserError as check_holdout)."""
     classes, counts = np.unique(np.asarray(labels), return_counts=True)
     check_holdout({str(c): int(n) for c, n in zip(classes, counts)}, val_split)
-    return stratified_split(labels, holdout_fraction(val_split, len(labels)), HOLDOUT_SEED)
+    fraction = holdout_fraction(val_split, len(labels))
+    return stratified_split(labels, fraction, HOLDOUT_SEED, at_least(val_split))
 
 
 class SplitPart(Subset):

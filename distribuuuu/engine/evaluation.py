@@ -32,6 +32,8 @@ from distribuuuu.optim import Stepper
 
 log = logging.getLogger("distribuuuu")
 
+FEW_IMAGES = 5  # a class judged on fewer: one image moves its top-1 by 20 points or more
+
 
 def topk_hits(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
     """[B, min(k, classes)] bool: whether the j-th best prediction is the
@@ -124,13 +126,20 @@ class ClassCounter(Counter):
 
     def result(self) -> dict[str, Any]:
         """Counter's, with per_class_top1 (percent, class order; None
-        for a class without samples) and confusion (K x K counts, rows
-        true)."""
+        for a class without samples), balanced_top1 (their mean: top-1
+        as if every class had as many samples) and confusion (K x K
+        counts, rows true)."""
         rows = self.confusion.view(self.classes, self.classes)
         counts, hits = rows.sum(1).tolist(), rows.diagonal().tolist()
         per_class = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
-        confusion = rows.to(torch.int64).tolist()
-        return {**super().result(), "per_class_top1": per_class, "confusion": confusion}
+        judged = [acc for acc in per_class if acc is not None]
+        balanced = sum(judged) / len(judged) if judged else float("nan")
+        return {
+            **super().result(),
+            "balanced_top1": balanced,
+            "per_class_top1": per_class,
+            "confusion": rows.to(torch.int64).tolist(),
+        }
 
 
 @torch.no_grad()
@@ -175,6 +184,7 @@ def validate(
     ctx: DistContext,
     stepper: Stepper,
     epoch: int,
+    classes: list[str],
 ) -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
     """The epoch's evaluation of each model (``nets``: split name ->
     module; "val", and "val_ema" for the EMA) on the validation split:
@@ -182,18 +192,32 @@ def validate(
     records, confusions = [], []
     for split, net in nets.items():
         result = evaluate(net, loader, cfg, ctx, stepper)
-        confusions.append(result.pop("confusion"))
+        confusion = result.pop("confusion")
+        confusions.append(confusion)
         records.append({"epoch": epoch, "split": split, **result, "topk": cfg.TRAIN.TOPK})
         log.info(
-            "[%s] epoch %d/%d | loss %.4f | %s | n %d",
+            "[%s] epoch %d/%d | loss %.4f | %s | balanced top-1 %.2f%% | n %d%s",
             split,
             epoch,
             cfg.OPTIM.MAX_EPOCH,
             result["loss"],
             accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"),
+            result["balanced_top1"],
             result["n"],
+            thinly_judged(classes, confusion),
         )
     return records, confusions
+
+
+def thinly_judged(classes: list[str], matrix: list[list[int]]) -> str:
+    """' | judged on < 5 images: cat 2, dog 1': the classes whose top-1
+    moves by 20 points or more with one image ('' if none)."""
+    few = [(name, sum(row)) for name, row in zip(classes, matrix) if 0 < sum(row) < FEW_IMAGES]
+    if not few:
+        return ""
+    named = ", ".join(f"{name} {n}" for name, n in few[:10])
+    more = f" and {len(few) - 10} more" if len(few) > 10 else ""
+    return f" | judged on < {FEW_IMAGES} images: {named}{more}"
 
 
 def confusion_csv(classes: list[str], matrix: list[list[int]]) -> str:

@@ -339,9 +339,9 @@ class NonFiniteEpochCheck(HookBase):
 
 class EvalHook(HookBase):
     """Every TRAIN.EVAL_PERIOD epochs and after the last: evaluate (raw
-    and EMA), tell the trainer the TRAIN.BEST_METRIC value (a new best
-    makes best.pth, and its confusion matrix OUT_DIR/confusion.csv),
-    then after_eval."""
+    and EMA), tell the trainer the balanced top-1 and loss of the
+    weights TRAIN.BEST_METRIC names (a new best makes best.pth, and its
+    confusion matrix OUT_DIR/confusion.csv), then after_eval."""
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         cfg, state = trainer.cfg, trainer.state
@@ -352,19 +352,28 @@ class EvalHook(HookBase):
             if trainer.stepper.ema is not None:
                 nets["val_ema"] = trainer.stepper.ema.module
             records, confusions = evaluation.validate(
-                nets, trainer.val_loader, cfg, trainer.ctx, trainer.stepper, state.epoch
+                nets,
+                trainer.val_loader,
+                cfg,
+                trainer.ctx,
+                trainer.stepper,
+                state.epoch,
+                trainer.card.classes,
             )
             i = [r["split"] for r in records].index(
                 "val" if cfg.TRAIN.BEST_METRIC == "top1" else "val_ema"
             )
-            if trainer.update_best(records[i]["top1"]) and trainer.ctx.is_main:  # best.pth's matrix
+            judged = records[i]
+            is_best = trainer.update_best(judged["balanced_top1"], judged["loss"])
+            if is_best and trainer.ctx.is_main:  # best.pth's matrix
                 trainer.folder.write_confusion(
                     evaluation.confusion_csv(trainer.card.classes, confusions[i])
                 )
             log.info(
-                "best %s %.2f%% (epoch %d)",
-                cfg.TRAIN.BEST_METRIC,
+                "best %s: balanced top-1 %.2f%%, loss %.4f (epoch %d)",
+                judged["split"],
                 state.best_metric,
+                state.best_loss,
                 state.best_epoch,
             )
             trainer.call("after_eval", "val", records)
@@ -375,7 +384,8 @@ class EvalHook(HookBase):
 class EarlyStopHook(HookBase):
     """TRAIN.TARGET_TOP1 (stop once reached; its record gets
     time_to_target_s) and TRAIN.PATIENCE (stop after that many
-    evaluations without a better TRAIN.BEST_METRIC)."""
+    evaluations without progress in the second half of the run:
+    Trainer.update_best)."""
 
     def after_eval(self, trainer: Trainer, split: str, records: list[dict[str, Any]]) -> None:
         cfg = trainer.cfg
@@ -394,9 +404,12 @@ class EarlyStopHook(HookBase):
                     f"{format_seconds(record['time_to_target_s'])}"
                 )
                 return
-        if cfg.TRAIN.PATIENCE and trainer.state.evals_since_best >= cfg.TRAIN.PATIENCE:
+        state = trainer.state
+        stalled = cfg.TRAIN.PATIENCE and state.evals_without_progress >= cfg.TRAIN.PATIENCE
+        if stalled and state.epoch < cfg.OPTIM.MAX_EPOCH:  # (the last epoch ends the run anyway)
             trainer.stop(
-                f"early stop: no better {cfg.TRAIN.BEST_METRIC} in {cfg.TRAIN.PATIENCE} evaluations"
+                f"early stop: no progress in {cfg.TRAIN.PATIENCE} evaluations (neither a better "
+                "val balanced top-1 nor a 1% lower val loss)"
             )
 
 

@@ -25,15 +25,17 @@ checkpoint).
 
 A checkpoint is a plain dict (the file format: weights.py; the folder's
 checkpoints: run_folder):
-  model / optimizer (or ``sharded``: the .dcp folder of an FSDP run; the strategy's entries), scaler
-  / ema (the stepper's), epoch (epochs completed), samples_in_epoch (position in the epoch in
-  progress, all ranks together), global_step (optimizer steps of the schedule, a skipped one too),
-  best_metric, best_epoch, evals_since_best, cfg (YAML text), rng (every rank's streams:
-  engine/rng.py), world_size, train_sums (metrics of the part-done epoch) with its counters so far
-  (unreadable: the training samples found unreadable, epoch_skips: the steps the guard skipped),
-  facts (what the run trained on, checked on resume), seed, card (model_card: the config, class
-  names and preprocessing, for using the model from the file alone), shard_plan, hooks (each hook's
-  own state by name, from ``Trainer.remember``: e.g. the tracker run ids).
+  model / optimizer (or ``sharded``: the .dcp folder of an FSDP run;
+  the strategy's entries), scaler / ema (the stepper's), the
+  TrainState.SAVED counters (epoch, samples_in_epoch, global_step, the
+  best and the progress: update_best), cfg (YAML text), rng (every
+  rank's streams: engine/rng.py), world_size, train_sums (metrics of the
+  part-done epoch) with its counters so far (unreadable: the training
+  samples found unreadable, epoch_skips: the steps the guard skipped),
+  facts (what the run trained on, checked on resume), seed, card
+  (model_card: the config, class names and preprocessing, for using the
+  model from the file alone), shard_plan, hooks (each hook's own state
+  by name, from ``Trainer.remember``: e.g. the tracker run ids).
 Saving is collective (every rank calls ``Trainer.save``); only rank 0
 writes the .pth file.
 """
@@ -67,6 +69,8 @@ from distribuuuu.run_folder import RunFolder
 
 log = logging.getLogger(LOGGER_NAME)
 
+PROGRESS = 0.01  # a val loss this much (relative) below the lowest so far is progress (PATIENCE)
+
 
 @dataclass
 class TrainState:
@@ -76,9 +80,11 @@ class TrainState:
     epoch: int = 0  # epochs completed
     samples_in_epoch: int = 0  # samples of the epoch in progress consumed by all ranks together
     global_step: int = 0  # optimizer steps of the schedule (a step the guard skipped counts)
-    best_metric: float = float("-inf")  # TRAIN.BEST_METRIC's best value so far
+    best_metric: float = float("-inf")  # balanced top-1 of best.pth (TRAIN.BEST_METRIC's weights)
+    best_loss: float = float("inf")  # its val loss, which breaks ties
     best_epoch: int = 0
-    evals_since_best: int = 0  # for TRAIN.PATIENCE
+    lowest_loss: float = float("inf")  # the lowest val loss so far
+    evals_without_progress: int = 0  # for TRAIN.PATIENCE (update_best)
     resumed_sums: list[float] | None = None  # train sums of a resumed, part-done epoch (all ranks)
     data_identity: dict[str, Any] = field(
         default_factory=dict
@@ -95,8 +101,10 @@ class TrainState:
         "samples_in_epoch",
         "global_step",
         "best_metric",
+        "best_loss",
         "best_epoch",
-        "evals_since_best",
+        "lowest_loss",
+        "evals_without_progress",
         "hooks",
         "unreadable",
     )
@@ -135,15 +143,26 @@ class Trainer:
         (reduced metrics, a vote), or ranks would part."""
         self.stop_reason = reason
 
-    def update_best(self, value: float) -> bool:
-        """An evaluation's TRAIN.BEST_METRIC value: whether it is the
-        best so far (then best.pth follows)."""
+    def update_best(self, balanced_top1: float, loss: float) -> bool:
+        """An evaluation of TRAIN.BEST_METRIC's weights: whether it is
+        the best so far (then best.pth follows). Balanced top-1 decides
+        (a small class counts as much as a large one), the lower val
+        loss breaks a tie (common on a few images per class), the later
+        epoch a tie of both. Counts the evaluations without progress
+        for TRAIN.PATIENCE: in the first half of the run none count (the
+        LR is high, and the schedule has the rest to go)."""
         state = self.state
-        if value > state.best_metric:
-            state.best_metric, state.best_epoch, state.evals_since_best = value, state.epoch, 0
-            return True
-        state.evals_since_best += 1
-        return False
+        better = balanced_top1 > state.best_metric
+        best = better or (balanced_top1 == state.best_metric and loss <= state.best_loss)
+        progress = better or loss < (1 - PROGRESS) * state.lowest_loss
+        state.lowest_loss = min(state.lowest_loss, loss)
+        if best:
+            state.best_metric, state.best_loss, state.best_epoch = balanced_top1, loss, state.epoch
+        if progress or state.epoch <= self.cfg.OPTIM.MAX_EPOCH / 2:
+            state.evals_without_progress = 0
+        else:
+            state.evals_without_progress += 1
+        return best
 
     def remember(self, hook: str, state: Any) -> None:
         """A hook's own state (plain Python values), written into every
@@ -252,9 +271,10 @@ class Trainer:
             summary["test"] = self.test_chosen_checkpoint()
         self.call("after_fit", summary)
         why = f" ({self.stop_reason})" if self.stop_reason else ""
-        metric = "top-1" if cfg.TRAIN.BEST_METRIC == "top1" else "EMA top-1"
+        weights = "" if cfg.TRAIN.BEST_METRIC == "top1" else "EMA "
         log.info(
-            f"done{why}: best val {metric} {state.best_metric:.2f}% (epoch {state.best_epoch}) | "
+            f"done{why}: best val {weights}balanced top-1 {state.best_metric:.2f}% (epoch "
+            f"{state.best_epoch}) | "
             f"{state.epoch} epochs | wall {format_seconds(wall)} | run folder {cfg.OUT_DIR}"
         )
         return summary
@@ -428,14 +448,15 @@ class Trainer:
         self._keep_seed(ckpt.get("seed", 0 if cfg.RNG_SEED is None else None))
         self._restore_rng(ckpt)
         log.info(
-            "resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best %s %.2f",
+            "resumed from %s: %d epochs done, %d samples into epoch %d, step %d, best balanced "
+            "top-1 %.2f (epoch %d)",
             path,
             state.epoch,
             state.samples_in_epoch,
             state.epoch + 1,
             state.global_step,
-            cfg.TRAIN.BEST_METRIC,
             state.best_metric,
+            state.best_epoch,
         )
         self.stepper.load_state_dict(ckpt)
         self.resumed = True

@@ -16,6 +16,8 @@ checkpoint hold the values used.
               (CROP_SCALE, FLIP_PROB, MEAN/STD): a fine-tune's card, a resumed
               run's start, else a sample of the images
   machine.py  TRAIN.WORKERS -1 and NUM_THREADS 0 from the cores
+  length.py   OPTIM.MAX_EPOCH 0 and TRAIN.PATIENCE -1 from the training
+              set's size
   here        OPTIM.WARMUP_EPOCHS over half of the run: said to be shortened
 """
 
@@ -54,7 +56,7 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     if _DECISIONS in cfg.__dict__:
         return cfg
     from distribuuuu import run_folder
-    from distribuuuu.inferred import data, images, machine
+    from distribuuuu.inferred import data, images, length, machine
     from distribuuuu.launch.launcher import detect
 
     out = cfg.clone()
@@ -70,6 +72,7 @@ def resolve(cfg: CfgNode, local_world_size: int | None = None) -> CfgNode:
     decided.append(data.eval_size(out))
     decided.append(machine.workers(out, local_world_size))
     decided += machine.threads(out, local_world_size)
+    decided += length.run_length(out)
     decided += _warmup(out)
     decided += data.absolute_imports(out)
     data.absolute_datasets(out)  # last: the lines above name the data as the user wrote it

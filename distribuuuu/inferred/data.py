@@ -102,29 +102,41 @@ def _label_files(cfg: CfgNode) -> list[Decision]:
 
 def _hold_out(cfg: CfgNode, why: str) -> list[Decision]:
     """TEST.DATASET unset and no val split: TEST is the training split,
-    and TRAIN.VAL_SPLIT (unless set) holds a tenth of it out."""
+    and TRAIN.VAL_SPLIT (unless set) holds a tenth of it out; the line
+    says how many images of each class."""
     t = cfg.TRAIN
     cfg.TEST.DATASET, cfg.TEST.SPLIT = t.DATASET, t.SPLIT
     if t.VAL_SPLIT:
         return []
     t.VAL_SPLIT = HOLDOUT_FRACTION
+    why += "a tenth of each class"
     try:
-        targets = sources.image_files(cfg, "TRAIN").targets
-        counts = {str(c): n for c, n in zip(*np.unique(targets, return_counts=True))}
-        held = holdout.check_holdout(counts, HOLDOUT_FRACTION)
+        files = sources.image_files(cfg, "TRAIN")
+        indices, sizes = np.unique(files.targets, return_counts=True)
+        counts = {files.classes[i]: int(n) for i, n in zip(indices, sizes)}
+        holdout.check_holdout(counts, HOLDOUT_FRACTION)
     except (UserError, OSError, ValueError):
-        return [
-            Decision(
-                "TRAIN.VAL_SPLIT",
-                t.VAL_SPLIT,
-                why + "a tenth of each class is held out as the val set",
-            )
-        ]
-    why += (
-        f"{held} of its {len(targets)} images, a tenth of each class, chosen by a fixed seed, are "
-        "held out as the val set"
-    )
-    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
+        return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why + " is held out as the val set")]
+    held = holdout.held_per_class(counts, HOLDOUT_FRACTION)
+    why += f" (at least {holdout.MIN_HELD} of a class of {5 * holdout.MIN_HELD} or more), "
+    why += f"{sum(held.values())} of its {sum(counts.values())} images chosen by a fixed seed, "
+    why += f"is held out as the val set: {_per_class(held, counts)}"
+    few = [c for c, n in held.items() if n < holdout.MIN_HELD]
+    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why, warn=bool(few))]
+
+
+def _per_class(held: dict[str, int], counts: dict[str, int]) -> str:
+    """'cat 12, dog 5' for up to 20 classes, else the range; then the
+    classes that hold out fewer than MIN_HELD (too few images)."""
+    if len(held) <= 20:
+        text = "per class " + ", ".join(f"{c} {n}" for c, n in held.items())
+    else:
+        text = f"{min(held.values())} to {max(held.values())} per class"
+    few = [f"{c} {n} of {counts[c]}" for c, n in held.items() if n < holdout.MIN_HELD]
+    if few:
+        text += f"; fewer than {holdout.MIN_HELD} (the class is too small to spare more): "
+        text += ", ".join(few[:10]) + (f" and {len(few) - 10} more" if len(few) > 10 else "")
+    return text
 
 
 def training_data_is_test_data(cfg: CfgNode) -> bool:

@@ -12,7 +12,7 @@ class Decision:
     key: str
     value: Any
     origin: str  # e.g. "from the folder", "config"
-    warn: bool = False  # a value the user set was changed: a warning
+    warn: bool = False  # a warning: a value the user set changed, or data too small
 
     def line(self) -> str:
         return f"{self.key} {self.value} ({self.origin})"
