@@ -19,7 +19,7 @@ resume_check.py, entered only by a run that resumes. The order of the
 calls in one training run (api.run_command, engine/trainer.py):
   check_folder (every process, before any process group) -> owned (rank 0 takes the lock) ->
   RunFolder(cfg) -> previous_seed -> has_checkpoint -> prepare_record -> latest + check_resume
-  (resuming) -> write_record -> metrics -> save (each checkpoint) -> best (the test of the chosen
+  (resuming) -> metrics -> write_record -> save (each checkpoint) -> best (the test of the chosen
   one).
 """
 
