@@ -57,6 +57,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from yacs.config import CfgNode
@@ -77,6 +78,7 @@ STATUS_EXIT_CODES = {
     "killed": 255,
 }  # W&B's status is its exit code (255: Ctrl-C's)
 PAUSE_S = 1.0  # between two tries of a start that reached no server
+REQUEST_S = 10  # the longest one request of a start may wait: a stop signal is acted on between two
 
 
 def require_installed(names: list[str]) -> None:
@@ -126,10 +128,11 @@ def within(seconds: float, attempt: Callable[[float], Any]) -> Any:
 def _bounded_mlflow_requests(seconds: float) -> Iterator[None]:
     """MLflow's requests, while a run starts: no retries of its own (a
     refused connection waited 259 s through them), each answered within
-    the time left."""
+    the time left (at most REQUEST_S)."""
     names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
     before = {name: os.environ.get(name) for name in names}
-    os.environ.update(zip(names, ("0", str(max(1, math.ceil(seconds))))))
+    timeout = min(REQUEST_S, max(1, math.ceil(seconds)))
+    os.environ.update(zip(names, ("0", str(timeout))))
     try:
         yield
     finally:
@@ -153,7 +156,7 @@ class MLflowRun:
         given = os.environ.get("MLFLOW_TRACKING_URI")
         self.store = self.uri(out_dir)
         self.local = None  # OUT_DIR's sqlite file
-        self.artifacts = None  # OUT_DIR's folder for the files (not ./mlruns of the cwd)
+        self.artifacts = None  # OUT_DIR's folder for its files (not ./mlruns of the cwd)
         browse = ""
         if given:
             log.info(
@@ -163,8 +166,8 @@ class MLflowRun:
                 seconds,
             )
         else:
-            self.local = os.path.join(os.path.abspath(out_dir), "mlflow.db")
-            self.artifacts = os.path.join(os.path.abspath(out_dir), "mlartifacts")
+            self.local = self.store.removeprefix("sqlite:///")
+            self.artifacts = Path(out_dir, "mlartifacts").resolve().as_uri()
             browse = f" (browse: mlflow ui --backend-store-uri {self.store})"
         self.client = MlflowClient(self.store)
         self.run_id, self.created, self.held = within(
@@ -206,10 +209,7 @@ class MLflowRun:
             if found is not None:
                 experiment_id = found.experiment_id
             else:
-                location = None
-                if self.artifacts:
-                    location = f"file://{self.artifacts}"
-                experiment_id = self.client.create_experiment(experiment, location)
+                experiment_id = self.client.create_experiment(experiment, self.artifacts)
             return self.client.create_run(experiment_id, run_name=name).info.run_id, True, {}
 
     def lost(self) -> str | None:
@@ -265,6 +265,12 @@ class WandbRun:
         mode = None  # WANDB_MODE's
         if not os.environ.get("WANDB_MODE"):
             mode = "offline"
+        elif os.environ["WANDB_MODE"] == "online":
+            log.info(
+                "W&B: starting a run at %s (waiting up to %g s for it, TRAIN.TRACKER_START_S)",
+                self.uri(),
+                seconds,
+            )
         folder = os.path.join(out_dir, "wandb")
         made = not os.path.exists(folder)
         try:
