@@ -174,10 +174,11 @@ def require_weights_file(weights: str) -> None:
     starting weights): a folder or a missing path is a UserError saying
     which."""
     if os.path.isdir(weights):  # a run folder, most likely: name its file
-        raise UserError(
-            f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file (e.g. "
-            f"{best_path(weights)})"
-        )
+        found = run_folder.checkpoint_in(weights)
+        hint = f"e.g. {found}"
+        if found is None:
+            hint = f"it holds no {BEST} or {LAST}, nor a {CHECKPOINTS}/ folder with one"
+        raise UserError(f"MODEL.WEIGHTS {weights!r} is a folder; give a checkpoint file ({hint})")
     if not os.path.isfile(weights):
         raise UserError(
             f"MODEL.WEIGHTS {weights!r} does not exist; give the path of a checkpoint (e.g. "

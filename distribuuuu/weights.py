@@ -201,8 +201,8 @@ def read_state_dict(path: str, label: str) -> dict[str, torch.Tensor]:
     accepted)."""
     if os.path.isdir(path):
         raise UserError(
-            f"{label} {path} is a folder; give a weights file in it (e.g. "
-            f"{path}/checkpoints/best.pth)"
+            f"{label} {path} is a folder; give a weights file (a run folder keeps its "
+            "checkpoints in checkpoints/: best.pth, last.pth)"
         )
     if not os.path.isfile(path):
         raise UserError(

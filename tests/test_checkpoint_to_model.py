@@ -116,4 +116,22 @@ def test_a_run_folder_as_checkpoint_is_named_a_folder_without_cfg_too(tmp_path, 
     result = cli_main(command, "--checkpoint", str(folder), *([str(image)] if command == "predict" else []))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: MODEL.WEIGHTS {str(folder)!r} is a folder; give a checkpoint file (e.g. {folder}/checkpoints/best.pth)"]
+        f"error: MODEL.WEIGHTS {str(folder)!r} is a folder; give a checkpoint file (it holds no best.pth or "
+        "last.pth, nor a checkpoints/ folder with one)"]
+
+
+def test_a_folder_given_as_the_checkpoint_is_answered_with_a_file_that_exists(tmp_path):
+    """The hint names the file the folder holds: a run folder's checkpoints/best.pth (last.pth when
+    there is no best), the checkpoints folder's own best.pth. Before: `eval MODEL.WEIGHTS
+    runs/x/checkpoints` suggested runs/x/checkpoints/checkpoints/best.pth."""
+    checkpoints = tmp_path / "x" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.pth").write_bytes(b"")
+    cases = {tmp_path / "x": checkpoints / "last.pth", checkpoints: checkpoints / "last.pth"}
+    for given, named in cases.items():
+        result = cli_main("eval", "MODEL.WEIGHTS", str(given))
+        assert named.exists() and result.stderr.strip().splitlines() == [
+            f"error: MODEL.WEIGHTS {str(given)!r} is a folder; give a checkpoint file (e.g. {named})"], result.stderr
+    (checkpoints / "best.pth").write_bytes(b"")
+    result = cli_main("eval", "MODEL.WEIGHTS", str(checkpoints))
+    assert result.stderr.strip().endswith(f"(e.g. {checkpoints / 'best.pth'})"), result.stderr

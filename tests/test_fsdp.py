@@ -2,11 +2,23 @@
 gloo processes on CPU; its sharded checkpoint write, stopped or failing, in process."""
 
 import os
+import sys
 
 import pytest
 import torch
 
-from tests.conftest import TINY, check, cli_main, distribuuuu, make_cfg, read_metrics
+from tests.conftest import (
+    TINY,
+    check,
+    cli_main,
+    distribuuuu,
+    logged,
+    make_cfg,
+    read_metrics,
+    run,
+    start_until,
+    stop_and_wait,
+)
 
 # AdamW keeps two state tensors per parameter: the per-rank share of it is easy to see.
 ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"]
@@ -15,8 +27,10 @@ ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "0.01"]
 def _strategy_worker(out_dir):
     """In each of 2 spawned processes: 3 steps (with accumulation 2 and clipping) from the same
     start under ddp, fsdp, fsdp + CPU offload and ddp + activation checkpointing; saves the whole
-    weights and the optimizer-state bytes this rank holds."""
-    from torch.distributed.fsdp import FSDPModule
+    weights and the optimizer-state bytes this rank holds. Then the state dict of a sharded model
+    with uneven shards, as host_full_state and as DTensor.full_tensor() gather it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from distribuuuu import models, strategies
     from distribuuuu.launch import comm
@@ -47,7 +61,22 @@ def _strategy_worker(out_dir):
             held = sum(local_tensor(t).numel() * t.element_size() for s in opt.state.values()
                        for t in s.values() if torch.is_tensor(t) and t.dim() > 0)  # this rank's shards only
             results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
+            if isinstance(net, FSDPModule):
+                results[f"{name} gathered"] = _gathered_both_ways(net, fsdp, get_model_state_dict)
+        # [5, 3] and [5] are split 3 + 2 rows, [1, 5] and [1] 1 + 0: padded, and an empty shard
+        torch.manual_seed(0)
+        uneven = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+        whole = {k: v.detach().clone() for k, v in uneven.state_dict().items()}
+        fully_shard(uneven)
+        results["uneven gathered"] = (whole, *_gathered_both_ways(uneven, fsdp, get_model_state_dict))
     torch.save(results, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
+
+
+def _gathered_both_ways(net, fsdp, get_model_state_dict) -> tuple[dict, dict]:
+    """(host_full_state's eager all-gather, DTensor.full_tensor()'s functional one) of net."""
+    functional = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().cpu()
+                  for k, v in get_model_state_dict(net).items()}
+    return fsdp.host_full_state(net), functional
 
 
 @pytest.mark.e2e
@@ -77,6 +106,16 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
         assert b0 + b1 == pytest.approx(ddp_bytes, rel=0.02), name
         assert max(b0, b1) < 0.55 * ddp_bytes, name
     assert r1["ddp"][1] == ddp_bytes  # ddp: the whole state on every rank
+    # host_full_state (the eager all-gather into one tensor that launch/gloo_cuda.py probes, each
+    # shard padded to ceil(rows / world)) gives what DTensor.full_tensor() gives, on every rank
+    whole = r0["uneven gathered"][0]
+    for r in (r0, r1):
+        for name in ("fsdp gathered", "fsdp_offload gathered", "uneven gathered"):
+            eager, functional = r[name][-2:]
+            assert eager.keys() == functional.keys() and len(eager) >= 4, name
+            assert all(torch.equal(eager[k], functional[k]) for k in eager), name
+        assert all(torch.equal(r["uneven gathered"][-2][k], whole[k]) for k in whole)
+    assert r0["fsdp gathered"][0].keys() == r0["fsdp"][0].keys()
 
 
 def test_activation_checkpointing_keeps_fewer_activations():
@@ -105,25 +144,46 @@ def test_activation_checkpointing_keeps_fewer_activations():
     assert recomputed < 0.5 * plain, (plain, recomputed)
 
 
+def _tensors(entry, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a checkpoint's entries (nested dicts and lists), by its path."""
+    if torch.is_tensor(entry):
+        return {path: entry}
+    items = entry.items() if isinstance(entry, dict) else enumerate(entry) if isinstance(entry, list) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{path}/{key}").items()}
+
+
+MEASURED = ("img_per_s", "time_s", "data_frac", "peak_mem_mb")  # how fast and how big, not what was learnt
+
+
 @pytest.mark.e2e
-def test_fsdp_full_checkpoint_resumes_exactly_and_evaluates(tmp_path):
-    """2 epochs straight vs 1 epoch + resume: the same weights, bit for bit; the checkpoint is a
-    whole state dict, so `distribuuuu eval` reads it like a ddp one."""
-    # A constant LR: the cosine would depend on MAX_EPOCH, which differs between the runs.
-    fsdp = ["--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY", "fsdp", "OPTIM.LR_POLICY", "constant", *ADAMW]
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    check(distribuuuu("train", *fsdp, "OUT_DIR", straight))
-    check(distribuuuu("train", *fsdp, "OUT_DIR", resumed, "OPTIM.MAX_EPOCH", "1"))
-    proc = check(distribuuuu("train", *fsdp, "OUT_DIR", resumed))
-    assert "resumed from" in proc.stdout
-    a = torch.load(f"{straight}/checkpoints/last.pth", weights_only=True)
-    b = torch.load(f"{resumed}/checkpoints/last.pth", weights_only=True)
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert len(a["optimizer"]["state"]) == len([k for k in a["model"] if "running" not in k and "num_batches" not in k])
-    assert read_metrics(straight)[-1]["top1"] == read_metrics(resumed)[-1]["top1"]
-    proc = check(distribuuuu("eval", "--cfg", TINY, "MODEL.WEIGHTS", f"{straight}/checkpoints/last.pth",
-                             "OUT_DIR", str(tmp_path / "eval")))
-    assert f"top-1 {read_metrics(straight)[-1]['top1']:.2f}%" in proc.stdout  # the same exact eval
+def test_a_stopped_fsdp_run_resumes_to_the_straight_run_bit_for_bit_and_evaluates(tmp_path):
+    """2 processes, FSDP: SIGTERM in epoch 1 (a step checkpoint, exit 143), then the same command to
+    the end. The metrics and every tensor of the final checkpoint (weights, BatchNorm statistics,
+    optimizer state, every rank's RNG streams) equal the straight run's. Before: FSDP broadcasts no
+    buffers, each rank's running statistics followed its own batches, the step checkpoint kept rank
+    0's, and the resumed rank 1 went on from them: every running_mean/var and the val loss differed.
+    The checkpoint is a whole state dict, so `distribuuuu eval` reads it like a ddp one."""
+    # 512 samples / (2 x 16): 16 steps an epoch at 8 px, a print line every 4: room for a signal
+    train = [sys.executable, "-m", "distribuuuu", "train", "--nproc-per-node", "2", "--cfg", TINY, "DIST.STRATEGY",
+             "fsdp", "OPTIM.LR_POLICY", "constant", *ADAMW, "TRAIN.SYNTHETIC_SAMPLES", "512",
+             "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.IM_SIZE", "8", "TEST.IM_SIZE", "8"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check(run([*train, "OUT_DIR", str(straight)], timeout=300))
+    stop_and_wait(*start_until([*train, "OUT_DIR", str(stopped)], stopped, logged("[train] epoch 1/2 iter")))
+    ckpt = torch.load(stopped / "checkpoints" / "last.pth", weights_only=True)
+    assert ckpt["epoch"] == 0 and ckpt["samples_in_epoch"] > 0, ckpt["samples_in_epoch"]
+    assert "resumed from" in check(run([*train, "OUT_DIR", str(stopped)], timeout=300)).stdout
+    numbers = [[{k: v for k, v in row.items() if k not in MEASURED} for row in read_metrics(str(out))]
+               for out in (straight, stopped)]
+    assert numbers[0] == numbers[1] and len(numbers[0]) == 4
+    a, b = (_tensors(torch.load(out / "checkpoints" / "last.pth", weights_only=True)) for out in (straight, stopped))
+    assert a.keys() == b.keys() and any("running_var" in k for k in a) and any("/optimizer/state/" in k for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    model = [k for k in a if k.startswith("/model/")]
+    assert len([k for k in a if k.endswith("/exp_avg")]) == len([k for k in model if "running" not in k
+                                                                and "num_batches" not in k])  # keyed by name
+    proc = check(distribuuuu("eval", "--checkpoint", f"{straight}/checkpoints/last.pth"))  # the run's own config
+    assert f"| loss {numbers[0][-1]['loss']:.4f} | top-1 {numbers[0][-1]['top1']:.2f}%" in proc.stdout  # the same
 
 
 @pytest.mark.e2e

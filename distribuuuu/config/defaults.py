@@ -230,6 +230,10 @@ _C.TRAIN.TRACKERS = []
 # Also send best.pth and last.pth to the trackers as files when the run
 # finishes (off: their paths only, as tags)
 _C.TRAIN.TRACKER_CHECKPOINTS = False
+# Seconds a tracker may take to start (a server that refuses or does
+# not answer is tried again until then; then exit 2): widen it for a
+# slow or restarting server
+_C.TRAIN.TRACKER_START_S = 10.0
 
 # Input pipeline (train and val): 'auto' (in memory for mnist5k and
 # CIFAR up to 2 GiB per process, else DataLoader), 'memory' (the whole

@@ -324,6 +324,18 @@ RULES: list[Rule] = [
     ("TRAIN.NONFINITE", *_one_of(NONFINITE_MODES)),
     ("TRAIN.PREEMPT_SIGNALS", *_one_of(PREEMPT_SIGNALS, each=True)),
     ("TRAIN.TRACKERS", *_one_of(TRACKERS, each=True)),
+    (
+        "TRAIN.TRACKERS",
+        lambda v, c: len(set(v)) == len(v),
+        "names a tracker twice, got {v!r}: each tracker writes one run; name it once",
+    ),
+    ("TRAIN.TRACKER_START_S", _positive, _POSITIVE),
+    (
+        "TRAIN.TRACKER_START_S",
+        lambda v, c: v < c.DIST.TIMEOUT_S,
+        "{v} must be below DIST.TIMEOUT_S {c.DIST.TIMEOUT_S}: the other ranks wait for the "
+        "trackers' start in a collective",
+    ),
     # Device, backend, names and paths
     ("DEVICE", *_one_of(DEVICES)),
     ("DIST.BACKEND", *_one_of(BACKENDS)),

@@ -187,29 +187,35 @@ def default_hooks(cfg: CfgNode, world_size: int) -> list[HookBase]:
 
 class TrackerHook(HookBase):
     """TRAIN.TRACKERS (trackers.py): global rank 0 writes one run per
-    tracker, continued across resumes (their ids are remembered in every
-    checkpoint), with the print steps' numbers and every record against
-    the global optimizer step. The other ranks only hear whether the
-    trackers started. First of the built-in hooks: a start that fails
-    refuses the run before MetricsHook sets any records aside, and an
-    epoch's record reaches the trackers before CheckpointHook ends the
-    job for a stop signal."""
+    tracker and run folder, continued across resumes (the folder and
+    the run ids are remembered in every checkpoint), with the print
+    steps' numbers and every record against the global optimizer step.
+    The other ranks only hear how the start went. First of the built-in
+    hooks, whose before_fit comes before the run record is written: a
+    start that fails refuses the run, and a stop signal during it stops
+    every rank, with OUT_DIR as it was; an epoch's record reaches the
+    trackers before CheckpointHook ends the job for a stop signal."""
 
     def __init__(self, cfg: CfgNode) -> None:
         trackers.require_installed(cfg.TRAIN.TRACKERS)  # every rank, before anything is built
         self.runs: trackers.Runs | None = None  # rank 0's
 
     def before_fit(self, trainer: Trainer) -> None:
-        failure = None
+        failure: str | int | None = None  # rank 0's: a refusal's line, or a stop signal's number
         if trainer.ctx.is_main:
+            saved = trainer.state.hooks.get("trackers", {})
             try:
-                self.runs = trackers.Runs(trainer.cfg, trainer.state.hooks.get("trackers", {}))
-                trainer.remember("trackers", self.runs.ids)
+                self.runs = trackers.Runs(trainer.cfg, saved, trainer.card.classes)
+                trainer.remember("trackers", self.runs.saved)
             except UserError as e:
                 failure = str(e)
+            except KeyboardInterrupt as e:  # a stop signal while a tracker started
+                failure = signals.stop_status(e) - 128
         failure = comm.broadcast_object(failure)  # rank 0's start decides for every rank
-        if failure:
-            raise UserError(failure if trainer.ctx.is_main else f"rank 0: {failure}")
+        if isinstance(failure, int):
+            raise signals.Terminated(failure)
+        if failure:  # the same line on every rank: the spawner prints it once
+            raise UserError(failure)
 
     def after_print(self, trainer: Trainer, printed: dict[str, float]) -> None:
         if self.runs is not None:

@@ -248,8 +248,11 @@ class Trainer:
         ckpt, path = folder.latest() if cfg.TRAIN.AUTO_RESUME else (None, None)
         if ckpt is not None:
             self.resume(ckpt, path)
-        folder.write_record(record, self.seed)  # only now: a refused run leaves OUT_DIR as it was
+        # The hooks first: one may still refuse the run (a tracker that
+        # cannot start). Only then the run record: a refused run leaves
+        # OUT_DIR as it was.
         self.call("before_fit")
+        folder.write_record(record, self.seed)
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.model.train()  # before before_epoch: a hook may put parts in eval mode
             self.call("before_epoch")

@@ -19,7 +19,7 @@ resume_check.py, entered only by a run that resumes. The order of the
 calls in one training run (api.run_command, engine/trainer.py):
   check_folder (every process, before any process group) -> owned (rank 0 takes the lock) ->
   RunFolder(cfg) -> previous_seed -> has_checkpoint -> prepare_record -> latest + check_resume
-  (resuming) -> write_record -> metrics -> save (each checkpoint) -> best (the test of the chosen
+  (resuming) -> metrics -> write_record -> save (each checkpoint) -> best (the test of the chosen
   one).
 """
 
@@ -59,6 +59,7 @@ __all__ = [
     "log_notes",
     "remove_if_empty",
     "best_or_last",
+    "checkpoint_in",
     "best_path",
     "NAMES",
     "CHECKPOINTS",
@@ -216,6 +217,15 @@ def best_or_last(out_dir: str) -> str | None:
     last.pth (no finite evaluation yet), else None."""
     paths = (os.path.join(out_dir, CHECKPOINTS, name) for name in (BEST, LAST))
     return next((p for p in paths if os.path.isfile(p)), None)
+
+
+def checkpoint_in(folder: str) -> str | None:
+    """The checkpoint file that a folder given for one most likely
+    means: a run folder's chosen one (best_or_last), or best.pth /
+    last.pth of a checkpoints folder itself; None when neither is
+    there (a hint must name a file that exists)."""
+    inside = (os.path.join(folder, name) for name in (BEST, LAST))
+    return best_or_last(folder) or next((p for p in inside if os.path.isfile(p)), None)
 
 
 def _numbered(folder: str, kind: str = "*") -> list[str]:

@@ -5,11 +5,15 @@ Order (Strategy.wrap_model): bare model on its device -> activation
 checkpointing -> ``shard`` (every block, then the root) -> optimizer
 over the sharded parameters. Each rank holds 1/world of every parameter,
 its gradient and its optimizer state (ZeRO-3, Rajbhandari et al., 2020);
-whole parameters exist only while a block runs. Three things differ from
+whole parameters exist only while a block runs. Four things differ from
 DDP and live here:
   * state dicts are collectives (``full_state`` gathers them;
     ``save_sharded``/``load_sharded`` write and read each rank's shards
     with torch.distributed.checkpoint);
+  * FSDP does not broadcast buffers: ``broadcast_buffers`` gives every
+    rank rank 0's BatchNorm statistics before each forward and before a
+    checkpoint, as DDP does, so a step checkpoint holds what every rank
+    goes on from, and a resumed run is the straight one bit for bit;
   * the forward pass is a collective, so exact evaluation with uneven
     shards runs on a plain replica (``EvalReplica``) instead of the
     sharded model;
@@ -27,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -36,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from distribuuuu import models, optim
 from distribuuuu.errors import UserError
@@ -45,6 +50,9 @@ from distribuuuu.nonfinite import all_finite, local_tensor
 from distribuuuu.strategies import Strategy, blocks
 
 log = logging.getLogger("distribuuuu")
+
+# The eager all-gather into one tensor: what launch/gloo_cuda.py probes
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard(
@@ -144,15 +152,55 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, fold
     )
 
 
+@torch.compiler.disable  # a graph break under TRAIN.COMPILE: the broadcast stays eager
+def broadcast_buffers(module: nn.Module, *_: Any) -> None:
+    """Collective: rank 0's floating-point buffers (BatchNorm running
+    statistics) on every rank, in one broadcast. DDP does this before
+    each forward; FSDP does not, and each rank's statistics would follow
+    its own batches. A forward pre-hook (so it takes the hook's
+    arguments)."""
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    with torch.no_grad():
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
+def gathered(value: DTensor) -> torch.Tensor:
+    """Collective: the whole tensor of a DTensor that FSDP2 shards on
+    dim 0, by the eager all-gather into one tensor (launch/gloo_cuda.py
+    probes it). DTensor.full_tensor() runs the functional one, which
+    crashed under gloo on CUDA (docs/performance.md, 6a). FSDP2 shards
+    as torch.chunk does: ceil(rows / world) rows each, the last shards
+    fewer or none; each is padded to that size, the padding cut from the
+    whole."""
+    if tuple(value.placements) != (Shard(0),):
+        return value.full_tensor()
+    group = value.device_mesh.get_group()
+    local = value.to_local()
+    rows = value.shape[0]
+    per_rank = -(-rows // dist.get_world_size(group))
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    whole = local.new_empty((per_rank * dist.get_world_size(group), *local.shape[1:]))
+    _all_gather_into(whole, padded, group=group)
+    return whole[:rows]
+
+
 def host_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the whole model state dict in host memory, on every
     rank, gathered one tensor at a time (peak device memory: the largest
     tensor, not the model)."""
     out = {}
     for name, value in get_model_state_dict(model).items():  # this rank's shards, clean names
-        full = (
-            value.full_tensor() if isinstance(value, DTensor) else value
-        )  # one all-gather per tensor
+        full = value
+        if isinstance(value, DTensor):
+            full = gathered(value)  # one all-gather per tensor
         out[name] = full.detach().to("cpu", copy=True)
         del full
     return out
@@ -244,6 +292,7 @@ class FSDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         d = self.cfg.DIST
         self.sharded = shard(model, blocks(model), d.FSDP_RESHARD_AFTER_FORWARD, d.CPU_OFFLOAD)
+        self.sharded.register_forward_pre_hook(broadcast_buffers)
         return self.sharded
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -273,6 +322,9 @@ class FSDP(Strategy):
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, shards: str
     ) -> tuple[dict[str, Any], bool]:
+        # The statistics every rank goes on from (the next forward would
+        # broadcast them): the sharded writer takes any rank's copy
+        broadcast_buffers(self.sharded)
         if self.cfg.DIST.FSDP_STATE_DICT == "sharded":
             # Every rank writes its shards; rank 0's .pth holds the rest
             # and names the folder.
