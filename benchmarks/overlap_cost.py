@@ -1,4 +1,4 @@
-"""The cost of the TRAIN.OVERLAP check (data/checks.py) on an image folder with train/ and val/.
+"""The cost of the TRAIN.OVERLAP check (data/checks/overlap.py) on an image folder with train/ and val/.
 
     distribuuuu data export mnist5k /tmp/mnist5k      # 4000 train + 1000 val PNGs
     python benchmarks/overlap_cost.py /tmp/mnist5k [--repeat 3]

@@ -373,7 +373,7 @@ def _other_command(args: argparse.Namespace) -> int:
 
 def _print_config(args: argparse.Namespace, opts: list[str]) -> int:
     """`distribuuuu config`: the merged config as YAML, the unset keys
-    decided from the data as one process would (inferred.py); with
+    decided from the data as one process would (inferred/); with
     --list the shipped configs, with --explain KEY one key."""
     from distribuuuu import config, inferred
 

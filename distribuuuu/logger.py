@@ -120,7 +120,7 @@ def setup_logging(
 
 def accuracies(top1: float, k: int, topk: float, name: str = "acc@", unit: str = "") -> str:
     """'acc@1 90.00 | acc@5 99.00'; top-1 alone where TRAIN.TOPK is 1 (2
-    classes: inferred.py clamps it)."""
+    classes: inferred/data.py clamps it)."""
     return f"{name}1 {top1:.2f}{unit}" + (f" | {name}{k} {topk:.2f}{unit}" if k > 1 else "")
 
 

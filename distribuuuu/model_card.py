@@ -164,7 +164,7 @@ class ModelCard:
         m, t, taken = cfg.MODEL, cfg.TRAIN, []
         old = CfgNode.load_cfg(self.config).TRAIN if self.config else CfgNode()
         fills = [
-            (m, "ARCH", m.ARCH == "auto", self.arch),  # "auto": MODEL.ARCH unset (inferred.py)
+            (m, "ARCH", m.ARCH == "auto", self.arch),  # "auto": MODEL.ARCH unset (inferred/)
             (m, "SMALL_STEM", self.small_stem and not m.SMALL_STEM, True),
             (m, "IN_CHANS", not m.IN_CHANS, self.in_chans),
             (t, "IM_SIZE", not t.IM_SIZE, self.image_size),

@@ -78,7 +78,7 @@ def register_model(
     such a function does not take). The function is called with
     keywords, and gets ``img_size`` too when it takes it. A checkpoint
     records the file the function lives in (IMPORTS as absolute paths,
-    inferred.py), so eval, predict, export and load_model find it from
+    inferred/), so eval, predict, export and load_model find it from
     any folder. Registering a name of another function, or an alias, is
     a ValueError; the same function registered again (its module
     imported twice) replaces itself."""
@@ -195,7 +195,7 @@ DEFAULT_SIZE = 224  # the input side of torchvision's ImageNet models and of the
 def default_size(arch: str) -> int:
     """The input side MODEL.ARCH is made for: timm's pretrained
     config's, else DEFAULT_SIZE (the ceiling of TRAIN.IM_SIZE when the
-    images decide it: inferred.py)."""
+    images decide it: inferred/)."""
     lib, name = resolve_arch(arch)
     pretrained = timm.models.get_pretrained_cfg(name.split(".", 1)[0]) if lib == "timm" else None
     return int(pretrained.input_size[-1]) if pretrained is not None else DEFAULT_SIZE

@@ -1,4 +1,4 @@
-"""Imbalanced classes (TRAIN.CLASS_BALANCE, data/balance.py): the setup line that says the class sizes
+"""Imbalanced classes (TRAIN.CLASS_BALANCE, data/loading/balance.py): the setup line that says the class sizes
 spread; the balanced sampler (every class drawn equally often, a disjoint share of one seeded draw per
 rank, deterministic, resumed step-exactly across a real SIGTERM on 2 processes); the class-weighted loss
 with mixup and label smoothing; evaluation unweighted; the refusals (a bad value, a shard set)."""
@@ -109,7 +109,7 @@ def test_the_train_loader_of_a_held_out_folder_uses_it_and_evaluation_does_not(t
     train = data.build_train_loader(cfg, 0, 1, CPU)
     assert isinstance(train.sampler.draw, balance.BalancedDraw)
     labels = np.asarray(train.dataset.targets)
-    assert len(labels) == len(train.dataset) == 36  # 40 less the 10% held out
+    assert len(labels) == len(train.dataset) == 34  # 40 less 5 + 1 + 0 held out (a tenth, at least min(5, a fifth))
     drawn = np.concatenate([labels[_drawn(train.sampler, e)] for e in range(20)])
     assert np.all(np.bincount(drawn) > 0.25 * len(drawn))  # each ~1/3; plain: 27 / 5 / 4 of 36
     val = data.build_val_loader(cfg, 0, 1, CPU)

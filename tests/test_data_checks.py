@@ -1,4 +1,4 @@
-"""The data is what it claims to be (distribuuuu/data/checks.py): symlink loops and symlinked
+"""The data is what it claims to be (distribuuuu/data/checks/): symlink loops and symlinked
 duplicates, images of 16 bits and more scaled rather than clipped, unreadable evaluation images left out
 and counted, a class of unreadable files, a batch larger than the training set, and evaluation images
 that are also training images (hard links, symlinks, byte copies).

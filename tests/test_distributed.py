@@ -418,7 +418,7 @@ def test_under_real_torchrun(tmp_path):
 
 
 def test_setup_threads_default_and_omp(plain_env, monkeypatch):
-    """NUM_THREADS 0, resolved (inferred.py): the cores free to this process (one process, an idle machine:
+    """NUM_THREADS 0, resolved (inferred/machine.py): the cores free to this process (one process, an idle machine:
     all it may use); an explicit OMP_NUM_THREADS is kept. comm sets the resolved value."""
     threads = torch.get_num_threads()
     try:

@@ -1,5 +1,5 @@
 """Numeric settings bounded by what the machine has. TRAIN.WORKERS and NUM_THREADS set
-above the cores this process may use are clamped, with one warning each (inferred.py); the run started
+above the cores this process may use are clamped, with one warning each (inferred/machine.py); the run started
 with TRAIN.WORKERS 1000 is watched process by process."""
 
 from __future__ import annotations

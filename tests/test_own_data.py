@@ -1,5 +1,5 @@
 """Your own images, first try right (README's "Train on your own images"). The keys left unset follow the data
-(distribuuuu/inferred.py), each decided value logged with its origin; a folder of class folders trains
+(distribuuuu/inferred/), each decided value logged with its origin; a folder of class folders trains
 as is, with a held-out val part. The e2e tests run the installed command from a folder outside the
 checkout, as a user does, on real digits (mnist5k)."""
 

@@ -23,8 +23,8 @@ from distribuuuu.errors import UserError
 from distribuuuu.inferred.data import training_data_is_test_data
 from tests.conftest import make_cfg, write_image_tree
 
-CLASSES = {"ant": 20, "bee": 20, "cat": 20}  # a tenth held out: 6 images
-HELD = 6
+CLASSES = {"ant": 20, "bee": 20, "cat": 20}  # a fifth of a class under 25 held out: 12 images
+HELD = 12
 
 
 def decisions(cfg) -> dict[str, inferred.Decision]:
@@ -138,7 +138,7 @@ def test_a_small_evaluation_set_gets_a_line_saying_how_uncertain_top1_is(tmp_pat
     cfg = make_cfg("TRAIN.DATASET", faces, "MODEL.NUM_CLASSES", 0, "TRAIN.BATCH_SIZE", 4)
     (note,) = data.check_datasets(cfg, 1)
     assert note.startswith(f"evaluation set {HELD} images (the part TRAIN.VAL_SPLIT holds out)"), note
-    assert "+-40 points" in note  # 1.96 x 50% / sqrt(6)
+    assert "+-28 points" in note  # 1.96 x 50% / sqrt(12)
     assert data.check_datasets(cfg, 1, train=False)[0] == note  # eval scores the same part
 
     big = tmp_path / "big"

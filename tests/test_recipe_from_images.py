@@ -1,4 +1,4 @@
-"""The recipe follows the images (distribuuuu/inferred.py): a folder's training images decide the model, the
+"""The recipe follows the images (distribuuuu/inferred/): a folder's training images decide the model, the
 input channels, the image size, the crop scale, the flips and the mean/std that the config leaves unset, each
 with a setup line; a fine-tune takes them from its checkpoint's model card; NUM_THREADS from the free cores.
 The e2e tests run the installed command from a folder outside the checkout, on scikit-learn's digits."""

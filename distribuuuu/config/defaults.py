@@ -21,7 +21,7 @@ _C.MODEL = CN()
 # aliases in models.py, or a function that an IMPORTS module registered
 # with distribuuuu.models.register_model; 'auto' = a fine-tune's
 # checkpoint card's, else resnet_tiny for a folder of images of 64 px or
-# less on a CPU, else resnet18 (inferred.py)
+# less on a CPU, else resnet18 (inferred/)
 _C.MODEL.ARCH = "auto"
 # Number of output classes (the size of the classifier head); 0 = the
 # training data's class count (folders, CIFAR, shard sets, registered

@@ -3,7 +3,7 @@ VALUE`` overrides -> validate.py's rules -> freeze -> the IMPORTS
 modules), every key name and value type checked against the defaults;
 YAML files in their encodings and with the mistakes people make; and
 writing a config back out. Errors are ``UserError`` (exit status 2). The
-keys left unset for the data to decide stay unset here: inferred.py
+keys left unset for the data to decide stay unset here: inferred/
 resolves them where the data and the processes are known.
 """
 
@@ -28,7 +28,7 @@ from distribuuuu.errors import UserError
 
 CONFIG_DIFF = "config_diff.yaml"  # in OUT_DIR: the keys a run sets that differ from the defaults
 # set on a config whose file's TEST.DATASET load_config dropped
-# (inferred.py)
+# (inferred/)
 TEST_FOLLOWED = "_test_followed_train"
 
 
@@ -60,7 +60,7 @@ def _test_follows_train(cfg: CN, file_train: str, file_test: str, opts: list[str
     (mnist5k_fast's mnist5k), and a model of the user's classes would be
     scored on it without a word. TEST.DATASET follows TRAIN.DATASET
     instead ('': its TEST.SPLIT, or the part TRAIN.VAL_SPLIT holds out
-    of a folder of class folders), with a setup line (inferred.py)."""
+    of a folder of class folders), with a setup line (inferred/)."""
     cfg.TEST.DATASET = ""
     if "TEST.SPLIT" not in opts[0::2]:
         cfg.TEST.SPLIT = _C.TEST.SPLIT

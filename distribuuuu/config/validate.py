@@ -31,7 +31,7 @@ STRATEGIES = ("ddp", "zero1", "fsdp", "dp")  # strategies.strategy_class's names
 DATA_PIPELINES = ("auto", "memory", "loader")  # 'auto', then the names of data.pipeline.PIPELINES
 IMAGE_DECODERS = ("fast", "pil", "gpu", "auto")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
-CLASS_BALANCES = ("none", "sampler", "loss")  # data/balance.py
+CLASS_BALANCES = ("none", "sampler", "loss")  # data/loading/balance.py
 FSDP_STATE_DICTS = ("full", "sharded")
 NONFINITE_MODES = ("skip", "stop", "off")
 BAD_IMAGE_MODES = ("skip", "fail")
@@ -155,7 +155,7 @@ RULES: list[Rule] = [
         lambda v, c: v >= -1,
         "must be >= 0, or -1 for what the cores allow, got {v}",
     ),
-    # TRAIN.TOPK above MODEL.NUM_CLASSES is clamped to it (inferred.py),
+    # TRAIN.TOPK above MODEL.NUM_CLASSES is clamped to it (inferred/),
     # not refused. The optimizer and its schedule
     ("OPTIM.BASE_LR", _positive, _POSITIVE),
     (

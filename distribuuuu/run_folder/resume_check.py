@@ -176,7 +176,7 @@ def config_changes(old_yaml: str, cfg: Any) -> list[tuple[str, Any, Any]]:
     for key in (
         "TRAIN.DATASET",
         "TEST.DATASET",
-    ):  # stored as typed before they were stored absolute (inferred.py)
+    ):  # stored as typed before they were stored absolute (inferred/)
         if isinstance(old.get(key), str) and os.path.abspath(old[key]) == new.get(key):
             old[key] = new[key]
     return [

@@ -6,14 +6,14 @@ TRAIN.IMAGE_DECODE fast the records are decoded and cropped to uint8 in
 the workers (images.FastTrainDecode / FastEvalDecode) and normalized per
 batch on the device (batches.NormalizedBatches); with 'gpu' (or auto's
 choice on CUDA) the workers crop the encoded JPEGs, which the main
-process decodes on the device (device_decode.py); with 'pil',
+process decodes on the device (data/decoding/device.py); with 'pil',
 torchvision's per-sample PIL recipe. The loader has what the engine uses
 of every train loader: len() (batches left this epoch), .dataset,
 .sampler.set_epoch(epoch, start), and `epoch_steps`, the steps of a
 whole epoch, which the trainer takes instead of len(dataset) // global
 batch: the shard plan runs every sample once, in equal step counts on
 every rank (plan.py), dropping none. ShardPipeline is this pipeline's
-face on the seam (data/pipeline.py): a shard set is read this way
+face on the seam (data/loading/pipeline.py): a shard set is read this way
 whatever TRAIN.DATA_PIPELINE says (memory refuses it).
 """
 
