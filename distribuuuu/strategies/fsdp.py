@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map
 
 from distribuuuu import models, optim
 from distribuuuu.errors import UserError
@@ -85,11 +86,26 @@ def shard(
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Collective: the whole model and optimizer state dicts, on rank
     0's CPU only (other ranks get empty dicts). The optimizer state is
-    keyed by parameter name."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    keyed by parameter name. torch's full_state_dict option gathers with
+    DTensor.full_tensor(), which crashed under gloo on CUDA: each
+    sharded tensor is gathered here by ``gathered``, one at a time, in
+    the dicts' order (the same on every rank)."""
+    options = StateDictOptions(full_state_dict=False)  # this rank's shards, clean names
     if optimizer is None:
-        return get_model_state_dict(model, options=options), {}
-    return get_state_dict(model, optimizer, options=options)
+        model_state, optim_state = get_model_state_dict(model, options=options), {}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    keep = dist.get_rank() == 0
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            value = gathered(value)
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True) if keep else None
+        return value
+
+    model_state, optim_state = tree_map(whole, (model_state, optim_state))
+    return (model_state, optim_state) if keep else ({}, {})
 
 
 def load_full_state(
