@@ -63,6 +63,7 @@ def _strategy_worker(out_dir):
             results[name] = ({k: v.detach().clone() for k, v in weights.items()}, held)
             if isinstance(net, FSDPModule):
                 results[f"{name} gathered"] = _gathered_both_ways(net, fsdp, get_model_state_dict)
+                results[f"{name} full state"] = _full_state_both_ways(net, opt, fsdp)
         # [5, 3] and [5] are split 3 + 2 rows, [1, 5] and [1] 1 + 0: padded, and an empty shard
         torch.manual_seed(0)
         uneven = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
@@ -77,6 +78,17 @@ def _gathered_both_ways(net, fsdp, get_model_state_dict) -> tuple[dict, dict]:
     functional = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().cpu()
                   for k, v in get_model_state_dict(net).items()}
     return fsdp.host_full_state(net), functional
+
+
+def _full_state_both_ways(net, opt, fsdp) -> list:
+    """(fsdp.full_state's, torch's full_state_dict option's) model and optimizer state, flattened to
+    (path, value) pairs: what a full checkpoint holds, gathered eagerly and by DTensor.full_tensor()."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    torchs = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return [[(keystr(path), leaf) for path, leaf in tree_flatten_with_path(state)[0]]
+            for state in (fsdp.full_state(net, opt), torchs)]
 
 
 @pytest.mark.e2e
@@ -116,6 +128,13 @@ def test_fsdp_and_activation_checkpointing_match_ddp_and_fsdp_shards_the_optimiz
             assert all(torch.equal(eager[k], functional[k]) for k in eager), name
         assert all(torch.equal(r["uneven gathered"][-2][k], whole[k]) for k in whole)
     assert r0["fsdp gathered"][0].keys() == r0["fsdp"][0].keys()
+    # A full checkpoint (fsdp.full_state, gathered the same eager way) holds on rank 0 exactly what
+    # torch's full_state_dict option gives, model and AdamW state, and nothing on rank 1
+    for name in ("fsdp full state", "fsdp_offload full state"):
+        mine, torchs = r0[name]
+        assert [p for p, _ in mine] == [p for p, _ in torchs] and len(mine) > 20, name
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for (_, a), (_, b) in zip(mine, torchs))
+        assert r1[name][0] == [], name
 
 
 def test_activation_checkpointing_keeps_fewer_activations():
