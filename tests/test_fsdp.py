@@ -84,7 +84,7 @@ def _full_state_both_ways(net, opt, fsdp) -> list:
     """(fsdp.full_state's, torch's full_state_dict option's) model and optimizer state, flattened to
     (path, value) pairs: what a full checkpoint holds, gathered eagerly and by DTensor.full_tensor()."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.utils._pytree import tree_flatten_with_path, keystr
+    from torch.utils._pytree import keystr, tree_flatten_with_path
 
     torchs = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return [[(keystr(path), leaf) for path, leaf in tree_flatten_with_path(state)[0]]
