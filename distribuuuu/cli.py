@@ -50,14 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import cli_help  # data only: the commands' help lines, options and examples
-from distribuuuu.errors import (
-    NOT_SAVED_EXIT,
-    USER_ERROR_EXIT,
-    RunNotSaved,
-    UserError,
-    report_error,
-    report_line,
-)
+from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_error, report_line
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
@@ -176,16 +169,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _guarded(fn: Callable[[], int]) -> int:
     """Run fn; a UserError becomes one message on stderr and exit status
-    2, a run that could not save one message and status 3, a stop signal
-    one line and 128 + the signal."""
+    2, a stop signal one line and 128 + the signal."""
     try:
         return fn()
-    except (
-        UserError,
-        RunNotSaved,
-    ) as e:  # RunNotSaved: every rank agreed on it (a max_over_ranks vote)
+    except UserError as e:
         report_error(str(e), rank_label())
-        return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
+        return USER_ERROR_EXIT
     except (
         KeyboardInterrupt
     ) as e:  # Ctrl-C, or SIGTERM / SIGHUP (launch.signals.Terminated): see handle_stop_signals

@@ -38,7 +38,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, files, weights
-from distribuuuu.errors import RunNotSaved, UserError
+from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.logger import LOG_FILE, release_log
 from distribuuuu.run_folder import lock, records, resume_check
@@ -310,8 +310,6 @@ class RunFolder:
     def __init__(self, cfg: CfgNode) -> None:
         self.cfg, self.out_dir = cfg, cfg.OUT_DIR
         self.checkpoints = os.path.join(cfg.OUT_DIR, CHECKPOINTS)  # FSDP's .dcp folders too
-        # Rank 0's account of the checkpoints due: the end asks whether the run could save.
-        self.written, self.refused, self.last_refused = 0, 0, False
 
     # -- before the model is built
     # ---------------------------------------------------------------
@@ -477,7 +475,6 @@ class RunFolder:
         except Exception as e:  # a stop signal, a full disk or another failure
             raise _failed_save(path, e) from e
         files.atomic_link(path, os.path.join(self.checkpoints, LAST))
-        self.written, self.last_refused = self.written + 1, False
         if is_best:
             files.atomic_link(path, os.path.join(self.checkpoints, BEST))
         keep = self.cfg.TRAIN.CKPT_KEEP  # pruned only now that the new checkpoint is complete
@@ -493,28 +490,6 @@ class RunFolder:
                 ):  # best.pth may need its shards
                     shutil.rmtree(shards)
         return path
-
-    def refuse(self, step: int) -> None:
-        """Rank 0: a checkpoint due at step is not written (the weights
-        are not finite)."""
-        log.error("not saving a checkpoint at step %d: the weights are not finite", step)
-        self.refused, self.last_refused = self.refused + 1, True
-
-    def require_saved(self, advice: str) -> None:
-        """A run that could not save is not done: its last checkpoint was
-        refused (non-finite weights or buffers at the end), or none of
-        those due was written. Collective (rank 0 knows): all ranks
-        raise RunNotSaved, ending with advice."""
-        none = self.refused > 0 and not self.written
-        last, none = comm.max_over_ranks([self.last_refused, none])
-        if last or none:
-            why = "none of the checkpoints due was written (the weights were not finite each time)"
-            if last:
-                why = "the weights or buffers are not finite at the end"
-            raise RunNotSaved(
-                f"the run could not save: {why}; no usable checkpoint of it is in "
-                f"{self.checkpoints}; {advice}"
-            )
 
     def _pinned_shards(self) -> set[str | None]:
         """The .dcp folders that last.pth and best.pth (sharded
