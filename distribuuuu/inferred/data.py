@@ -23,6 +23,7 @@ from distribuuuu.inferred.decision import Decision
 FALLBACK_CLASSES = 1000  # ImageNet's: synthetic and dummy data, data not readable here
 EVAL_CROP_PCT = 0.875  # 224 / 256, Distribuuuu's (and torchvision's) eval resize
 HOLDOUT_FRACTION = 0.1  # a folder of class folders: the share held out as the val set
+SPLIT_NAMES = ("train", "val", "test")  # folders that make a split layout, not classes
 
 
 def _class_dirs(path: str) -> list[str]:
@@ -55,7 +56,32 @@ def layout(cfg: CfgNode) -> list[Decision]:
         cfg.TEST.DATASET = t.DATASET
         why = f"TRAIN.DATASET, split {cfg.TEST.SPLIT or '(itself)'!r}"
         decided.append(Decision("TEST.DATASET", cfg.TEST.DATASET, why))
-    return decided
+    return decided + _test_folder(cfg)
+
+
+def _test_folder(cfg: CfgNode) -> list[Decision]:
+    """A TEST.DATASET folder of its own whose split layout differs from
+    the one TEST.SPLIT names, e.g. new class folders scored by a model
+    trained on train/ and val/ (TEST.SPLIT 'val'): the folder is scored
+    whole (TEST.SPLIT ''); a folder holding val/ scored by a model of a
+    flat folder (TEST.SPLIT ''): its val/."""
+    test = cfg.TEST
+    if test.DATASET == cfg.TRAIN.DATASET or sources.kind_of(cfg, "TEST") != "folder":
+        return []
+    classes = _class_dirs(test.DATASET)
+    splits = set(SPLIT_NAMES) & set(classes)
+    if test.SPLIT == "" and "val" in splits and _class_dirs(os.path.join(test.DATASET, "val")):
+        test.SPLIT = "val"
+        why = f"from the folder: {test.DATASET} holds val/ and no class folders, so its val/ "
+        return [Decision("TEST.SPLIT", "val", why + "is scored")]
+    if not test.SPLIT or os.path.isdir(os.path.join(test.DATASET, test.SPLIT)):
+        return []
+    if not classes or splits:
+        return []  # no class folders, or a split layout: the preflight names what is missing
+    why = f"from the folder: {test.DATASET} holds {len(classes)} class folders and no "
+    why += f"{test.SPLIT}/, so it is scored whole"
+    test.SPLIT = ""
+    return [Decision("TEST.SPLIT", "''", why)]
 
 
 def _flat_folder(cfg: CfgNode) -> list[Decision]:

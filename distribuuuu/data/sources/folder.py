@@ -46,7 +46,8 @@ def folder_split_dir(dataset: str, split: str, key: str, sources_note: str) -> s
         raise UserError(
             f"{key}.DATASET is {dataset!r} but there is no folder {split_dir!r} "
             f"({key}.DATASET/{key}.SPLIT{missing}). Expected an image tree {LAYOUT} (e.g. "
-            f"{os.path.join(split_dir, 'cat', '0001.jpg')}), a CIFAR folder holding "
+            f"{os.path.join(split_dir, 'cat', '0001.jpg')}; {key}.SPLIT '' reads "
+            "<DATASET>/<class>/<image>), a CIFAR folder holding "
             f"cifar-10-batches-py/ or cifar-100-python/, or {sources_note}"
         )
     return split_dir
