@@ -7,6 +7,7 @@ predict, export, calibrate.
     distribuuuu config --explain KEY | --list            a key's comment | the shipped configs
     distribuuuu data export mnist5k|digits|faces DIR      a dataset a package ships, as files
     distribuuuu data shard SRC DEST [--shard-size 256MB]  image files as tar shards + index.json
+    distribuuuu data split RUN_DIR DEST                  a run's held-out split as links
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]
                                                           model / data / step timings, scaling
@@ -448,8 +449,8 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
 
 
 def _run_data(args: argparse.Namespace) -> int:
-    """`data export SOURCE DIR`, or `data shard SRC DEST`: one line per
-    split written."""
+    """`data export SOURCE DIR`, `data shard SRC DEST` or `data split
+    RUN_DIR DEST`: one line per split written."""
     if args.data_command == "export":
         from distribuuuu import data
 
@@ -459,6 +460,8 @@ def _run_data(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} {v}" for k, v in counts.items())
         )
         return 0
+    if args.data_command == "split":
+        return _split_data(args.run_dir, args.dest)
     from distribuuuu.data import shards
 
     size = shards.parse_size(args.shard_size)
@@ -471,6 +474,18 @@ def _run_data(args: argparse.Namespace) -> int:
             f"in {index.parent} ({sum(x.bytes for x in s.shards) / 2**20:.1f} MiB; index "
             f"{index.name})"
         )
+    return 0
+
+
+def _split_data(run_dir: str, dest: str) -> int:
+    """`data split RUN_DIR DEST`: one line, the images of each part."""
+    from distribuuuu.data import split_files
+
+    counts = split_files.split_out(run_dir, dest)
+    print(
+        f"wrote the split of {run_dir} to {dest}: train {counts['train']}, val {counts['val']} "
+        f"images of {counts['classes']} classes (symlinks to the run's images)"
+    )
     return 0
 
 

@@ -457,6 +457,22 @@ DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
             ),
         ],
     ),
+    "split": (
+        "the split a run held out (TRAIN.VAL_SPLIT), as DEST/train/ and DEST/val/ of links",
+        [
+            (("run_dir",), dict(metavar="RUN_DIR", help="OUT_DIR of a run (its heldout.txt)")),
+            (
+                ("dest",),
+                dict(
+                    metavar="DEST",
+                    help=(
+                        "a new or empty folder: DEST/{train,val}/<class>/ of absolute symlinks "
+                        "to the run's images"
+                    ),
+                ),
+            ),
+        ],
+    ),
 }
 
 # Options that take no value; every other --option takes one (or is
@@ -509,6 +525,8 @@ EXAMPLES: dict[str, str] = {
     "data shard": """examples:
   distribuuuu data shard digits shards/ --shard-size 64MB
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",
+    "data split": """examples:
+  distribuuuu data split runs/digits digits_split   # digits_split/{train,val}/<0-9>/*.png""",
 }
 
 

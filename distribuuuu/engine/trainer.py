@@ -53,6 +53,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import data, model_card, models, nonfinite, optim, strategies
+from distribuuuu.data import split_files
 from distribuuuu.data.loading import balance
 from distribuuuu.engine import evaluation, rng
 from distribuuuu.engine import hooks as hooks_
@@ -252,6 +253,8 @@ class Trainer:
         # OUT_DIR as it was.
         self.call("before_fit")
         folder.write_record(record, self.seed)
+        if cfg.TRAIN.VAL_SPLIT and self.ctx.is_main:  # the held-out files, for other tools
+            folder.write_heldout(split_files.heldout_files(cfg, self.val_loader.dataset))
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.model.train()  # before before_epoch: a hook may put parts in eval mode
             self.call("before_epoch")

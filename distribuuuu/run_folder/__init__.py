@@ -13,6 +13,8 @@ OUT_DIR/
                     (RunFolder.write_eval_record)
   config.yaml (CFG_DEST), config_diff.yaml, env.json, env_history.jsonl, model.txt   the run's
                     config, what ran where, and the model (records.py); log.txt (logger.py)
+  heldout.txt       the files TRAIN.VAL_SPLIT held out (RunFolder.write_heldout;
+                    data/split_files.py lists them and lays the split out)
 
 Whether a checkpoint fits the run that would continue it:
 resume_check.py, entered only by a run that resumes. The order of the
@@ -61,6 +63,7 @@ __all__ = [
     "best_or_last",
     "checkpoint_in",
     "best_path",
+    "HELDOUT",
     "NAMES",
     "CHECKPOINTS",
     "LAST",
@@ -74,6 +77,7 @@ log = logging.getLogger("distribuuuu")
 CONFUSION = (
     "confusion.csv"  # the best checkpoint's confusion matrix (rows: true class, columns: predicted)
 )
+HELDOUT = "heldout.txt"  # the held-out files, one path a line, relative to the training data
 NAMES = (
     CHECKPOINTS,
     *METRICS_FILES,
@@ -93,7 +97,8 @@ NAMES = (
     "wandb",
     "trackers.json",
     CONFUSION,
-)  # the last: TRAIN.TRACKERS (trackers.py)
+    HELDOUT,
+)  # mlflow.db to trackers.json: TRAIN.TRACKERS (trackers.py)
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
@@ -425,6 +430,16 @@ class RunFolder:
         except (OSError, ValueError):
             return None
         return last if isinstance(last, dict) and last.get("split") == "test" else None
+
+    def write_heldout(self, paths: list[str] | None) -> None:
+        """Rank 0: heldout.txt, the files TRAIN.VAL_SPLIT held out (one
+        path a line), replaced atomically; nothing for a source without
+        files (paths None)."""
+        if paths is not None:
+            text = "".join(f"{path}\n" for path in paths)
+            files.atomic_write(
+                os.path.join(self.out_dir, HELDOUT), lambda f: f.write(text.encode())
+            )
 
     def write_confusion(self, text: str, folder: str | None = None) -> str:
         """Rank 0: confusion.csv (engine/evaluation.py's text) in
