@@ -59,6 +59,11 @@ def test_a_label_files_held_out_rows_are_listed_and_split_into_class_folders(tmp
     val_links = linked(tmp_path / "dest", "val")
     assert val_links == {str(tmp_path / "set" / p): labels[i] for p, i in zip(listed, held)}
     assert os.listdir(tmp_path / "dest" / "val" / labels[held[0]])[0].startswith("images_sub")  # one level
+    from timm.data import create_dataset  # what a timm user loads: `train.py --data-dir dest`
+
+    for split, n in (("train", 27), ("validation", 3)):
+        loaded = create_dataset("", root=str(tmp_path / "dest"), split=split)
+        assert len(loaded) == n and loaded.reader.class_to_idx == {"x": 0, "y": 1, "z": 2}
 
 
 def test_split_out_refuses_what_it_cannot_split(tmp_path):
