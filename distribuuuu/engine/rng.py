@@ -39,22 +39,20 @@ def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int
         )
         how = "the seed of the run being resumed" if previous is not None else "using seed"
         log.info("RNG_SEED is None: %s %d (pass RNG_SEED %d to repeat this run)", how, seed, seed)
-    _seed(seed, rank)
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
     return seed
 
 
 def seed_evaluation(cfg: CfgNode, rank: int) -> None:
     """An evaluation (the eval command) draws nothing that changes its
-    result (no augmentation, no dropout, no shuffle): RNG_SEED, else
-    EVAL_SEED, with no line to repeat it by and no collective."""
-    _seed(EVAL_SEED if cfg.RNG_SEED is None else cfg.RNG_SEED, rank)
-
-
-def _seed(seed: int, rank: int) -> None:
-    """python/numpy/torch seeded with seed + rank."""
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    torch.manual_seed(seed + rank)
+    result (no augmentation, no dropout, no shuffle): seeded with
+    RNG_SEED, else EVAL_SEED, with no line to repeat it by and no
+    collective."""
+    if cfg.RNG_SEED is None:
+        cfg = seeded_cfg(cfg, EVAL_SEED)
+    seed_everything(cfg, rank)
 
 
 def seeded_cfg(cfg: CfgNode, seed: int) -> CfgNode:

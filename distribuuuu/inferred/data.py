@@ -56,7 +56,9 @@ def layout(cfg: CfgNode) -> list[Decision]:
         cfg.TEST.DATASET = t.DATASET
         why = f"TRAIN.DATASET, split {cfg.TEST.SPLIT or '(itself)'!r}"
         decided.append(Decision("TEST.DATASET", cfg.TEST.DATASET, why))
-    return decided + _test_folder(cfg)
+    if cfg.TEST.DATASET != t.DATASET:  # a folder of its own, whose layout may be another
+        decided += _test_folder(cfg)
+    return decided
 
 
 def _test_folder(cfg: CfgNode) -> list[Decision]:
@@ -66,7 +68,7 @@ def _test_folder(cfg: CfgNode) -> list[Decision]:
     whole (TEST.SPLIT ''); a folder holding val/ scored by a model of a
     flat folder (TEST.SPLIT ''): its val/."""
     test = cfg.TEST
-    if test.DATASET == cfg.TRAIN.DATASET or sources.kind_of(cfg, "TEST") != "folder":
+    if sources.kind_of(cfg, "TEST") != "folder":
         return []
     classes = _class_dirs(test.DATASET)
     splits = set(SPLIT_NAMES) & set(classes)
