@@ -89,7 +89,8 @@ def test_a_flat_folder_run_lists_its_held_out_files_and_data_split_lays_them_out
         for i in range(n):
             write_image(str(tmp_path / "photos" / c / f"{i:02d}.png"), (16, 16), "RGB", 100 * len(c) + i)
     check(user_command("train", "TRAIN.DATASET", "photos", "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "8",
-                       "TRAIN.WORKERS", "0", "NUM_THREADS", "1", "OUT_DIR", "run", cwd=tmp_path))
+                       "TRAIN.WORKERS", "0", "NUM_THREADS", "1", "OUT_DIR", "run", "--nproc-per-node", "2",
+                       cwd=tmp_path))  # rank 0 lists the whole part, not its shard of it
     lines = (tmp_path / "run" / "heldout.txt").read_text().splitlines()
     val = [r for r in read_metrics(str(tmp_path / "run")) if r["split"] == "val"]
     samples = ImageFolder(str(tmp_path / "photos")).samples  # the listing, independently of distribuuuu
