@@ -137,33 +137,34 @@ def _hold_out(cfg: CfgNode, why: str) -> list[Decision]:
     if t.VAL_SPLIT:
         return []
     t.VAL_SPLIT = HOLDOUT_FRACTION
-    why += "a tenth of each class"
     try:
         files = sources.image_files(cfg, "TRAIN")
         indices, sizes = np.unique(files.targets, return_counts=True)
         counts = {files.classes[i]: int(n) for i, n in zip(indices, sizes)}
         holdout.check_holdout(counts, HOLDOUT_FRACTION)
-    except (UserError, OSError, ValueError):
-        return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why + " is held out as the val set")]
+    except (UserError, OSError, ValueError):  # the preflight says what is wrong
+        why += "a tenth of each class is held out as the val set"
+        return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
     held = holdout.held_per_class(counts, HOLDOUT_FRACTION)
-    why += f" (at least {holdout.MIN_HELD} of a class of {5 * holdout.MIN_HELD} or more), "
-    why += f"{sum(held.values())} of its {sum(counts.values())} images chosen by a fixed seed, "
-    why += f"is held out as the val set: {_per_class(held, counts)}"
-    few = [c for c, n in held.items() if n < holdout.MIN_HELD]
-    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why, warn=bool(few))]
+    why += (
+        f"{sum(held.values())} of its {sum(counts.values())} images are held out as the val set, "
+    )
+    why += f"chosen by a fixed seed: a tenth of each class, at least {holdout.MIN_HELD} of a class "
+    why += f"of {5 * holdout.MIN_HELD} or more (a fifth of a smaller one); {_per_class(held)}"
+    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
 
 
-def _per_class(held: dict[str, int], counts: dict[str, int]) -> str:
-    """'cat 12, dog 5' for up to 20 classes, else the range; then the
-    classes that hold out fewer than MIN_HELD (too few images)."""
+def _per_class(held: dict[str, int]) -> str:
+    """'per class cat 12, dog 5' for up to 20 classes, else the range
+    and the classes under MIN_HELD (too small to spare more)."""
     if len(held) <= 20:
-        text = "per class " + ", ".join(f"{c} {n}" for c, n in held.items())
-    else:
-        text = f"{min(held.values())} to {max(held.values())} per class"
-    few = [f"{c} {n} of {counts[c]}" for c, n in held.items() if n < holdout.MIN_HELD]
+        return "per class " + ", ".join(f"{c} {n}" for c, n in held.items())
+    text = f"{min(held.values())} to {max(held.values())} per class"
+    few = [f"{c} {n}" for c, n in held.items() if n < holdout.MIN_HELD]
     if few:
-        text += f"; fewer than {holdout.MIN_HELD} (the class is too small to spare more): "
-        text += ", ".join(few[:10]) + (f" and {len(few) - 10} more" if len(few) > 10 else "")
+        more = f" and {len(few) - 10} more" if len(few) > 10 else ""
+        text += f"; under {holdout.MIN_HELD} in the classes too small to spare more: "
+        text += ", ".join(few[:10]) + more
     return text
 
 
