@@ -51,6 +51,15 @@ def kaggle(root, per_class: int = 12, size: tuple[int, int] = (12, 12)) -> str:
     return str(root / "labels.csv")
 
 
+def test_a_kaggle_folder_of_images_and_labels_csv_is_read_through_its_label_file(tmp_path):
+    """images/ + labels.csv given as the folder (as Kaggle ships them): the label file, not one class
+    folder 'images' (which the preflight would refuse)."""
+    kaggle(tmp_path)
+    cfg = make_cfg("TRAIN.DATASET", tmp_path, "DEVICE", "cpu")
+    assert sources.kind_of(cfg, "TRAIN") == "labels" and cfg.MODEL.NUM_CLASSES == 3
+    assert sources.image_files(cfg, "TRAIN").classes == sorted(NAMES)
+
+
 def test_a_kaggle_label_file_reads_ids_by_stem_and_names_as_sorted_classes(tmp_path):
     files = labels.label_files(kaggle(tmp_path), "", "", "")
     assert files.classes == sorted(NAMES) and len(files) == 36 and files.paths is not None

@@ -82,9 +82,10 @@ def image_files(cfg: CfgNode, key: str) -> ImageFiles:
         return folder.folder_files(*split_classes(cfg, key), key)
     path = labels.find(group.DATASET, group.SPLIT)
     if path is None:
+        names = ", ".join((*labels.METADATA, *labels.KAGGLE))
         raise UserError(
             f"{key}.DATASET {group.DATASET!r} holds no label file of split {group.SPLIT!r} "
-            f"({', '.join(labels.METADATA)}, or {group.SPLIT}.csv, .tsv, .jsonl, .txt)"
+            f"({names}, or {group.SPLIT}.csv, .tsv, .jsonl, .txt)"
         )
     train = None
     if key == "TEST" and source_kind(cfg.TRAIN.DATASET) in IMAGE_FILES:

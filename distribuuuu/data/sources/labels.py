@@ -4,8 +4,9 @@ metadata.csv / metadata.jsonl (``file_name``), mmpretrain's annotation
 file (``path label`` lines), or any CSV, TSV or JSON-lines file.
 
 TRAIN.DATASET (or TEST.DATASET) names the file, or a folder holding
-metadata.csv / metadata.jsonl, or one holding ``<SPLIT>.csv`` (also
-.tsv, .jsonl, .txt) or ``<SPLIT>/metadata.csv``. The image column is
+metadata.csv / metadata.jsonl or labels.csv (also .tsv, .jsonl), or one
+holding ``<SPLIT>.csv`` (also .tsv, .jsonl, .txt) or
+``<SPLIT>/metadata.csv``. The image column is
 found by its usual name (IMAGE_COLUMNS) and the label column likewise,
 or named by TRAIN.IMAGE_FIELD / TRAIN.LABEL_FIELD. A path is relative to
 the label file's folder; an id without an extension is the one image
@@ -29,6 +30,7 @@ from distribuuuu.errors import UserError
 
 SUFFIXES = (".csv", ".tsv", ".jsonl", ".txt")
 METADATA = ("metadata.csv", "metadata.jsonl")  # Hugging Face ImageFolder's
+KAGGLE = ("labels.csv", "labels.tsv", "labels.jsonl")  # images/ + labels.csv, as Kaggle's sets
 IMAGE_COLUMNS = ("file_name", "path", "filepath", "filename", "image", "img", "id", "image_id")
 LABEL_COLUMNS = ("label", "labels", "class", "category", "target")
 SPLIT_COLUMN, SPLIT_NAMES = "split", {"validation": "val", "valid": "val"}
@@ -53,7 +55,7 @@ def find(dataset: str, split: str = "") -> str | None:
         return dataset if dataset.lower().endswith(SUFFIXES) else None
     folders = [dataset, os.path.join(dataset, split)] if split else [dataset]
     for folder in folders:
-        for name in METADATA:
+        for name in (*METADATA, *KAGGLE):
             if os.path.isfile(os.path.join(folder, name)):
                 return os.path.join(folder, name)
     if split:
