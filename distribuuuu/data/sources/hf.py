@@ -95,7 +95,6 @@ def _load(dataset: str, split: str, key: str) -> tuple[Any, str]:
     or a Parquet file, for messages)."""
     datasets = _library()
     files = parquet_files(dataset)
-    by_name = {SPLIT_NAMES.get(name, name): name for name in files}
     try:
         if files:
             data_files = {name or "train": paths for name, paths in files.items()}
@@ -106,18 +105,17 @@ def _load(dataset: str, split: str, key: str) -> tuple[Any, str]:
         raise UserError(
             f"{key}.DATASET {dataset}: not a readable Hugging Face dataset ({e})"
         ) from e
-    if files and "" in files:
+    if "" in files:  # files not named by a split: one Dataset
         return loaded["train"], _where(files[""])
-    if files:
-        if split not in by_name:
-            raise _no_split(dataset, split, key, list(by_name))
-        return loaded[by_name[split] or "train"], _where(files[by_name[split]])
     if not isinstance(loaded, datasets.DatasetDict):
         return loaded, dataset
     by_name = {SPLIT_NAMES.get(name, name): name for name in loaded}
     if split not in by_name:
-        raise _no_split(dataset, split, key, list(by_name))
-    return loaded[by_name[split]], os.path.join(dataset, by_name[split])
+        raise _no_split(dataset, split, key, list(loaded))
+    name, where = by_name[split], os.path.join(dataset, by_name[split])
+    if files:
+        where = _where(files[name])
+    return loaded[name], where
 
 
 def _where(files: list[str]) -> str:
@@ -126,9 +124,10 @@ def _where(files: list[str]) -> str:
 
 
 def _no_split(dataset: str, split: str, key: str, named: list[str]) -> UserError:
+    ours = ", ".join(SPLIT_NAMES.get(name, name) for name in named)
     return UserError(
-        f"{key}.DATASET {dataset} has no split {split!r}: its splits are {', '.join(named)} "
-        f"('validation' is val); set {key}.SPLIT to one of them"
+        f"{key}.DATASET {dataset} has no split {split!r}: its splits are {', '.join(named)}; set "
+        f"{key}.SPLIT to one of {ours} (the Hub's 'validation' is 'val')"
     )
 
 
