@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
 from typing import Any
 
 from distribuuuu.data.sources.files import ImageFiles
@@ -86,7 +87,7 @@ def _library() -> Any:
             'pip install "distribuuuu[hf]"'
         ) from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     return datasets
 
 
@@ -225,8 +226,8 @@ def _negative(value: object) -> bool:
 
 class HFImages(ImageFiles):
     """The rows of one split of a Dataset: item i is row i's encoded
-    image, read from the memory-mapped Arrow column itself (a row
-    through Dataset[i] costs ~80 us, the column's element ~5 us). It
+    image, read from the memory-mapped Arrow column itself (Dataset[i]
+    formats the whole row, 7x the time: docs/data-formats.md). It
     pickles as the Dataset does, by its files (each loader worker maps
     them again), not by its bytes: the column is dropped."""
 
@@ -253,17 +254,13 @@ class HFImages(ImageFiles):
         if self.column is None:
             self.column = self.rows.data.column(self.image)
         value = self.column[i]
-        if not self.is_struct:
-            found = value.as_buffer()
-        else:
-            found = value["bytes"].as_buffer()
-            path = value["path"].as_py()
-            if found is None and path:
-                with open(path, "rb") as f:
-                    return f.read()
-        if found is None:
+        if self.is_struct:
+            path, value = value["path"].as_py(), value["bytes"]
+            if not value.is_valid and path:
+                return pathlib.Path(path).read_bytes()
+        if not value.is_valid:
             raise OSError(f"{self.name(i)} holds no image")
-        return found
+        return value.as_buffer()
 
     def read(self, i: int) -> bytes:
         return bytes(self.buffer(i))
