@@ -20,6 +20,7 @@ import torch
 from distribuuuu import data, inferred
 from distribuuuu.data import sources
 from distribuuuu.data.checks import overlap
+from distribuuuu.data.loading import items
 from distribuuuu.data.sources import hf
 from tests.conftest import (
     check,
@@ -244,6 +245,26 @@ def test_a_val_image_that_is_a_training_image_is_found_by_its_bytes(tmp_path):
     ]
     message = overlap.overlap_message(cfg, found)
     assert "1 image(s) of TRAIN.DATASET are also in TEST.DATASET (1 same bytes)" in message, message
+
+
+def test_an_unreadable_image_is_left_out_of_n_and_class_balance_reads_the_labels(tmp_path):
+    """An image that does not decode is skipped (evaluation counts the others); TRAIN.CLASS_BALANCE
+    sampler evens out classes from the labels the dataset holds (30, 6 and 3 rows)."""
+    train = {"image": [], "label": []}
+    for label, count in enumerate((30, 6, 3)):
+        train["image"] += [{"bytes": png(label, 100 * label + i), "path": None} for i in range(count)]
+        train["label"] += [label] * count
+    val = rows(4, 500)
+    val["image"][2] = {"bytes": b"not an image", "path": None}
+    datasets.DatasetDict(train=dataset(train), validation=dataset(val)).save_to_disk(str(tmp_path / "ds"))
+    cfg = make_cfg("TRAIN.DATASET", str(tmp_path / "ds"), "TRAIN.WORKERS", "0", "TRAIN.BATCH_SIZE", "3",
+                   "TRAIN.CLASS_BALANCE", "sampler", "RNG_SEED", "0")
+    data.check_datasets(cfg, 1)
+    loader = data.build_val_loader(cfg, 0, 1, CPU)
+    assert len([y for _, ys in loader for y in ys]) == 11
+    assert items.take_unreadable(loader.dataset) == [2]
+    drawn = np.bincount([int(y) for _, ys in data.build_train_loader(cfg, 0, 1, CPU) for y in ys], minlength=3)
+    assert drawn.sum() == 39 and drawn.min() >= 8, drawn  # a third each, about 13; unbalanced: 30, 6, 3
 
 
 def test_a_class_of_unreadable_images_is_refused_naming_a_row(tmp_path):
