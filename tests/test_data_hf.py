@@ -70,17 +70,13 @@ def rows(per_class: int, seed: int) -> dict[str, list]:
 
 
 def dataset(columns: dict[str, list], names: list[str] = CLASSES):
-    features = datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=names)}
-    )
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
     return datasets.Dataset.from_dict(columns, features=features)
 
 
 def write_saved(root, train: int = 100, val: int = 20) -> str:
     """A DatasetDict of train and validation (train x 3 and val x 3 rows) saved with save_to_disk."""
-    splits = datasets.DatasetDict(
-        train=dataset(rows(train, 0)), validation=dataset(rows(val, 10_000))
-    )
+    splits = datasets.DatasetDict(train=dataset(rows(train, 0)), validation=dataset(rows(val, 10_000)))
     splits.save_to_disk(str(root))
     return str(root)
 
@@ -116,10 +112,7 @@ def test_each_split_reads_the_encoded_images_with_the_classlabels_classes(tmp_pa
     assert [train.read(i) for i in range(12)] == [image["bytes"] for image in expected["image"]]
     assert train.size(5) == len(expected["image"][5]["bytes"])
     assert val.read(1) == png(1, 10_001) and val.targets[:3] == [0, 1, 2]
-    where = {
-        "saved": os.path.join(root, "train"),
-        "parquet": os.path.join(root, "data", "train-00000-of-00001.parquet"),
-    }
+    where = {"saved": os.path.join(root, "train"), "parquet": os.path.join(root, "data", "train-00000-of-00001.parquet")}
     assert train.name(7) == where[fmt] + " row 7"
 
 
@@ -139,23 +132,15 @@ def test_names_and_whole_numbers_as_labels_and_a_test_split_matched_by_name(tmp_
     """Labels that are not a ClassLabel: names (sorted as folders are) or class indices; a val split
     whose ClassLabel orders the names otherwise is read in the training numbering."""
     images = [{"bytes": png(i % 3, i), "path": None} for i in range(6)]
-    named = datasets.Dataset.from_dict(
-        {"img": images, "labels": ["cat", "ant", "bee"] * 2},
-        features=datasets.Features({"img": datasets.Image(), "labels": datasets.Value("string")}),
-    )
+    named = datasets.Dataset.from_dict({"img": images, "labels": ["cat", "ant", "bee"] * 2},
+                                       features=datasets.Features({"img": datasets.Image(), "labels": datasets.Value("string")}))
     named.save_to_disk(str(tmp_path / "named"))
-    files = hf.hf_files(
-        str(tmp_path / "named"), "", "", "", "TRAIN"
-    )  # img / labels: the usual names too
+    files = hf.hf_files(str(tmp_path / "named"), "", "", "", "TRAIN")  # img / labels: the usual names too
     assert (files.classes, files.targets) == (["ant", "bee", "cat"], [2, 0, 1, 2, 0, 1])
-    numbered = datasets.Dataset.from_dict(
-        {"image": images, "label": [4, 0, 2] * 2},
-        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
-    )
+    numbered = datasets.Dataset.from_dict({"image": images, "label": [4, 0, 2] * 2},
+                                          features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
     numbered.save_to_disk(str(tmp_path / "numbered"))
-    files = hf.hf_files(
-        str(tmp_path / "numbered"), "train", "", "", "TRAIN"
-    )  # one Dataset: every split
+    files = hf.hf_files(str(tmp_path / "numbered"), "train", "", "", "TRAIN")  # one Dataset: every split
     assert (files.classes, files.targets) == (["0", "1", "2", "3", "4"], [4, 0, 2, 4, 0, 2])
     other = dataset({"image": images[:3], "label": [0, 1, 2]}, names=["bee", "zebra", "ant"])
     datasets.DatasetDict(validation=other).save_to_disk(str(tmp_path / "other"))
@@ -170,19 +155,10 @@ def test_the_defaults_follow_the_dataset_and_sample_its_images(tmp_path):
     root = write_saved(tmp_path / "ds", train=10, val=3)
     cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.WORKERS", "0", "TRAIN.BATCH_SIZE", "8")
     f = decisions(cfg)
-    assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == (
-        3,
-        root,
-        "val",
-        0.0,
-    )
+    assert (cfg.MODEL.NUM_CLASSES, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == (3, root, "val", 0.0)
     assert f["MODEL.NUM_CLASSES"].origin == "from the dataset's label feature"
-    assert f["TRAIN.IM_SIZE"].origin.startswith(
-        "from the images: 30 sampled, median shorter side 16 px"
-    )
-    assert (
-        f["MODEL.IN_CHANS"].line() == "MODEL.IN_CHANS 3 (from the images: 0 of 30 sampled are gray)"
-    )
+    assert f["TRAIN.IM_SIZE"].origin.startswith("from the images: 30 sampled, median shorter side 16 px")
+    assert f["MODEL.IN_CHANS"].line() == "MODEL.IN_CHANS 3 (from the images: 0 of 30 sampled are gray)"
     data.check_datasets(cfg, 2)
     labels = [int(y) for _, ys in data.build_val_loader(cfg, 0, 1, CPU) for y in ys]
     assert labels == [0, 1, 2] * 3
@@ -193,28 +169,16 @@ def test_one_dataset_without_splits_holds_out_a_tenth(tmp_path):
     root = str(tmp_path / "ds")
     assert sources.source_kind(root) == "hf" and hf.splits(root) is None
     cfg = make_cfg("TRAIN.DATASET", root, "TRAIN.WORKERS", "0", "TEST.BATCH_SIZE", "64")
-    assert (cfg.TRAIN.SPLIT, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == (
-        "",
-        root,
-        "",
-        0.1,
-    )
+    assert (cfg.TRAIN.SPLIT, cfg.TEST.DATASET, cfg.TEST.SPLIT, cfg.TRAIN.VAL_SPLIT) == ("", root, "", 0.1)
     f = decisions(cfg)
-    assert (
-        "is one Dataset without splits, so all its rows are the training split"
-        in f["TRAIN.SPLIT"].origin
-    )
-    assert "6 of its 60 images, a tenth of each class" in f["TRAIN.VAL_SPLIT"].origin
+    assert "is one Dataset without splits, so all its rows are the training split" in f["TRAIN.SPLIT"].origin
+    # A tenth, at least 5 of a class of 25 or more and a fifth of a smaller one: 4 of each 20
+    assert "12 of its 60 images chosen by a fixed seed" in f["TRAIN.VAL_SPLIT"].origin
+    assert "per class zebra 4, ant 4, bee 4" in f["TRAIN.VAL_SPLIT"].origin
     data.check_datasets(cfg, 1)
-    assert sorted(int(y) for _, ys in data.build_val_loader(cfg, 0, 1, CPU) for y in ys) == [
-        0,
-        0,
-        1,
-        1,
-        2,
-        2,
-    ]
-    assert len(data.build_train_loader(cfg, 0, 1, CPU).dataset) == 54
+    val = sorted(int(y) for _, ys in data.build_val_loader(cfg, 0, 1, CPU) for y in ys)
+    assert val == [0] * 4 + [1] * 4 + [2] * 4
+    assert len(data.build_train_loader(cfg, 0, 1, CPU).dataset) == 48
 
 
 def test_parquet_files_without_split_names_are_one_dataset(tmp_path):
@@ -235,14 +199,11 @@ def test_a_val_image_that_is_a_training_image_is_found_by_its_bytes(tmp_path):
     val = rows(2, 500)
     val["image"][3] = dict(train["image"][5])  # the same bytes, another path
     val["label"][3] = train["label"][5]
-    datasets.DatasetDict(train=dataset(train), validation=dataset(val)).save_to_disk(
-        str(tmp_path / "ds")
-    )
+    datasets.DatasetDict(train=dataset(train), validation=dataset(val)).save_to_disk(str(tmp_path / "ds"))
     cfg = make_cfg("TRAIN.DATASET", str(tmp_path / "ds"), "TRAIN.WORKERS", "0")
     found = overlap.find(sources.image_files(cfg, "TRAIN"), sources.image_files(cfg, "TEST"))
-    assert [(a.rsplit(os.sep, 1)[1], b.rsplit(os.sep, 1)[1], how) for a, b, how in found.pairs] == [
-        ("train row 5", "validation row 3", "same bytes")
-    ]
+    pairs = [(a.rsplit(os.sep, 1)[1], b.rsplit(os.sep, 1)[1], how) for a, b, how in found.pairs]
+    assert pairs == [("train row 5", "validation row 3", "same bytes")]
     message = overlap.overlap_message(cfg, found)
     assert "1 image(s) of TRAIN.DATASET are also in TEST.DATASET (1 same bytes)" in message, message
 
@@ -271,16 +232,10 @@ def test_a_class_of_unreadable_images_is_refused_naming_a_row(tmp_path):
     train = rows(3, 0)
     for i in (1, 4, 7):  # every "ant"
         train["image"][i] = {"bytes": b"not an image", "path": None}
-    datasets.DatasetDict(train=dataset(train), validation=dataset(rows(1, 50))).save_to_disk(
-        str(tmp_path / "ds")
-    )
+    datasets.DatasetDict(train=dataset(train), validation=dataset(rows(1, 50))).save_to_disk(str(tmp_path / "ds"))
     root = str(tmp_path / "ds")
-    line = check_user_error(
-        cli_main("train", "TRAIN.DATASET", root, "OUT_DIR", str(tmp_path / "run")),
-        "every image of 1 class(es)",
-        "ant (3 images;",
-        os.path.join(root, "train") + " row 1",
-    )
+    line = check_user_error(cli_main("train", "TRAIN.DATASET", root, "OUT_DIR", str(tmp_path / "run")),
+                            "every image of 1 class(es)", "ant (3 images;", os.path.join(root, "train") + " row 1")
     assert "UnidentifiedImageError" in line or "cannot identify" in line, line
 
 
@@ -288,10 +243,8 @@ def test_a_class_of_unreadable_images_is_refused_naming_a_row(tmp_path):
 # Bad input: exit 2, one line naming the file or feature and what would be right
 # ---------------------------------------------------------------------------------------------
 def _plain(tmp_path, name: str, columns: dict, features: dict) -> str:
-    datasets.DatasetDict(
-        train=datasets.Dataset.from_dict(columns, features=datasets.Features(features)),
-        validation=datasets.Dataset.from_dict(columns, features=datasets.Features(features)),
-    ).save_to_disk(str(tmp_path / name))
+    split = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    datasets.DatasetDict(train=split, validation=split).save_to_disk(str(tmp_path / name))
     return str(tmp_path / name)
 
 
@@ -301,60 +254,29 @@ def _train(tmp_path, root: str, *opts: str):
 
 def test_a_dataset_without_an_image_or_a_label_feature_is_refused_naming_its_features(tmp_path):
     images = [{"bytes": png(0, i), "path": None} for i in range(4)]
-    root = _plain(
-        tmp_path,
-        "pics",
-        {"picture": images, "label": [0, 1, 0, 1]},
-        {"picture": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])},
-    )
-    check_user_error(
-        _train(tmp_path, root),
-        os.path.join(root, "train"),
-        "has no image feature (named image, img): its features are picture, label",
-        "TRAIN.IMAGE_FIELD NAME",
-    )
+    root = _plain(tmp_path, "pics", {"picture": images, "label": [0, 1, 0, 1]},
+                  {"picture": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    check_user_error(_train(tmp_path, root), os.path.join(root, "train"),
+                     "has no image feature (named image, img): its features are picture, label", "TRAIN.IMAGE_FIELD NAME")
     check(cli_main("config", "TRAIN.DATASET", root, "TRAIN.IMAGE_FIELD", "picture"))  # named: found
-    check_user_error(
-        _train(tmp_path, root, "TRAIN.IMAGE_FIELD", "photo"), "has no the feature 'photo'"
-    )
-    root = _plain(
-        tmp_path,
-        "unlabelled",
-        {"image": images, "kind": [0, 1, 0, 1]},
-        {"image": datasets.Image(), "kind": datasets.Value("int64")},
-    )
-    check_user_error(
-        _train(tmp_path, root),
-        "has no label feature (named label, labels): its features are image, kind",
-        "TRAIN.LABEL_FIELD NAME",
-    )
-    root = _plain(
-        tmp_path,
-        "words",
-        {"image": ["a.png", "b.png"], "label": [0, 1]},
-        {"image": datasets.Value("string"), "label": datasets.Value("int64")},
-    )
-    check_user_error(
-        _train(tmp_path, root),
-        "the feature 'image' is Value('string'), not an image (an Image "
-        "feature, or encoded image bytes)",
-    )
+    check_user_error(_train(tmp_path, root, "TRAIN.IMAGE_FIELD", "photo"), "has no feature 'photo': its features are")
+    root = _plain(tmp_path, "unlabelled", {"image": images, "kind": [0, 1, 0, 1]},
+                  {"image": datasets.Image(), "kind": datasets.Value("int64")})
+    check_user_error(_train(tmp_path, root), "has no label feature (named label, labels): its features are image, kind",
+                     "TRAIN.LABEL_FIELD NAME")
+    root = _plain(tmp_path, "words", {"image": ["a.png", "b.png"], "label": [0, 1]},
+                  {"image": datasets.Value("string"), "label": datasets.Value("int64")})
+    check_user_error(_train(tmp_path, root),
+                     "the feature 'image' is Value('string'), not an image (an Image feature, or encoded image bytes)")
 
 
 @pytest.mark.parametrize("missing", [None, -1], ids=["None", "ClassLabel -1"])
 def test_a_row_without_a_label_is_refused_naming_the_row(tmp_path, missing):
     labelled = rows(2, 0)
-    labelled["label"][4] = (
-        missing  # -1: a ClassLabel's "no label", as the Hub's unlabelled test splits
-    )
-    datasets.DatasetDict(train=dataset(labelled), validation=dataset(rows(1, 9))).save_to_disk(
-        str(tmp_path / "ds")
-    )
-    check_user_error(
-        _train(tmp_path, str(tmp_path / "ds")),
-        os.path.join(str(tmp_path / "ds"), "train"),
-        f"feature 'label', row 4: no label ({missing!r}); give every image a label",
-    )
+    labelled["label"][4] = missing  # -1: a ClassLabel's "no label", as the Hub's unlabelled test splits
+    datasets.DatasetDict(train=dataset(labelled), validation=dataset(rows(1, 9))).save_to_disk(str(tmp_path / "ds"))
+    check_user_error(_train(tmp_path, str(tmp_path / "ds")), os.path.join(str(tmp_path / "ds"), "train"),
+                     f"feature 'label', row 4: no label ({missing!r}); give every image a label")
 
 
 def test_a_parquet_file_without_an_image_column_is_refused_naming_the_file(tmp_path):
@@ -365,12 +287,9 @@ def test_a_parquet_file_without_an_image_column_is_refused_naming_the_file(tmp_p
     table = pa.table({"photo": [png(0, 1), png(1, 2)], "label": [0, 1]})
     for split in ("train", "validation"):
         pq.write_table(table, str(tmp_path / "pq" / "data" / f"{split}-00000-of-00001.parquet"))
-    check_user_error(
-        _train(tmp_path, str(tmp_path / "pq")),
-        "train-00000-of-00001.parquet has no image feature "
-        "(named image, img): its features are photo, label",
-        "TRAIN.IMAGE_FIELD NAME",
-    )
+    check_user_error(_train(tmp_path, str(tmp_path / "pq")),
+                     "train-00000-of-00001.parquet has no image feature (named image, img): its features are photo, label",
+                     "TRAIN.IMAGE_FIELD NAME")
     # A plain Parquet file of encoded bytes (not an Image feature) is read once the column is named
     files = hf.hf_files(str(tmp_path / "pq"), "train", "photo", "", "TRAIN")
     assert files.read(1) == png(1, 2) and files.classes == ["0", "1"]
@@ -379,12 +298,9 @@ def test_a_parquet_file_without_an_image_column_is_refused_naming_the_file(tmp_p
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_split_that_the_dataset_lacks_is_refused_naming_its_splits(tmp_path, fmt):
     root = FORMATS[fmt](tmp_path / "ds", train=2, val=1)
-    check_user_error(
-        _train(tmp_path, root, "TEST.DATASET", root, "TEST.SPLIT", "test"),
-        "TEST.DATASET",
-        "has no split 'test': its splits are train, validation; set TEST.SPLIT to "
-        "one of train, val (the Hub's 'validation' is 'val')",
-    )
+    check_user_error(_train(tmp_path, root, "TEST.DATASET", root, "TEST.SPLIT", "test"), "TEST.DATASET",
+                     "has no split 'test': its splits are train, validation; set TEST.SPLIT to one of train, val "
+                     "(the Hub's 'validation' is 'val')")
 
 
 def test_without_the_datasets_library_the_refusal_says_what_to_install(tmp_path, monkeypatch):
@@ -432,14 +348,14 @@ def test_both_formats_train_with_the_defaults_resume_step_exactly_and_evaluate_a
     check(run([*command, "train", "TRAIN.DATASET", saved, *opts, "OUT_DIR", str(straight)], timeout=300))
     log = read_text_or_empty(straight / "log.txt")
     assert "MODEL.NUM_CLASSES 3 (from the dataset's label feature)" in log and "300 train / 60 val" in log, log[-3000:]
-    rows = _numbers(straight)
-    assert [(r["epoch"], r["split"]) for r in rows] == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]
+    metrics = _numbers(straight)
+    assert [(r["epoch"], r["split"]) for r in metrics] == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]
 
     for name, root in (("saved", saved), ("parquet", parquet)):
         _stopped_and_resumed([*command, "train", "TRAIN.DATASET", root, *opts], tmp_path / name)
-        assert _numbers(tmp_path / name) == rows, name
+        assert _numbers(tmp_path / name) == metrics, name
 
-    val = (f"{rows[-1]['top1']:.2f}%", "60")
+    val = (f"{metrics[-1]['top1']:.2f}%", "60")
     for out, nproc in (("straight", "1"), ("straight", "2"), ("parquet", "1")):
         last = str(tmp_path / out / "checkpoints" / "last.pth")
         proc = check(run([*command, "eval", "--nproc-per-node", nproc, "--checkpoint", last], timeout=300))

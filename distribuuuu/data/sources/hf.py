@@ -142,7 +142,7 @@ def _feature(rows: Any, asked: str, usual: tuple[str, ...], what: str, where: st
     if found and not asked:
         return found
     key = "TRAIN.IMAGE_FIELD" if what == "image" else "TRAIN.LABEL_FIELD"
-    wanted = f"the feature {asked!r}" if asked else f"{what} feature (named {', '.join(usual)})"
+    wanted = f"feature {asked!r}" if asked else f"{what} feature (named {', '.join(usual)})"
     raise UserError(
         f"{where} has no {wanted}: its features are {', '.join(names) or 'none'}; name the "
         f"{what} feature with {key} NAME"
