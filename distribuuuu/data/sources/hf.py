@@ -35,12 +35,12 @@ LABEL_FEATURES = ("label", "labels")
 
 
 def is_hf_dataset(dataset: str) -> bool:
-    """Whether DATASET is a save_to_disk folder or Parquet files (no
-    file read, no import)."""
-    saved = os.path.isfile(os.path.join(dataset, DICT)) or os.path.isfile(
-        os.path.join(dataset, STATE)
-    )
-    return saved or bool(parquet_files(dataset))
+    """Whether DATASET is a save_to_disk folder or Parquet files (their
+    names only: nothing read, nothing imported)."""
+    if os.path.isfile(dataset):
+        return dataset.endswith(".parquet")
+    marks = (DICT, STATE, "*.parquet", os.path.join("data", "*.parquet"))
+    return any(glob.glob(os.path.join(glob.escape(dataset), mark)) for mark in marks)
 
 
 def parquet_files(dataset: str) -> dict[str, list[str]]:
@@ -49,8 +49,8 @@ def parquet_files(dataset: str) -> dict[str, list[str]]:
     when a file is not named by a split; {} when there are none."""
     if os.path.isfile(dataset):
         return {"": [dataset]} if dataset.endswith(".parquet") else {}
-    found = glob.glob(os.path.join(dataset, "*.parquet"))
-    found += glob.glob(os.path.join(dataset, "data", "*.parquet"))
+    found = glob.glob(os.path.join(glob.escape(dataset), "*.parquet"))
+    found += glob.glob(os.path.join(glob.escape(dataset), "data", "*.parquet"))
     by_split: dict[str, list[str]] = {}
     for path in sorted(found):
         name = os.path.basename(path)[: -len(".parquet")].split("-")[0]
