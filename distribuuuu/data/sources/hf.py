@@ -46,11 +46,14 @@ def is_hf_dataset(dataset: str) -> bool:
 def parquet_files(dataset: str) -> dict[str, list[str]]:
     """{split as the files name it: its files} of a .parquet file or a
     folder holding them (or a data/ folder holding them); {'': files}
-    when a file is not named by a split; {} when there are none."""
+    when a file is not named by a split; {} when there are none. The
+    paths are absolute: the datasets cache is the same however DATASET
+    was written."""
     if os.path.isfile(dataset):
-        return {"": [dataset]} if dataset.endswith(".parquet") else {}
-    found = glob.glob(os.path.join(glob.escape(dataset), "*.parquet"))
-    found += glob.glob(os.path.join(glob.escape(dataset), "data", "*.parquet"))
+        return {"": [os.path.abspath(dataset)]} if dataset.endswith(".parquet") else {}
+    folder = glob.escape(os.path.abspath(dataset))
+    found = glob.glob(os.path.join(folder, "*.parquet"))
+    found += glob.glob(os.path.join(folder, "data", "*.parquet"))
     by_split: dict[str, list[str]] = {}
     for path in sorted(found):
         name = os.path.basename(path)[: -len(".parquet")].split("-")[0]
