@@ -324,11 +324,11 @@ def card_from_config(cfg: CfgNode, classes: list[str] | None = None) -> ModelCar
         train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
         if classes is None and os.path.isdir(train_dir):
             classes = folder_classes(train_dir)
-    if kind == "labels" and classes is None:
+    if kind in ("labels", "hf") and classes is None:
         try:
             classes = sources.image_files(cfg, "TRAIN").classes
         except (OSError, UserError):
-            classes = None  # the label file is not here: numbers as names
+            classes = None  # the label file or dataset is not here: numbers as names
     if kind in ("shards", *sources.IMAGE_FILES):
         return describe(cfg, None, classes)
     return describe(cfg, build_dataset(cfg, train=False), classes)

@@ -72,8 +72,8 @@ _C.TRAIN.BATCH_SIZE = 32
 # the model's default size (224 for resnet18), else 224
 _C.TRAIN.IM_SIZE = 0
 # Training data: a folder of class folders (<DATASET>/<SPLIT>/<class>/*, or <DATASET>/<class>/*),
-# a label file (labels.csv, metadata.jsonl, ...), a CIFAR folder, a shard set, or mnist5k /
-# synthetic (docs/data-formats.md)
+# a label file (labels.csv, metadata.jsonl, ...), a Hugging Face dataset (a save_to_disk folder or
+# Parquet files), a CIFAR folder, a shard set, or mnist5k / synthetic (docs/data-formats.md)
 _C.TRAIN.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for training; a folder of
 # class folders without it is the split itself

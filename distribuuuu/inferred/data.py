@@ -16,7 +16,7 @@ from yacs.config import CfgNode
 from distribuuuu.config.reading import TEST_FOLLOWED
 from distribuuuu.data import holdout, sources
 from distribuuuu.data.shards.index import load_shard_set
-from distribuuuu.data.sources import cifar, folder, labels, registry
+from distribuuuu.data.sources import cifar, folder, hf, labels, registry
 from distribuuuu.errors import UserError
 from distribuuuu.inferred.decision import Decision
 
@@ -50,6 +50,8 @@ def layout(cfg: CfgNode) -> list[Decision]:
     )
     if kind == "labels":
         decided += _label_files(cfg)
+    elif kind == "hf":
+        decided += _hf_dataset(cfg)
     elif kind == "folder" and flat:
         decided += _flat_folder(cfg)
     if cfg.TEST.DATASET == "":
@@ -128,6 +130,23 @@ def _label_files(cfg: CfgNode) -> list[Decision]:
     return decided
 
 
+def _hf_dataset(cfg: CfgNode) -> list[Decision]:
+    """A Hugging Face dataset: one Dataset without splits is the
+    training split; when TEST.DATASET is not given and there is no val
+    ('validation') split, a held-out part of the training split is the
+    val set (a 'test' split is left for the end)."""
+    t = cfg.TRAIN
+    named = hf.splits(t.DATASET)
+    decided = []
+    if named is None and t.SPLIT:
+        why = f"from the dataset: {t.DATASET} is one Dataset without splits, so all its rows are "
+        decided.append(Decision("TRAIN.SPLIT", "''", why + "the training split"))
+        t.SPLIT = ""
+    if cfg.TEST.DATASET == "" and "val" not in (named or []):
+        decided += _hold_out(cfg, f"from the dataset: no validation split in {t.DATASET}, so ")
+    return decided
+
+
 def _hold_out(cfg: CfgNode, why: str) -> list[Decision]:
     """TEST.DATASET unset and no val split: TEST is the training split,
     and TRAIN.VAL_SPLIT (unless set) holds a tenth of it out; the line
@@ -191,6 +210,8 @@ def train_classes(cfg: CfgNode) -> tuple[list[str] | None, str]:
             return (classes, "from the folder") if classes else unreadable
         if kind == "labels":
             return sources.image_files(cfg, "TRAIN").classes, "from the label file"
+        if kind == "hf":
+            return sources.image_files(cfg, "TRAIN").classes, "from the dataset's label feature"
         if kind == "cifar":
             return cifar.cifar_classes(*cifar.find_cifar(t.DATASET)), "from the CIFAR folder"
         if kind == "shards":

@@ -46,13 +46,13 @@ def digest(data: bytes) -> bytes:
 
 def _sizes(files: ImageFiles, items: list[int]) -> dict[int, tuple[tuple[int, int] | None, int]]:
     """{item: (its file's (st_dev, st_ino) or None, its byte size)} of the
-    items that can be stat'ed (or read, for a reader of bytes); the
+    items that can be stat'ed (or sized, for a reader of bytes); the
     others the datasets skip or refuse (TRAIN.BAD_IMAGES)."""
     out = {}
     for i in items:
         try:
             if files.paths is None:
-                out[i] = (None, len(files.read(i)))
+                out[i] = (None, files.size(i))
             else:
                 st = os.stat(files.paths[i])
                 out[i] = ((st.st_dev, st.st_ino), st.st_size)

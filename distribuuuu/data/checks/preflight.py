@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -130,20 +132,21 @@ def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
 
 
 def _scan_files(cfg: CfgNode, key: str) -> dict[str, int]:
-    """{class: number of images} of label files, after refusing what
-    cannot work (the reader refuses missing files, empty labels and two
-    labels for one file): a class of which no image decodes, a file
-    listed twice (unless TRAIN.DUPLICATE_IMAGES keep)."""
+    """{class: number of images} of label files or a Hugging Face
+    dataset, after refusing what cannot work (the readers refuse missing
+    files and features, empty labels and two labels for one file): a
+    class of which no image decodes, a file listed twice (unless
+    TRAIN.DUPLICATE_IMAGES keep)."""
     files = sources.image_files(cfg, key)
     if not len(files):
         raise UserError(f"{key}.DATASET: {files.root} lists no image of split {cfg[key].SPLIT!r}")
-    by_class: dict[int, list[str]] = {}
-    for path, label in zip(files.paths, files.targets):
-        by_class.setdefault(label, []).append(path)
+    by_class: dict[int, list[int]] = {}
+    for i, label in enumerate(files.targets):
+        by_class.setdefault(label, []).append(i)
     dead = [
-        f"{files.classes[c]} ({len(p)} files; {why})"
-        for c, p in sorted(by_class.items())
-        if (why := _none_decodes(p))
+        f"{files.classes[c]} ({len(items)} images; {why})"
+        for c, items in sorted(by_class.items())
+        if (why := _none_decodes(items, files.read, files.name))
     ]
     if dead:
         raise UserError(
@@ -151,7 +154,7 @@ def _scan_files(cfg: CfgNode, key: str) -> dict[str, int]:
             f"{'; '.join(dead[:NAMED])}{_more(dead)}. Replace them with images that open, or "
             "remove their rows"
         )
-    twice = [p for p, n in Counter(files.paths).items() if n > 1]
+    twice = [p for p, n in Counter(files.paths or []).items() if n > 1]
     if twice and cfg.TRAIN.DUPLICATE_IMAGES == "fail":
         raise UserError(
             f"{key}.DATASET: {len(twice)} image(s) are listed twice in {files.root} "
@@ -160,7 +163,7 @@ def _scan_files(cfg: CfgNode, key: str) -> dict[str, int]:
         )
     if key == "TEST":
         _require_eval_resize(cfg, "val images are")
-    return {files.classes[c]: len(p) for c, p in sorted(by_class.items())}
+    return {files.classes[c]: len(items) for c, items in sorted(by_class.items())}
 
 
 def _with_skipped(name: str, skipped: dict[str, int] | None) -> str:
@@ -179,20 +182,27 @@ def _more(named: list) -> str:
     return f" (and {len(named) - NAMED} more)" if len(named) > NAMED else ""
 
 
-def _none_decodes(paths: list[str]) -> str | None:
-    """None when one of paths decodes (opened in order until one does:
-    one open for a good class), else why the first one did not (they
-    would never be trained on, or evaluated)."""
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _none_decodes(
+    items: list, read: Callable[[Any], bytes] = _read_file, name: Callable[[Any], str] = str
+) -> str | None:
+    """None when one of items (paths, or a reader's items) decodes
+    (read in order until one does: one read for a good class), else why
+    the first one did not (they would never be trained on, or
+    evaluated)."""
     why = None
-    for path in paths:
+    for item in items:
         try:
-            with open(path, "rb") as f:
-                err = can_decode(f.read())
+            err = can_decode(read(item))
         except OSError as e:
             err = f"{type(e).__name__}: {e}"
         if err is None:
             return None
-        why = why or f"{path}: {err}"
+        why = why or f"{name(item)}: {err}"
     return why
 
 

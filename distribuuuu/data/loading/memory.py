@@ -194,10 +194,13 @@ class MemoryPipeline(Pipeline):
     def refusal(cls, cfg: CfgNode, key: str) -> str | None:
         """Why it cannot hold cfg[key] (None: it can)."""
         kind = sources.kind_of(cfg, key)
-        if kind in ("folder", "labels", "shards"):
-            what = {"folder": "an image folder", "labels": "label files", "shards": "a shard set"}[
-                kind
-            ]
+        if kind in ("folder", "labels", "hf", "shards"):
+            what = {
+                "folder": "an image folder",
+                "labels": "label files",
+                "hf": "a Hugging Face dataset",
+                "shards": "a shard set",
+            }[kind]
             return (
                 "TRAIN.DATA_PIPELINE memory holds mnist5k, CIFAR or synthetic data, but "
                 f"{key}.DATASET {cfg[key].DATASET!r} is {what}; use TRAIN.DATA_PIPELINE auto or "

@@ -7,10 +7,13 @@ TEST.DATASET value names, and the reader of each kind.
               or a user's: registry.py), which wins over a folder of that name
   cifar       a folder of CIFAR pickles (cifar.py)
   shards      a shard set written by `distribuuuu data shard` (data/shards/)
+  hf          a Hugging Face dataset on disk: save_to_disk's folder or
+              Parquet files (hf.py)
   labels      images listed with their labels in a file (labels.py)
   folder      an image folder <DATASET>/<SPLIT>/<class>/<image> (folder.py)
 
-Image files (a folder, label files: IMAGE_FILES) are read through
+Image files (a folder, label files, a Hugging Face dataset's image
+bytes: IMAGE_FILES) are read through
 ``image_files``, an ImageFiles reader (files.py); small sources held as
 one tensor (CIFAR, mnist5k, a user's TensorSource) through
 ``tensor_source``.
@@ -24,24 +27,26 @@ import os
 from yacs.config import CfgNode
 
 from distribuuuu.data.shards.index import is_shard_set
-from distribuuuu.data.sources import cifar, folder, labels, registry
+from distribuuuu.data.sources import cifar, folder, hf, labels, registry
 from distribuuuu.data.sources.builtin import TensorSource
 from distribuuuu.data.sources.files import ImageFiles
 from distribuuuu.data.transforms import match_channels, stats_for_channels
 from distribuuuu.errors import UserError
 
-IMAGE_FILES = ("folder", "labels")  # the kinds read as image files through image_files
+IMAGE_FILES = ("folder", "labels", "hf")  # the kinds read as image files through image_files
 
 
 def source_kind(dataset: str) -> str:
-    """'registered', 'cifar', 'shards', 'labels' or 'folder' (module
-    docstring)."""
+    """'registered', 'cifar', 'shards', 'hf', 'labels' or 'folder'
+    (module docstring)."""
     if registry.get_source(dataset) is not None:
         return "registered"
     if cifar.find_cifar(dataset) is not None:
         return "cifar"
     if is_shard_set(dataset):
         return "shards"
+    if hf.is_hf_dataset(dataset):
+        return "hf"
     if labels.is_label_source(dataset):
         return "labels"
     return "folder"
@@ -76,17 +81,11 @@ def split_classes(cfg: CfgNode, key: str) -> tuple[str, list[str]]:
 
 
 def image_files(cfg: CfgNode, key: str) -> ImageFiles:
-    """The reader of cfg[key]'s image files: a folder split, or label files."""
-    group = cfg[key]
-    if source_kind(group.DATASET) == "folder":
+    """The reader of cfg[key]'s image files: a folder split, label
+    files, or a Hugging Face dataset's split."""
+    group, kind = cfg[key], source_kind(cfg[key].DATASET)
+    if kind == "folder":
         return folder.folder_files(*split_classes(cfg, key), key)
-    path = labels.find(group.DATASET, group.SPLIT)
-    if path is None:
-        names = ", ".join((*labels.METADATA, *labels.KAGGLE))
-        raise UserError(
-            f"{key}.DATASET {group.DATASET!r} holds no label file of split {group.SPLIT!r} "
-            f"({names}, or {group.SPLIT}.csv, .tsv, .jsonl, .txt)"
-        )
     train = None
     if key == "TEST" and source_kind(cfg.TRAIN.DATASET) in IMAGE_FILES:
         try:  # the model's label i is the training class i
@@ -94,6 +93,15 @@ def image_files(cfg: CfgNode, key: str) -> ImageFiles:
         except (UserError, OSError):
             train = None  # e.g. evaluating where the training images are not
     t = cfg.TRAIN
+    if kind == "hf":
+        return hf.hf_files(group.DATASET, group.SPLIT, t.IMAGE_FIELD, t.LABEL_FIELD, key, train)
+    path = labels.find(group.DATASET, group.SPLIT)
+    if path is None:
+        names = ", ".join((*labels.METADATA, *labels.KAGGLE))
+        raise UserError(
+            f"{key}.DATASET {group.DATASET!r} holds no label file of split {group.SPLIT!r} "
+            f"({names}, or {group.SPLIT}.csv, .tsv, .jsonl, .txt)"
+        )
     return labels.label_files(path, group.SPLIT, t.IMAGE_FIELD, t.LABEL_FIELD, train)
 
 

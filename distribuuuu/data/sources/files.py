@@ -29,5 +29,9 @@ class ImageFiles:
     def read(self, i: int) -> bytes:
         return pathlib.Path(self.paths[i]).read_bytes()
 
+    def size(self, i: int) -> int:
+        """Item i's byte size (a reader of bytes may know it unread)."""
+        return len(self.read(i))
+
     def name(self, i: int) -> str:
         return self.paths[i]
