@@ -132,6 +132,20 @@ def test_io_shards_are_kept_and_reused(jpeg_root, tmp_path):
     assert [r["format"] for r in _read_csv(alone)] == ["shards"]
 
 
+def test_a_label_file_is_timed_alone_over_its_images(jpeg_root, tmp_path):
+    """Label files (and, the same way, a Hugging Face dataset) are image files of another layout: timed
+    alone, every listed image read."""
+    root = os.path.join(jpeg_root, "train")
+    with open(tmp_path / "labels.csv", "w") as f:
+        f.write("path,label\n" + "".join(f"{os.path.join(root, c, n)},{c}\n" for c in CLASSES
+                                         for n in sorted(os.listdir(os.path.join(root, c)))))
+    out = str(tmp_path / "out")
+    check(cli_main("bench", "--io", "--workers", "0", "--iters", "2", "--warmup", "0", "--repeats", "1",
+                   "--out", out, *_opts(str(tmp_path / "labels.csv"))))
+    rows = _read_csv(out)
+    assert [r["format"] for r in rows] == ["labels"] and float(rows[0]["img_per_s"]) > 0
+
+
 def test_stale_io_shards_are_a_user_error(jpeg_root, tmp_path):
     keep = str(tmp_path / "keep")
     small = str(tmp_path / "small")

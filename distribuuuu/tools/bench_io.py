@@ -14,8 +14,9 @@ median and their min..max spread. The loader cycles through epochs when
 a stretch needs more batches than one epoch has.
 
 TRAIN.DATASET must hold image files: an image folder
-(<DATASET>/<SPLIT>/<class>/<image>) or a shard set (`distribuuuu data
-shard`). For a folder the same images are also written as shards
+(<DATASET>/<SPLIT>/<class>/<image>), label files, a Hugging Face
+dataset on disk or a shard set (`distribuuuu data shard`). Label files
+and Hugging Face datasets are timed alone. For a folder the same images are also written as shards
 (data.shards.write_shards, the encoded bytes as they are) and both
 formats are timed side by side; --io-shards DIR keeps those shards and
 reuses them next time (without it they go to a temporary folder under
@@ -63,7 +64,12 @@ COLUMNS = [
     "images_timed",
     "dataset_images",
 ]
-FORMAT_COLOURS = {"folder": "tab:blue", "shards": "tab:orange"}
+FORMAT_COLOURS = {
+    "folder": "tab:blue",
+    "shards": "tab:orange",
+    "labels": "tab:green",
+    "hf": "tab:red",
+}
 
 
 @dataclass
@@ -120,8 +126,8 @@ def parse_workers(text: str | None, n_cores: int) -> list[int]:
 # what is read: the configured folder, its shard copy, or a shard set
 # ---------------------------------------------------------------------------------------------
 def dataset_format(cfg: Any) -> str:
-    """'folder' or 'shards' for TRAIN.DATASET; a UserError for data that
-    is not image files."""
+    """'folder', 'labels', 'hf' or 'shards' for TRAIN.DATASET; a
+    UserError for data that is not image files."""
     path = cfg.TRAIN.DATASET
     if cfg.MODEL.DUMMY_INPUT:
         raise UserError(
@@ -131,6 +137,8 @@ def dataset_format(cfg: Any) -> str:
     if is_shard_set(path) or is_shard_set(os.path.join(path, cfg.TRAIN.SPLIT)):
         return "shards"
     kind = sources.source_kind(path)
+    if kind in ("labels", "hf"):
+        return kind
     if kind != "folder":
         what = (
             "a CIFAR pickle folder"
@@ -384,8 +392,8 @@ def _formats(
     """[(format, cfg reading it)], and a temporary folder to remove
     afterwards (or None)."""
     fmt = dataset_format(cfg)
-    if fmt == "shards":
-        return [("shards", cfg)], None
+    if fmt != "folder":
+        return [(fmt, cfg)], None
     n_images = len(data.build_dataset(cfg, train=True))
     tmp = None if io_shards else tempfile.mkdtemp(prefix="io_shards.", dir=out_dir)
     shard_dir = shard_copy(
