@@ -492,12 +492,14 @@ def _run_data_index(args: argparse.Namespace) -> int:
     """`data index DIR`: one line per split indexed."""
     from distribuuuu.data.shards import external
 
-    for path, index in external.index_tars(args.source, args.image_field, args.label_field):
+    for path, index, note in external.index_tars(args.source, args.image_field, args.label_field):
         print(
             f"indexed {index['num_samples']} samples of {len(index['classes'])} classes in "
             f"{len(index['shards'])} tar(s) (counts from {index['counted_by']}, labels from "
             f"{index['label_field']}): {path}"
         )
+        if note:
+            print(note)
     return 0
 
 

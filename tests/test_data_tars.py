@@ -215,6 +215,23 @@ def test_a_wids_shard_index_gives_the_tars_and_their_counts(tmp_path):
                      "the tar changed since")
 
 
+def test_tars_grouped_by_class_get_a_note_and_shuffled_ones_none(tmp_path):
+    write_tars(tmp_path / "sorted" / "train", 60, 20, lambda i: {"__key__": f"s{i}", "png": photo(i), "cls": i // 20})
+    write_tars(tmp_path / "mixed" / "train", 60, 20)
+    note = check(cli_main("data", "index", str(tmp_path / "sorted"))).stdout.splitlines()[1]
+    assert note.startswith("note: the train tars hold their samples grouped by class (") and "holds 1 of 3" in note
+    assert len(check(cli_main("data", "index", str(tmp_path / "mixed"))).stdout.splitlines()) == 1
+
+
+def test_the_recipe_follows_a_sample_of_the_tars_images(wds_root):
+    """As for a folder: the keys a config leaves unset are decided from the images (16 px RGB)."""
+    root, _ = wds_root
+    cfg = make_cfg({"TRAIN.DATASET": str(root)})
+    assert (cfg.MODEL.ARCH, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.FLIP_PROB) == ("resnet_tiny", 3, 32, 0.5)
+    # their own mean: each channel is 200 in a third of the images and 40 in the rest (noise averages out)
+    assert list(cfg.TRAIN.CROP_SCALE) == [0.8, 1.0] and cfg.TRAIN.MEAN == pytest.approx([280 / 3 / 255] * 3, abs=0.03)
+
+
 def test_what_is_not_a_folder_of_tars_is_one_line(tmp_path):
     check_user_error(cli_main("data", "index", str(tmp_path / "nope")), "is not a folder of tars")
     (tmp_path / "a.tar.gz").write_bytes(b"")

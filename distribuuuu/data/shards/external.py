@@ -65,6 +65,7 @@ class Split:
     counted_by: str = "the tar headers"
     labels: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     classes: list[str] | None = None  # from a classes.txt
+    classes_per_tar: list[int] = dataclasses.field(default_factory=list)  # labels seen in each
 
 
 def find_splits(root: str) -> list[Split]:
@@ -243,6 +244,7 @@ def _scan(split: Split, fields: SampleFields, progress: bool) -> None:
         for value, where in scanned.labels.items():
             split.labels.setdefault(value, where)
         counts += scanned.counts
+        split.classes_per_tar.append(len(scanned.labels))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -256,6 +258,31 @@ def _scan(split: Split, fields: SampleFields, progress: bool) -> None:
                 f"{listed}; remove {split.counted_by} to count them from the tars"
             )
     split.counts = counts
+
+
+def class_order_note(split: Split) -> str:
+    """A line when the tars hold their samples grouped by class: the
+    reader shuffles the shard order and blocks of TRAIN.SHARD_SHUFFLE
+    samples, not the whole set, so its batches would hold a few classes
+    (docs/data-at-scale.md). Judged on the tars of at least twice as
+    many samples as the split has classes, where a shuffled order shows
+    at least 86% of the classes in each: '' when most show half."""
+    k = len(split.labels)
+    checked = [
+        (seen, path)
+        for seen, path, n in zip(split.classes_per_tar, split.tars, split.counts or [])
+        if n >= 2 * k
+    ]
+    few = [(seen, path) for seen, path in checked if seen < k / 2]
+    if k < 2 or len(few) * 2 <= len(checked):
+        return ""
+    seen, path = min(few)
+    return (
+        f"note: the {split.name} tars hold their samples grouped by class ({path} holds {seen} of "
+        f"{k} classes); the reader shuffles the tar order and blocks of TRAIN.SHARD_SHUFFLE "
+        "samples, not the whole set, so batches would hold few classes: write the tars from a "
+        "shuffled list of samples"
+    )
 
 
 def _bar(total: int, desc: str, progress: bool):
@@ -306,10 +333,10 @@ def _classes(split: Split, kind: str, largest: int, names: list[str]) -> list[st
 
 def index_tars(
     root: str, image_field: str = "", label_field: str = "cls", progress: bool = True
-) -> list[tuple[str, dict]]:
+) -> list[tuple[str, dict, str]]:
     """Index every split of DIR (module docstring); returns (index path,
-    index) per split. Everything is checked before anything is
-    written."""
+    index, class_order_note) per split. Everything is checked before
+    anything is written."""
     fields = SampleFields(image_field, label_field)
     splits = find_splits(root)
     for split in splits:
@@ -340,8 +367,8 @@ def index_tars(
             "labels": kind,
             "counted_by": split.counted_by,
         }
-        written.append((os.path.join(split.folder, INDEX), index))
-    for path, index in written:
+        written.append((os.path.join(split.folder, INDEX), index, class_order_note(split)))
+    for path, index, _ in written:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         text = (json.dumps(index, indent=1) + "\n").encode()
         atomic_write(path, lambda f, t=text: f.write(t))
