@@ -14,7 +14,7 @@ predict, export, calibrate.
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]
                                                           one job, four ways
     distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]
-                                                          loader img/s: folder vs shards
+                                                          loader img/s: folder vs shards (vs tars)
     distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ...
                         [--output F.csv|F.json]
     distribuuuu predict --model model.pt2|model.onnx IMAGE|FOLDER|'GLOB' ...
@@ -453,6 +453,7 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
             (args.iters, args.warmup, args.repeats),
             args.io_shards,
             args.out,
+            args.io_tars,
         )
     from distribuuuu.tools import bench
 

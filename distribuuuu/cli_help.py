@@ -213,6 +213,18 @@ BENCH_OPTIONS: list[Option] = [
             ),
         ),
     ),
+    (
+        ("--io-tars",),
+        dict(
+            dest="io_tars",
+            default=None,
+            metavar="DIR",
+            help=(
+                "--io: also time tars of the same images made by another tool and indexed by "
+                "`distribuuuu data index DIR` (default: none)"
+            ),
+        ),
+    ),
     (("--out",), dict(default=None, help="results folder (default OUT_DIR/bench)")),
 ]
 

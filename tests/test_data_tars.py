@@ -8,6 +8,8 @@ _info.json and a wids shard index give the counts; a sample without a label is o
 from __future__ import annotations
 
 import collections
+import csv
+import importlib.util
 import json
 import os
 import sys
@@ -20,9 +22,10 @@ import webdataset
 from distribuuuu import api, inference
 from distribuuuu.data import shards
 from distribuuuu.data.loading.pipeline import Place
-from distribuuuu.data.shards import tar
+from distribuuuu.data.shards import external, tar
 from distribuuuu.data.shards.loader import build_shard_loader
 from tests.conftest import (
+    ROOT,
     TINY,
     check,
     check_user_error,
@@ -35,6 +38,7 @@ from tests.conftest import (
     run,
     start_until,
     stop_and_wait,
+    write_image_tree,
 )
 
 NAMES = ("ant", "bee", "cat")
@@ -230,6 +234,29 @@ def test_the_recipe_follows_a_sample_of_the_tars_images(wds_root):
     assert (cfg.MODEL.ARCH, cfg.MODEL.IN_CHANS, cfg.TRAIN.IM_SIZE, cfg.TRAIN.FLIP_PROB) == ("resnet_tiny", 3, 32, 0.5)
     # their own mean: each channel is 200 in a third of the images and 40 in the rest (noise averages out)
     assert list(cfg.TRAIN.CROP_SCALE) == [0.8, 1.0] and cfg.TRAIN.MEAN == pytest.approx([280 / 3 / 255] * 3, abs=0.03)
+
+
+def test_bench_io_times_tars_of_the_same_images_beside_the_folder(tmp_path):
+    """`bench --io --io-tars`: the tars that benchmarks/io_tars.py writes with webdataset, indexed."""
+    spec = importlib.util.spec_from_file_location("io_tars", os.path.join(ROOT, "benchmarks", "io_tars.py"))
+    io_tars = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(io_tars)
+    write_image_tree(str(tmp_path / "jpegs"), "train", {"a": 12, "b": 12}, ext="jpg", size=(16, 16))
+    assert io_tars.write_tars(str(tmp_path / "jpegs"), str(tmp_path / "tars"), maxcount=10) == 24
+    external.index_tars(str(tmp_path / "tars"), label_field="json:label", progress=False)
+    def bench(folder):
+        return cli_main("bench", "--io", "--io-tars", str(tmp_path / "tars"), "--workers", "0", "--iters", "2",
+                        "--warmup", "0", "--repeats", "1", "--out", str(tmp_path / "bench"), "TRAIN.DATASET",
+                        str(tmp_path / folder), "TRAIN.BATCH_SIZE", "4", "TRAIN.IM_SIZE", "16", "DEVICE", "cpu")
+
+    proc = check(bench("jpegs"))
+    with open(tmp_path / "bench" / "io.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["format"], r["dataset_images"]) for r in rows] == [("folder", "24"), ("shards", "24"), ("tars", "24")]
+    assert "tars / folder, img/CPU-s: 0 workers " in proc.stdout
+    write_image_tree(str(tmp_path / "more"), "train", {"a": 13, "b": 12}, ext="jpg", size=(16, 16))
+    check_user_error(bench("more"), "holds 24 images in split 'train', but the folder has 25")
+    assert [e for e in os.listdir(tmp_path / "bench") if e.startswith("io_shards.")] == []  # none written
 
 
 def test_what_is_not_a_folder_of_tars_is_one_line(tmp_path):
