@@ -123,6 +123,8 @@ def _timm_splits(root: str, info_path: str) -> list[Split]:
                 continue
             tars = [os.path.join(root, f) for f in entry["filenames"]]
             counts = [int(n) for n in entry["shard_lengths"]]
+            if len(counts) != len(tars):
+                raise ValueError(f"split {name!r}: {len(tars)} filenames, {len(counts)} lengths")
         split = SPLIT_NAMES.get(name, name)
         by = os.path.basename(info_path)
         found.append(Split(split, os.path.join(root, split), tars, counts, by))
@@ -212,16 +214,17 @@ def scan_shard(path: str, fields: SampleFields, limit: int | None = None) -> Spl
     records = tar.samples(path, want_data=lambda name: tar.split_name(name)[1] == wanted)
     count, labels = 0, {}
     for key, members in records:
+        where = f"data index: shard {path}, sample {key!r}"
         try:
             fields.image_name(members)
+        except MissingField as e:
+            raise UserError(
+                f"{where}: {e}; say which member is the image with --image-field"
+            ) from None
+        try:
             value = fields.value(members)
-        except (MissingField, ValueError) as e:  # ValueError: a .json that does not parse
-            hint = (
-                FIELD_HINT
-                if "label" in str(e)
-                else "say which member is the image with --image-field"
-            )
-            raise UserError(f"data index: shard {path}, sample {key!r}: {e}; {hint}") from None
+        except ValueError as e:  # fields.MissingField, or a .json that does not parse
+            raise UserError(f"{where}: {e}; {FIELD_HINT}") from None
         if not value:
             raise UserError(f"data index: shard {path}, sample {key!r}: an empty label")
         labels.setdefault(value, (path, key))
@@ -349,30 +352,37 @@ def index_tars(
     written = []
     for split, kind in zip(splits, kinds):
         classes = _classes(split, kind, max(numbers, default=-1), names)
-        index = {
-            "format": FORMAT,
-            "split": split.name,
-            "num_samples": sum(split.counts or []),
-            "classes": classes,
-            "shards": [
-                {
-                    "name": os.path.relpath(t, split.folder),
-                    "num_samples": n,
-                    "bytes": os.path.getsize(t),
-                }
-                for t, n in zip(split.tars, split.counts or [])
-            ],
-            "image_field": fields.image_field,
-            "label_field": fields.label_field,
-            "labels": kind,
-            "counted_by": split.counted_by,
-        }
+        index = _index(split, fields, kind, classes)
         written.append((os.path.join(split.folder, INDEX), index, class_order_note(split)))
     for path, index, _ in written:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         text = (json.dumps(index, indent=1) + "\n").encode()
         atomic_write(path, lambda f, t=text: f.write(t))
     return written
+
+
+def _index(split: Split, fields: SampleFields, kind: str, classes: list[str]) -> dict:
+    """The split's index.json: data shard's format (index.py), with the
+    fields its samples are read by and where its counts came from."""
+    counts = split.counts or []
+    return {
+        "format": FORMAT,
+        "split": split.name,
+        "num_samples": sum(counts),
+        "classes": classes,
+        "shards": [
+            {
+                "name": os.path.relpath(t, split.folder),
+                "num_samples": n,
+                "bytes": os.path.getsize(t),
+            }
+            for t, n in zip(split.tars, counts)
+        ],
+        "image_field": fields.image_field,
+        "label_field": fields.label_field,
+        "labels": kind,
+        "counted_by": split.counted_by,
+    }
 
 
 def _require_own_index(folder: str) -> None:
