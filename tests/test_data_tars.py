@@ -200,6 +200,14 @@ def test_timm_info_json_gives_the_splits_and_counts(tmp_path):
     (tmp_path / "_info.json").write_text(json.dumps(info))
     check_user_error(cli_main("data", "index", str(tmp_path)),
                      f"{tmp_path}/{tars['train'][1]} holds 20 samples, but _info.json records 19")
+    # With the class names given too, nothing is read but one sample: the counts are timm's as they are
+    info["splits"]["train"]["shard_lengths"] = [20, 20, 10]
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+    (tmp_path / "classes.txt").write_text("ant\nbee\ncat\n")
+    last = tmp_path / tars["train"][2]
+    last.write_bytes(bytes(last.stat().st_size))  # no tar any more: a read would fail
+    check(cli_main("data", "index", str(tmp_path)))
+    assert shards.load_shard_set(str(tmp_path), "train", "TRAIN").classes == ["ant", "bee", "cat"]
 
 
 def test_a_wids_shard_index_gives_the_tars_and_their_counts(tmp_path):
