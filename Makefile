@@ -12,10 +12,16 @@ NPROC  ?= 2
 
 venv: $(STAMP)
 
+# A line before each step and one with the time it took; pip's own progress shows on a terminal
+# (the first install downloads torch: minutes), and a log that is not a terminal (CI, `make test >
+# log`) gets pip's --quiet.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
-	touch $(STAMP)
+	@test -x $(PY) || { echo "make: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: installing distribuuuu and its dependencies at the versions of constraints.txt into $(VENV) (the first time: a few minutes, torch is large)"
+	@start=$$(date +%s); quiet=--quiet; if [ -t 1 ]; then quiet=; fi; \
+	$(PY) -m pip install $$quiet --disable-pip-version-check -c constraints.txt -e ".[dev]" && \
+	echo "make: $(VENV) is ready ($$(( $$(date +%s) - start )) s)"
+	@touch $(STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/demo

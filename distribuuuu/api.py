@@ -108,7 +108,7 @@ def check_before_start(
     if (
         command == "eval"
     ):  # the weights run_eval will use, before anything about the data: what eval misses first
-        inference.chosen_weights(cfg, "eval")
+        inference.require_model_classes(inference.chosen_weights(cfg, "eval"))
     models.resolve_arch(cfg.MODEL.ARCH)  # an unknown name fails here, once, not in every rank
     _check_batch_fits(command, cfg)
     strategies.strategy_class(cfg.DIST.STRATEGY).check_config(
@@ -238,7 +238,7 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     cfg = inference.chosen_weights(cfg, "eval")  # the one resolution of eval, predict and export
     weights = cfg.MODEL.WEIGHTS
     run = run_folder.RunFolder(cfg)
-    engine.seed_everything(cfg, ctx.rank)
+    engine.seed_evaluation(cfg, ctx.rank)
     model = models.build_model(cfg).to(ctx.device)  # loads MODEL.WEIGHTS
     if cfg.TRAIN.VAL_SPLIT and training_data_is_test_data(
         cfg

@@ -8,6 +8,7 @@ predict, export, calibrate.
     distribuuuu data export mnist5k|digits|faces DIR      a dataset a package ships, as files
     distribuuuu data shard SRC DEST [--shard-size 256MB]  image files as tar shards + index.json
     distribuuuu data index DIR [--label-field cls]        index.json for tars made elsewhere
+    distribuuuu data split RUN_DIR DEST                  a run's held-out split as links
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]
                                                           model / data / step timings, scaling
@@ -51,14 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import cli_help  # data only: the commands' help lines, options and examples
-from distribuuuu.errors import (
-    NOT_SAVED_EXIT,
-    USER_ERROR_EXIT,
-    RunNotSaved,
-    UserError,
-    report_error,
-    report_line,
-)
+from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_error, report_line
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
 
 
@@ -177,16 +171,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _guarded(fn: Callable[[], int]) -> int:
     """Run fn; a UserError becomes one message on stderr and exit status
-    2, a run that could not save one message and status 3, a stop signal
-    one line and 128 + the signal."""
+    2, a stop signal one line and 128 + the signal."""
     try:
         return fn()
-    except (
-        UserError,
-        RunNotSaved,
-    ) as e:  # RunNotSaved: every rank agreed on it (a max_over_ranks vote)
+    except UserError as e:
         report_error(str(e), rank_label())
-        return USER_ERROR_EXIT if isinstance(e, UserError) else NOT_SAVED_EXIT
+        return USER_ERROR_EXIT
     except (
         KeyboardInterrupt
     ) as e:  # Ctrl-C, or SIGTERM / SIGHUP (launch.signals.Terminated): see handle_stop_signals
@@ -461,8 +451,8 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
 
 
 def _run_data(args: argparse.Namespace) -> int:
-    """`data export SOURCE DIR`, `data shard SRC DEST` or `data index
-    DIR`: one line per split written."""
+    """`data export SOURCE DIR`, `data shard SRC DEST`, `data index DIR`
+    or `data split RUN_DIR DEST`: one line per split written."""
     if args.data_command == "export":
         from distribuuuu import data
 
@@ -474,6 +464,8 @@ def _run_data(args: argparse.Namespace) -> int:
         return 0
     if args.data_command == "index":
         return _run_data_index(args)
+    if args.data_command == "split":
+        return _split_data(args.run_dir, args.dest)
     from distribuuuu.data import shards
 
     size = shards.parse_size(args.shard_size)
@@ -501,6 +493,18 @@ def _run_data_index(args: argparse.Namespace) -> int:
         )
         if note:
             print(note)
+    return 0
+
+
+def _split_data(run_dir: str, dest: str) -> int:
+    """`data split RUN_DIR DEST`: one line, the images of each part."""
+    from distribuuuu.data import split_files
+
+    counts = split_files.split_out(run_dir, dest)
+    print(
+        f"wrote the split of {run_dir} to {dest}: train {counts['train']}, val {counts['val']} "
+        f"images of {counts['classes']} classes (symlinks to the run's images)"
+    )
     return 0
 
 

@@ -510,6 +510,22 @@ DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
             ),
         ],
     ),
+    "split": (
+        "the split a run held out (TRAIN.VAL_SPLIT), as DEST/train/ and DEST/val/ of links",
+        [
+            (("run_dir",), dict(metavar="RUN_DIR", help="OUT_DIR of a run (its heldout.txt)")),
+            (
+                ("dest",),
+                dict(
+                    metavar="DEST",
+                    help=(
+                        "a new or empty folder: DEST/{train,val}/<class>/ of absolute symlinks "
+                        "to the run's images"
+                    ),
+                ),
+            ),
+        ],
+    ),
 }
 
 # Options that take no value; every other --option takes one (or is
@@ -567,6 +583,8 @@ EXAMPLES: dict[str, str] = {
   distribuuuu data index tars/                # tars/train/*.tar, tars/val/*.tar: .jpg/.png + .cls
   distribuuuu data index laion/ --label-field json:label   # the label in each sample's .json
   distribuuuu data index in1k-wds/            # timm's _info.json beside the tars: its counts""",
+    "data split": """examples:
+  distribuuuu data split runs/digits digits_split   # digits_split/{train,val}/<0-9>/*.png""",
 }
 
 

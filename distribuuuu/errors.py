@@ -10,19 +10,11 @@ import os
 import sys
 
 USER_ERROR_EXIT = 2
-NOT_SAVED_EXIT = 3  # the run trained but could not save finite weights (RunNotSaved)
 
 
 class UserError(Exception):
     """Bad config, path or argument: say what is wrong and what would be
     right."""
-
-
-class RunNotSaved(Exception):
-    """The run ended without a checkpoint it could use: its weights or
-    buffers are not finite at the end, or none of the checkpoints it was
-    due to write was written. Not "done": the CLI says why in one line
-    and exits with NOT_SAVED_EXIT."""
 
 
 # Set by distribuuuu's spawner for its ranks: a folder where each leaves

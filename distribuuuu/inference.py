@@ -213,6 +213,56 @@ def chosen_weights(cfg: CfgNode, command: str) -> CfgNode:
     return cfg
 
 
+def require_model_classes(cfg: CfgNode) -> None:
+    """eval of a folder of class folders: every class folder is one of
+    the model's classes (its card's; some of them is fine), else a
+    UserError naming the others. The labels follow the training folder
+    when it is here, else the folder's own order: then some of the
+    classes must be the model's first ones, or the labels would shift."""
+    from distribuuuu.data import sources
+    from distribuuuu.data.sources.folder import folder_classes
+    from distribuuuu.data.sources.labels import SUFFIXES
+    from distribuuuu.inferred.data import SPLIT_NAMES
+
+    split_dir = os.path.normpath(os.path.join(cfg.TEST.DATASET, cfg.TEST.SPLIT))
+    if sources.kind_of(cfg, "TEST") != "folder" or not os.path.isdir(split_dir):
+        return  # not a folder, or the preflight says what is missing
+    card = file_card(cfg.MODEL.WEIGHTS)
+    if card is None or not card.classes:
+        return
+    model, found = list(card.classes), folder_classes(split_dir)
+    unknown = [c for c in found if c not in model]
+    if unknown:
+        hint = ""
+        if set(unknown) <= set(SPLIT_NAMES):
+            hint = f" (a split layout: name the split, TEST.SPLIT {unknown[-1]})"
+        listed = sorted(n for n in os.listdir(split_dir) if n.lower().endswith(SUFFIXES))
+        if listed:
+            label_file = os.path.join(split_dir, listed[0])
+            hint = f" (images listed with labels: TEST.DATASET {label_file})"
+        raise UserError(
+            f"TEST.DATASET {split_dir} has class folders that are not classes of the model "
+            f"({cfg.MODEL.WEIGHTS}: {_listed(model)}): {_listed(unknown)}{hint}; score a folder "
+            "of the model's classes (some of them is fine)"
+        )
+    train_dir = os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT)
+    if sources.kind_of(cfg, "TRAIN") == "folder" and os.path.isdir(train_dir):
+        return  # the labels follow the training folder (sources.split_classes)
+    if found != model[: len(found)]:
+        raise UserError(
+            f"TEST.DATASET {split_dir}'s labels would follow its own class folders "
+            f"({_listed(found)}), not the model's classes ({_listed(model)}): only the training "
+            f"folder numbers them the model's way, and TRAIN.DATASET {cfg.TRAIN.DATASET} is not "
+            "one here; evaluate where it is, or on a folder of every class of the model"
+        )
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    """At most ``shown`` names, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def safetensors_card(path: str) -> ModelCard | None:
     """The card in the metadata of a safetensors file that `export`
     wrote (None for other files)."""

@@ -58,6 +58,14 @@ class NonFiniteLoss(UserError, RuntimeError):
     """
 
 
+class NonFiniteWeights(NonFiniteLoss):
+    """A checkpoint is due and a weight or buffer is not finite: one
+    sample of extreme values overflows a BatchNorm statistic while the
+    loss and the gradients stay finite. It stays so (inf x momentum is
+    inf), and every later checkpoint would be refused: the run ends at
+    this one instead of training on with nothing saved."""
+
+
 def advice(cfg: CfgNode) -> str:
     """What to change after non-finite numbers, and what is kept (the
     end of NonFiniteLoss's message)."""
@@ -66,8 +74,44 @@ def advice(cfg: CfgNode) -> str:
         clip = "lower TRAIN.CLIP_GRAD_NORM"
     return (
         f"lower OPTIM.BASE_LR (now {cfg.OPTIM.BASE_LR:g}), {clip}, or check the data for bad "
-        f"values; the checkpoints and metrics so far are kept in {cfg.OUT_DIR}"
+        f"values; {kept(cfg)}"
     )
+
+
+def kept(cfg: CfgNode) -> str:
+    """What stays after a run ends on numbers that are not finite."""
+    return f"the checkpoints and metrics so far are kept in {cfg.OUT_DIR}"
+
+
+def not_finite_weights(
+    cfg: CfgNode, model: torch.nn.Module, step: int, epoch: int
+) -> NonFiniteWeights:
+    """Collective: the error naming the first weight or buffer of model
+    that is not finite on any rank (its shard, under FSDP)."""
+    hits = [hit for hit in comm.all_gather_object(_first_not_finite(model)) if hit]
+    name, value = hits[0] if hits else ("a weight or buffer", "not finite")
+    why = advice(cfg)
+    if name in dict(model.named_buffers()):
+        why = (
+            "a statistic of the data the forward pass keeps (BatchNorm's), which one batch of "
+            "extreme values (a sample of 1e20, say) overflows though the loss stays finite: check "
+            f"the data for extreme values; {kept(cfg)}"
+        )
+    return NonFiniteWeights(
+        f"the weights are not finite at step {step} (epoch {epoch}): {name} ({value}); no "
+        f"checkpoint of them is written, nor would a later one be, so the run ends here; {why}"
+    )
+
+
+def _first_not_finite(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(name, 'inf' or 'nan') of this rank's first weight or buffer that
+    is not finite, None when all are."""
+    for name, tensor in model.state_dict().items():
+        values = local_tensor(tensor)
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            value = "nan" if bool(values.isnan().any()) else "inf"
+            return name, value
+    return None
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_a_label_file_trains_on_2_processes_and_a_sigterm_resumes_to_the_straigh
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     check(run([*train, "OUT_DIR", str(straight)], timeout=300))
     rows = read_metrics(str(straight))
-    assert [r["n"] for r in rows if r["split"] == "val"] == [12, 12]  # a tenth of 3 x 40, each image once
+    assert [r["n"] for r in rows if r["split"] == "val"] == [15, 15]  # 5 of each class of 40, each image once
     stop_and_wait(*start_until([*train, "OUT_DIR", str(stopped)], stopped, logged("[train] epoch 1/2 iter")))
     check(run([*train, "OUT_DIR", str(stopped)], timeout=300))
     assert "samples into epoch 1" in read_text_or_empty(stopped / "log.txt")

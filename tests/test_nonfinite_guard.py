@@ -1,7 +1,7 @@
 """Non-finite losses and gradients (TRAIN.NONFINITE): under skip, the default, a skipped step leaves no
 trace and costs no host sync per step; stop, the skip limit and off end the run with one clear message
-and the last good checkpoint kept; a run that could not save is not "done". In process and tiny, but
-for the endings, which are real runs (docs/reliability.md)."""
+and the last good checkpoint kept; weights not finite at a checkpoint end the run there, naming them.
+In process and tiny, but for the endings, which are real runs (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from torch.overrides import TorchFunctionMode
 
 from distribuuuu import engine, nonfinite, optim
 from distribuuuu.data import register_source, unregister_source
-from distribuuuu.errors import NOT_SAVED_EXIT, RunNotSaved
 from distribuuuu.launch import comm
 from distribuuuu.optim import Stepper
 from distribuuuu.strategies import Strategy
@@ -219,7 +218,7 @@ def test_sync_calls_do_not_grow_with_the_steps(tmp_path, optimizer):
     assert abs(counts[1] - counts[0]) <= 5, counts  # 63 more steps, not 63 more syncs (nor one per 10 steps)
 
 
-# -- a run that could not save -------------------------------------------------------------------------
+# -- weights that are not finite at a checkpoint --------------------------------------------------------
 class PoisonBuffersAtTheEnd(engine.HookBase):
     """A BatchNorm statistic turns NaN at the run's last step (as a forward pass of bad data would
     leave it without the guard): the epoch's checkpoint is refused."""
@@ -231,22 +230,22 @@ class PoisonBuffersAtTheEnd(engine.HookBase):
             bn.running_var.fill_(float("nan"))
 
 
-def test_a_run_that_could_not_save_raises_not_saved(tmp_path):
+def test_weights_not_finite_at_a_checkpoint_raise_naming_the_tensor(tmp_path):
     cfg = make_cfg("OUT_DIR", tmp_path / "run", "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16", base=TINY)
-    with pytest.raises(RunNotSaved, match="not finite at the end"):
+    with pytest.raises(nonfinite.NonFiniteWeights, match=r"at step 8 \(epoch 1\): bn1.running_var \(nan\)"):
         fit(cfg, hooks=[PoisonBuffersAtTheEnd()])
 
 
 @pytest.mark.e2e
-def test_a_run_that_could_not_save_exits_3_with_one_line_and_no_done(tmp_path):
+def test_weights_not_finite_at_a_checkpoint_exit_2_with_one_line_and_no_done(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "distribuuuu", "train", "--cfg", TINY, "OUT_DIR", str(out),
                            "OPTIM.MAX_EPOCH", "1", "TEST.SYNTHETIC_SAMPLES", "16", "TRAIN.HOOKS",
                            "['tests.test_nonfinite_guard:PoisonBuffersAtTheEnd']"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == NOT_SAVED_EXIT == 3, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "the run could not save" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "the weights are not finite at step 8" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "done:" not in proc.stdout + proc.stderr
     assert not os.path.exists(out / "checkpoints" / "epoch_0001.pth")
 

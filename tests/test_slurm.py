@@ -130,7 +130,7 @@ def test_sbatch_example(tmp_path, job_name):
     for rank in range(2):
         want = expected_dist_line(rank, 2, master, "slurm")
         assert want in output, f"missing {want!r} in the job's output:\n{output}"
-    assert re.search(r"done: best val top-1 .* \| 1 epochs \|", output), f"no final summary:\n{output}"
+    assert re.search(r"done: best val balanced top-1 .* \| 1 epochs \|", output), f"no final summary:\n{output}"
     assert os.path.isfile(os.path.join(out, "checkpoints", "last.pth")), output
 
 
@@ -144,7 +144,7 @@ def test_sbatch_torchrun_example(tmp_path, job_name):
     lines = dist_lines(output)
     assert len(lines) == 2 and all(line.endswith("| launcher torchrun") for line in lines), (
         f"want 2 torchrun ranks, got {lines}:\n{output}")
-    assert "done: best val top-1" in output, output
+    assert "done: best val balanced top-1" in output, output
 
 
 def test_torchrun_inside_srun(tmp_path, job_name):

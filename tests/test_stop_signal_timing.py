@@ -183,7 +183,7 @@ def test_nohup_keeps_a_run_going_when_its_terminal_closes(tmp_path):
     status, left = _finish(proc, job)
     log = read_text_or_empty(out / "log.txt")
     assert status == 0 and not left, f"exit {status}, left {left}\n{log[-3000:]}"
-    assert "done: best val top-1" in log and "stopped by" not in log, log[-3000:]
+    assert "done: best val balanced top-1" in log and "stopped by" not in log, log[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

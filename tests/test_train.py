@@ -52,7 +52,7 @@ def test_two_process_ddp_run_ends_with_identical_weights(tmp_path):
     assert (ckpt["epoch"], ckpt["global_step"]) == (2, 8)
     for key in w0:
         assert torch.equal(ckpt["model"][key], w0[key]), key
-    assert "done: best val top-1" in open(f"{out}/log.txt").read()
+    assert "done: best val balanced top-1" in open(f"{out}/log.txt").read()
 
 
 def _eval(out_dir, weights, nproc):

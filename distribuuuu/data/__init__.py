@@ -8,6 +8,7 @@ one rank's batches, the held-out split, and the checks before a run.
   decoding/   encoded images to pixels: on the CPU, or on the device
   transforms  the data recipe and per-sample transforms
   holdout     the part of the training data TRAIN.VAL_SPLIT holds out
+  split_files that part as files: heldout.txt, and `data split`'s links
   loading/    from a split to batches: the pipelines (one chooser), samplers,
               the workers and batches, class balance
   checks/     the preflight, duplicates, train/val overlap

@@ -8,7 +8,7 @@ the eval command is api.run_eval.
 
 from distribuuuu.engine.evaluation import evaluate
 from distribuuuu.engine.hooks import HookBase, vote_period
-from distribuuuu.engine.rng import seed_everything
+from distribuuuu.engine.rng import seed_evaluation, seed_everything
 from distribuuuu.engine.trainer import Trainer, TrainState, fit
 from distribuuuu.launch.signals import (
     Preempted,
@@ -24,5 +24,6 @@ __all__ = [
     "evaluate",
     "fit",
     "seed_everything",
+    "seed_evaluation",
     "vote_period",
 ]

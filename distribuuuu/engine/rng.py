@@ -25,6 +25,8 @@ from distribuuuu.launch import comm
 
 log = logging.getLogger("distribuuuu")
 
+EVAL_SEED = 0  # an evaluation's seed when RNG_SEED is None (seed_evaluation)
+
 
 def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int:
     """Seed python/numpy/torch with the run's seed + rank (augmentations
@@ -41,6 +43,16 @@ def seed_everything(cfg: CfgNode, rank: int, previous: int | None = None) -> int
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)
     return seed
+
+
+def seed_evaluation(cfg: CfgNode, rank: int) -> None:
+    """An evaluation (the eval command) draws nothing that changes its
+    result (no augmentation, no dropout, no shuffle): seeded with
+    RNG_SEED, else EVAL_SEED, with no line to repeat it by and no
+    collective."""
+    if cfg.RNG_SEED is None:
+        cfg = seeded_cfg(cfg, EVAL_SEED)
+    seed_everything(cfg, rank)
 
 
 def seeded_cfg(cfg: CfgNode, seed: int) -> CfgNode:

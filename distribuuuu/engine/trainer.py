@@ -52,7 +52,8 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, model_card, models, optim, strategies
+from distribuuuu import data, model_card, models, nonfinite, optim, strategies
+from distribuuuu.data import split_files
 from distribuuuu.data.loading import balance
 from distribuuuu.engine import evaluation, rng
 from distribuuuu.engine import hooks as hooks_
@@ -63,7 +64,6 @@ from distribuuuu.inferred.data import training_data_is_test_data
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
 from distribuuuu.logger import LOGGER_NAME, Progress, accuracies, format_seconds
-from distribuuuu.nonfinite import advice
 from distribuuuu.optim import Stepper
 from distribuuuu.run_folder import RunFolder
 
@@ -253,6 +253,8 @@ class Trainer:
         # OUT_DIR as it was.
         self.call("before_fit")
         folder.write_record(record, self.seed)
+        if cfg.TRAIN.VAL_SPLIT and self.ctx.is_main:  # the held-out files, for other tools
+            folder.write_heldout(split_files.heldout_files(cfg, self.val_loader.dataset))
         while state.epoch < cfg.OPTIM.MAX_EPOCH and not self.stop_reason:
             self.model.train()  # before before_epoch: a hook may put parts in eval mode
             self.call("before_epoch")
@@ -266,7 +268,6 @@ class Trainer:
                 f"{metrics['time_s']:.1f}s"
             )
             self.call("after_epoch", metrics)  # metrics, evaluation, checkpoint, stop signals
-        folder.require_saved(advice(cfg))
         wall = time.perf_counter() - self.wall_start
         summary = {"best": state.best_metric, "best_epoch": state.best_epoch, "epochs": state.epoch}
         summary.update(wall_s=wall, out_dir=os.path.abspath(cfg.OUT_DIR))
@@ -426,9 +427,13 @@ class Trainer:
         if ctx.is_main and finite:
             path = self.folder.save(record, is_best=is_best)
             log.info(f"saved {path}{' (best)' if is_best else ''}")
-        elif ctx.is_main:
-            self.folder.refuse(state.global_step)
-        comm.barrier()  # nobody races ahead (or exits) while rank 0 writes
+        # Every rank learns whether rank 0 refused the checkpoint (and
+        # waits for its write): weights that are not finite stay so, so
+        # the run ends at the first refusal rather than training on.
+        if comm.max_over_ranks([not finite])[0]:
+            epoch = state.epoch + 1 if state.samples_in_epoch else state.epoch
+            net = models.unwrap(self.model)
+            raise nonfinite.not_finite_weights(cfg, net, state.global_step, epoch)
 
     def resume(self, ckpt: dict[str, Any], path: str) -> None:
         """Continue from the run folder's newest intact checkpoint

@@ -23,6 +23,7 @@ from distribuuuu.inferred.decision import Decision
 FALLBACK_CLASSES = 1000  # ImageNet's: synthetic and dummy data, data not readable here
 EVAL_CROP_PCT = 0.875  # 224 / 256, Distribuuuu's (and torchvision's) eval resize
 HOLDOUT_FRACTION = 0.1  # a folder of class folders: the share held out as the val set
+SPLIT_NAMES = ("train", "val", "test")  # folders that make a split layout, not classes
 
 
 def _class_dirs(path: str) -> list[str]:
@@ -55,7 +56,34 @@ def layout(cfg: CfgNode) -> list[Decision]:
         cfg.TEST.DATASET = t.DATASET
         why = f"TRAIN.DATASET, split {cfg.TEST.SPLIT or '(itself)'!r}"
         decided.append(Decision("TEST.DATASET", cfg.TEST.DATASET, why))
+    if cfg.TEST.DATASET != t.DATASET:  # a folder of its own, whose layout may be another
+        decided += _test_folder(cfg)
     return decided
+
+
+def _test_folder(cfg: CfgNode) -> list[Decision]:
+    """A TEST.DATASET folder of its own whose split layout differs from
+    the one TEST.SPLIT names, e.g. new class folders scored by a model
+    trained on train/ and val/ (TEST.SPLIT 'val'): the folder is scored
+    whole (TEST.SPLIT ''); a folder holding val/ scored by a model of a
+    flat folder (TEST.SPLIT ''): its val/."""
+    test = cfg.TEST
+    if sources.kind_of(cfg, "TEST") != "folder":
+        return []
+    classes = _class_dirs(test.DATASET)
+    splits = set(SPLIT_NAMES) & set(classes)
+    if test.SPLIT == "" and "val" in splits and _class_dirs(os.path.join(test.DATASET, "val")):
+        test.SPLIT = "val"
+        why = f"from the folder: {test.DATASET} holds val/ and no class folders, so its val/ "
+        return [Decision("TEST.SPLIT", "val", why + "is scored")]
+    if not test.SPLIT or os.path.isdir(os.path.join(test.DATASET, test.SPLIT)):
+        return []
+    if not classes or splits:
+        return []  # no class folders, or a split layout: the preflight names what is missing
+    why = f"from the folder: {test.DATASET} holds {len(classes)} class folders and no "
+    why += f"{test.SPLIT}/, so it is scored whole"
+    test.SPLIT = ""
+    return [Decision("TEST.SPLIT", "''", why)]
 
 
 def _flat_folder(cfg: CfgNode) -> list[Decision]:
@@ -109,33 +137,34 @@ def _hold_out(cfg: CfgNode, why: str) -> list[Decision]:
     if t.VAL_SPLIT:
         return []
     t.VAL_SPLIT = HOLDOUT_FRACTION
-    why += "a tenth of each class"
     try:
         files = sources.image_files(cfg, "TRAIN")
         indices, sizes = np.unique(files.targets, return_counts=True)
         counts = {files.classes[i]: int(n) for i, n in zip(indices, sizes)}
         holdout.check_holdout(counts, HOLDOUT_FRACTION)
-    except (UserError, OSError, ValueError):
-        return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why + " is held out as the val set")]
+    except (UserError, OSError, ValueError):  # the preflight says what is wrong
+        why += "a tenth of each class is held out as the val set"
+        return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
     held = holdout.held_per_class(counts, HOLDOUT_FRACTION)
-    why += f" (at least {holdout.MIN_HELD} of a class of {5 * holdout.MIN_HELD} or more), "
-    why += f"{sum(held.values())} of its {sum(counts.values())} images chosen by a fixed seed, "
-    why += f"is held out as the val set: {_per_class(held, counts)}"
-    few = [c for c, n in held.items() if n < holdout.MIN_HELD]
-    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why, warn=bool(few))]
+    why += (
+        f"{sum(held.values())} of its {sum(counts.values())} images are held out as the val set, "
+    )
+    why += f"chosen by a fixed seed: a tenth of each class, at least {holdout.MIN_HELD} of a class "
+    why += f"of {5 * holdout.MIN_HELD} or more (a fifth of a smaller one); {_per_class(held)}"
+    return [Decision("TRAIN.VAL_SPLIT", t.VAL_SPLIT, why)]
 
 
-def _per_class(held: dict[str, int], counts: dict[str, int]) -> str:
-    """'cat 12, dog 5' for up to 20 classes, else the range; then the
-    classes that hold out fewer than MIN_HELD (too few images)."""
+def _per_class(held: dict[str, int]) -> str:
+    """'per class cat 12, dog 5' for up to 20 classes, else the range
+    and the classes under MIN_HELD (too small to spare more)."""
     if len(held) <= 20:
-        text = "per class " + ", ".join(f"{c} {n}" for c, n in held.items())
-    else:
-        text = f"{min(held.values())} to {max(held.values())} per class"
-    few = [f"{c} {n} of {counts[c]}" for c, n in held.items() if n < holdout.MIN_HELD]
+        return "per class " + ", ".join(f"{c} {n}" for c, n in held.items())
+    text = f"{min(held.values())} to {max(held.values())} per class"
+    few = [f"{c} {n}" for c, n in held.items() if n < holdout.MIN_HELD]
     if few:
-        text += f"; fewer than {holdout.MIN_HELD} (the class is too small to spare more): "
-        text += ", ".join(few[:10]) + (f" and {len(few) - 10} more" if len(few) > 10 else "")
+        more = f" and {len(few) - 10} more" if len(few) > 10 else ""
+        text += f"; under {holdout.MIN_HELD} in the classes too small to spare more: "
+        text += ", ".join(few[:10]) + more
     return text
 
 

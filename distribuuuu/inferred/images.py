@@ -28,7 +28,7 @@ from torch import cuda
 from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
-from distribuuuu.data.decoding.cpu import DECODE_ERRORS, as_mode
+from distribuuuu.data.decoding.cpu import DECODE_ERRORS, as_mode, decode_error
 from distribuuuu.data.shards.index import load_shard_set
 from distribuuuu.data.shards.sample import sample_images
 from distribuuuu.errors import UserError
@@ -88,7 +88,7 @@ def looks(files: sources.ImageFiles) -> Looks | None:
             image.thumbnail((STATS_SIDE, STATS_SIDE))
             rgb = np.asarray(as_mode(image, "RGB"), np.float64).reshape(-1, 3) / 255
         except DECODE_ERRORS as e:
-            failed = failed or f"{files.name(i)}: {type(e).__name__}: {e}"
+            failed = failed or f"{files.name(i)}: {decode_error(e)}"
             continue
         luma = rgb @ LUMA
         lo, hi = np.percentile(luma, (1, 99))

@@ -13,6 +13,8 @@ OUT_DIR/
                     (RunFolder.write_eval_record)
   config.yaml (CFG_DEST), config_diff.yaml, env.json, env_history.jsonl, model.txt   the run's
                     config, what ran where, and the model (records.py); log.txt (logger.py)
+  heldout.txt       the files TRAIN.VAL_SPLIT held out (RunFolder.write_heldout;
+                    data/split_files.py lists them and lays the split out)
 
 Whether a checkpoint fits the run that would continue it:
 resume_check.py, entered only by a run that resumes. The order of the
@@ -38,7 +40,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import config, files, weights
-from distribuuuu.errors import RunNotSaved, UserError
+from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, signals
 from distribuuuu.logger import LOG_FILE, release_log
 from distribuuuu.run_folder import lock, records, resume_check
@@ -61,6 +63,7 @@ __all__ = [
     "best_or_last",
     "checkpoint_in",
     "best_path",
+    "HELDOUT",
     "NAMES",
     "CHECKPOINTS",
     "LAST",
@@ -74,6 +77,7 @@ log = logging.getLogger("distribuuuu")
 CONFUSION = (
     "confusion.csv"  # the best checkpoint's confusion matrix (rows: true class, columns: predicted)
 )
+HELDOUT = "heldout.txt"  # the held-out files, one path a line, relative to the training data
 NAMES = (
     CHECKPOINTS,
     *METRICS_FILES,
@@ -93,7 +97,8 @@ NAMES = (
     "wandb",
     "trackers.json",
     CONFUSION,
-)  # the last: TRAIN.TRACKERS (trackers.py)
+    HELDOUT,
+)  # mlflow.db to trackers.json: TRAIN.TRACKERS (trackers.py)
 _NUMBERED = re.compile(r"(epoch|step)_(\d+)\.pth$")
 
 
@@ -310,8 +315,6 @@ class RunFolder:
     def __init__(self, cfg: CfgNode) -> None:
         self.cfg, self.out_dir = cfg, cfg.OUT_DIR
         self.checkpoints = os.path.join(cfg.OUT_DIR, CHECKPOINTS)  # FSDP's .dcp folders too
-        # Rank 0's account of the checkpoints due: the end asks whether the run could save.
-        self.written, self.refused, self.last_refused = 0, 0, False
 
     # -- before the model is built
     # ---------------------------------------------------------------
@@ -428,6 +431,16 @@ class RunFolder:
             return None
         return last if isinstance(last, dict) and last.get("split") == "test" else None
 
+    def write_heldout(self, paths: list[str] | None) -> None:
+        """Rank 0: heldout.txt, the files TRAIN.VAL_SPLIT held out (one
+        path a line), replaced atomically; nothing for a source without
+        files (paths None)."""
+        if paths is not None:
+            text = "".join(f"{path}\n" for path in paths)
+            files.atomic_write(
+                os.path.join(self.out_dir, HELDOUT), lambda f: f.write(text.encode())
+            )
+
     def write_confusion(self, text: str, folder: str | None = None) -> str:
         """Rank 0: confusion.csv (engine/evaluation.py's text) in
         OUT_DIR (the best checkpoint's) or in ``folder`` (eval's
@@ -477,7 +490,6 @@ class RunFolder:
         except Exception as e:  # a stop signal, a full disk or another failure
             raise _failed_save(path, e) from e
         files.atomic_link(path, os.path.join(self.checkpoints, LAST))
-        self.written, self.last_refused = self.written + 1, False
         if is_best:
             files.atomic_link(path, os.path.join(self.checkpoints, BEST))
         keep = self.cfg.TRAIN.CKPT_KEEP  # pruned only now that the new checkpoint is complete
@@ -493,28 +505,6 @@ class RunFolder:
                 ):  # best.pth may need its shards
                     shutil.rmtree(shards)
         return path
-
-    def refuse(self, step: int) -> None:
-        """Rank 0: a checkpoint due at step is not written (the weights
-        are not finite)."""
-        log.error("not saving a checkpoint at step %d: the weights are not finite", step)
-        self.refused, self.last_refused = self.refused + 1, True
-
-    def require_saved(self, advice: str) -> None:
-        """A run that could not save is not done: its last checkpoint was
-        refused (non-finite weights or buffers at the end), or none of
-        those due was written. Collective (rank 0 knows): all ranks
-        raise RunNotSaved, ending with advice."""
-        none = self.refused > 0 and not self.written
-        last, none = comm.max_over_ranks([self.last_refused, none])
-        if last or none:
-            why = "none of the checkpoints due was written (the weights were not finite each time)"
-            if last:
-                why = "the weights or buffers are not finite at the end"
-            raise RunNotSaved(
-                f"the run could not save: {why}; no usable checkpoint of it is in "
-                f"{self.checkpoints}; {advice}"
-            )
 
     def _pinned_shards(self) -> set[str | None]:
         """The .dcp folders that last.pth and best.pth (sharded

@@ -27,6 +27,7 @@ image, or written with --output FILE (CSV or JSON from the suffix, or
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -204,14 +205,41 @@ def main(
 
         cfg, card = inference.prepared(cfg_file, opts, "predict")
         results = predict(cfg, card, images, topk)
+    notes = sys.stdout
     if fmt is None:
         outputs.print_table(images, results)
     elif output is None or output == "-":
         outputs.write(sys.stdout, fmt, images, results)
+        notes = sys.stderr  # stdout holds the CSV / JSON only
     else:
         with open(output, "w", newline="", encoding="utf-8") as f:
             outputs.write(f, fmt, images, results)
         print(
             f"wrote the top-{len(results[0])} classes of {len(images)} image(s) to {output} ({fmt})"
         )
+    if model is None:
+        for line in eval_hints(inputs, cfg_file, cfg.MODEL.WEIGHTS, card.classes):
+            print(line, file=notes)
     return 0
+
+
+def eval_hints(
+    inputs: Sequence[str], cfg_file: str | None, weights: str, classes: Sequence[str]
+) -> list[str]:
+    """A line per input folder whose sub-folders are classes of the
+    model: labelled images, whose accuracy `eval` gives."""
+    from distribuuuu.data.sources.folder import folder_classes
+
+    lines = []
+    for path in inputs:
+        found = folder_classes(path) if os.path.isdir(path) else []
+        if not found or not set(found) <= set(classes):
+            continue
+        command = ["distribuuuu", "eval", "--checkpoint", weights, "TEST.DATASET", path]
+        if cfg_file:
+            command[2:2] = ["--cfg", cfg_file]
+        lines.append(
+            f"{path} holds class folders, {len(found)} of the model's {len(classes)} classes: "
+            f"`{shlex.join(command)}` gives its accuracy"
+        )
+    return lines

@@ -19,6 +19,7 @@ import os
 from collections import Counter
 
 import numpy as np
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from yacs.config import CfgNode
 
 from distribuuuu.data import holdout, sources
@@ -26,7 +27,7 @@ from distribuuuu.data.checks.duplicates import require_no_duplicates
 from distribuuuu.data.decoding.cpu import can_decode
 from distribuuuu.data.loading import balance
 from distribuuuu.data.shards import index, plan
-from distribuuuu.data.sources import cifar, folder, registry
+from distribuuuu.data.sources import cifar, folder, labels, registry
 from distribuuuu.errors import UserError
 
 NAMED = folder.NAMED  # how many offenders a message names
@@ -49,7 +50,7 @@ def check_datasets(cfg: CfgNode, world_size: int, train: bool = True) -> list[st
         if key == "TRAIN":
             train_n, kept = _training_samples(cfg, n, counts[key], world_size)
     if train:  # after TEST's checks: a wrong path or layout is the first thing to hear about
-        _require_two_classes(cfg, len(classes["TRAIN"]))
+        _require_two_classes(cfg, classes["TRAIN"])
         _require_one_step(cfg, train_n, kept, world_size)
         if counts["TRAIN"] is None:  # a shard set (no per-class counts)
             _require_no_empty_step(cfg, train_n, world_size)
@@ -107,9 +108,13 @@ def _scan_folder(cfg: CfgNode, key: str) -> dict[str, int]:
     empty = [c for c, n in counts.items() if n == 0]
     if empty:
         named = ", ".join(_with_skipped(c, listing.skipped.get(c)) for c in empty[:NAMED])
+        fix = "put images in them or remove them"
+        if any(listing.skipped.get(c) for c in empty):
+            read = ", ".join(sorted(IMG_EXTENSIONS))
+            fix = f"convert them (the extensions read: {read}) or remove the folders"
         raise UserError(
-            f"{key}.DATASET: {len(empty)} class folder(s) in {split_dir} hold no image file "
-            f"({named}{_more(empty)}); put images in them or remove them"
+            f"{key}.DATASET: {len(empty)} class folder(s) in {split_dir} hold no file read as an "
+            f"image ({named}{_more(empty)}); {fix}"
         )
     dead = [
         f"{c} ({n} files; {why})"
@@ -162,13 +167,15 @@ def _scan_files(cfg: CfgNode, key: str) -> dict[str, int]:
 
 
 def _with_skipped(name: str, skipped: dict[str, int] | None) -> str:
-    """'birds: 20 .gif files, which are not image files here' (a class
-    whose files are all of formats that are not read), else the name."""
+    """'birds: 20 files with an extension not read here (.gif)' (a class
+    whose files are all of extensions not read), else the name."""
     if not skipped:
         return name
-    found = ", ".join(f"{n} {ext}" for ext, n in sorted(skipped.items(), key=lambda x: -x[1]))
-    kinds = "jpg, jpeg, png, ppm, bmp, pgm, tif, tiff, webp"
-    return f"{name}: {found} files, which are not read (the image files read: {kinds})"
+    by_count = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))
+    found = ", ".join(f"{n} {ext}" for ext, n in by_count)
+    if len(skipped) == 1:
+        found = by_count[0][0]
+    return f"{name}: {sum(skipped.values())} files with an extension not read here ({found})"
 
 
 def _more(named: list) -> str:
@@ -235,14 +242,45 @@ def _require_class_count(cfg: CfgNode, key: str, n_classes: int) -> None:
     )
 
 
-def _require_two_classes(cfg: CfgNode, n_classes: int) -> None:
-    """A classifier of one class scores 100% by construction."""
-    if n_classes < 2:
+def _require_two_classes(cfg: CfgNode, classes: list[str]) -> None:
+    """A classifier of one class scores 100% by construction: the
+    refusal names the folder or label file and what would be right."""
+    if len(classes) >= 2:
+        return
+    t, kind = cfg.TRAIN, sources.kind_of(cfg, "TRAIN")
+    need = "but a classifier needs 2 classes or more (its top-1 would be 100% by construction)"
+    if kind == "folder" and classes:
+        raise UserError(_one_class_folder(t.DATASET, t.SPLIT, classes[0], need))
+    if kind == "labels" and classes:
+        rows = f"every {t.SPLIT!r} row" if t.SPLIT else "every row"
         raise UserError(
-            f"TRAIN.DATASET {cfg.TRAIN.DATASET!r} has {n_classes} class, but a classifier needs 2 "
-            "or more (its top-1 would be 100% by construction); point TRAIN.DATASET at the folder "
-            "that holds the class folders, or add the other classes"
+            f"TRAIN.DATASET: {rows} of {labels.find(t.DATASET, t.SPLIT)} has the label "
+            f"{classes[0]!r}, {need}; check that the label column is the one read "
+            "(TRAIN.LABEL_FIELD names another), or add the rows of the other classes"
         )
+    raise UserError(
+        f"TRAIN.DATASET {t.DATASET!r} has {len(classes)} class, {need}; give it the data of "
+        "two classes or more"
+    )
+
+
+def _one_class_folder(dataset: str, split: str, name: str, need: str) -> str:
+    """The refusal of a split holding one class folder, name: when that
+    folder holds class folders itself, TRAIN.DATASET is one level too
+    high; else the others are missing (or still being copied)."""
+    split_dir = os.path.normpath(os.path.join(dataset, split))
+    inner = folder.folder_classes(os.path.join(split_dir, name))
+    what = f"TRAIN.DATASET: {split_dir} holds one class folder, {name!r}, {need}"
+    if len(inner) < 2:
+        return (
+            f"{what}; point TRAIN.DATASET at the folder that holds all the class folders, or "
+            "add the other classes (are they still being copied?)"
+        )
+    shown = ", ".join(inner[:NAMED]) + (", ..." if len(inner) > NAMED else "")
+    fix = f"set TRAIN.DATASET {os.path.join(split_dir, name)}"
+    if split:
+        fix = f"move them up into {split_dir}"
+    return f"{what}; its {len(inner)} subfolders ({shown}) look like the classes: {fix}"
 
 
 def _training_samples(

@@ -15,6 +15,7 @@ DCT scaling: detail the resize would have averaged away anyway).
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import numpy as np
@@ -27,6 +28,14 @@ from distribuuuu.data.transforms import Recipe
 
 # What the datasets treat as an unreadable file.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+# PIL names the file it could not identify, here the bytes in memory.
+IN_MEMORY_FILE = re.compile(r" <_io\.BytesIO object at 0x[0-9a-f]+>")
+
+
+def decode_error(error: Exception) -> str:
+    """'Type: message' of a decode error, for a line that names the file
+    itself (PIL's message would name '<_io.BytesIO object at 0x...>')."""
+    return IN_MEMORY_FILE.sub("", f"{type(error).__name__}: {error}")
 
 
 WIDE_GRAY_MODES = (
@@ -295,4 +304,4 @@ def can_decode(data: bytes) -> str | None:
             image.load()
         return None
     except DECODE_ERRORS as e:
-        return f"{type(e).__name__}: {e}"
+        return decode_error(e)

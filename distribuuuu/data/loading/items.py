@@ -103,7 +103,7 @@ class ImageDataset(Dataset):
     def note_unreadable(self, i: int, error: Exception) -> None:
         """UnreadableImage under TRAIN.BAD_IMAGES fail; else item i is
         flagged, with a warning naming it the first time."""
-        name, why = self.files.name(i), f"{type(error).__name__}: {error}"
+        name, why = self.files.name(i), cpu.decode_error(error)
         if self.bad_images == "fail":
             raise UnreadableImage(
                 f"cannot decode image {name} ({why}); remove it, or set TRAIN.BAD_IMAGES skip to "

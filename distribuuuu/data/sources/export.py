@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from distribuuuu.data.sources import folder
 from distribuuuu.data.sources.builtin import MNIST_CLASSES, mnist5k_arrays, mnist5k_split_indices
 from distribuuuu.errors import UserError
 
@@ -23,7 +24,7 @@ def export(source: str, out_dir: str) -> dict[str, int]:
         raise UserError(
             f"{out_dir} already exists and is not empty; remove it or choose another folder"
         )
-    partial = out_dir.rstrip(os.sep) + ".partial"
+    partial = folder.partial_name(out_dir)
     shutil.rmtree(partial, ignore_errors=True)  # an earlier export that was killed
     counts = WRITERS[source](partial)
     if os.path.isdir(out_dir):

@@ -26,16 +26,28 @@ NAMED = 5  # how many offenders a message names
 LAYOUT = "<DATASET>/<SPLIT>/<class>/<image>"
 
 
+def partial_name(folder: str) -> str:
+    """Where `distribuuuu data export` writes folder until it is
+    complete (then renamed to folder)."""
+    return folder.rstrip(os.sep) + ".partial"
+
+
 def folder_split_dir(dataset: str, split: str, key: str, sources_note: str) -> str:
     """<DATASET>/<SPLIT>, or a UserError that says what was looked for
     and what is expected (sources_note: the sources a name may take)."""
     split_dir = os.path.join(dataset, split)
     if not os.path.isdir(split_dir):
         missing = "" if os.path.isdir(dataset) else f"; {dataset!r} itself does not exist"
+        if os.path.isdir(partial_name(dataset)):
+            missing += (
+                f"; {partial_name(dataset)} holds an export that did not complete: run the "
+                "export again"
+            )
         raise UserError(
             f"{key}.DATASET is {dataset!r} but there is no folder {split_dir!r} "
             f"({key}.DATASET/{key}.SPLIT{missing}). Expected an image tree {LAYOUT} (e.g. "
-            f"{os.path.join(split_dir, 'cat', '0001.jpg')}), a CIFAR folder holding "
+            f"{os.path.join(split_dir, 'cat', '0001.jpg')}; {key}.SPLIT '' reads "
+            "<DATASET>/<class>/<image>), a CIFAR folder holding "
             f"cifar-10-batches-py/ or cifar-100-python/, or {sources_note}"
         )
     return split_dir
