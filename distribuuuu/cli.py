@@ -7,6 +7,7 @@ predict, export, calibrate.
     distribuuuu config --explain KEY | --list            a key's comment | the shipped configs
     distribuuuu data export mnist5k|digits|faces DIR      a dataset a package ships, as files
     distribuuuu data shard SRC DEST [--shard-size 256MB]  image files as tar shards + index.json
+    distribuuuu data index DIR [--label-field cls]        index.json for tars made elsewhere
     distribuuuu data split RUN_DIR DEST                  a run's held-out split as links
     distribuuuu plot RUN_DIR [RUN_DIR ...] [--out DIR]    learning-curve PNGs of runs
     distribuuuu bench [--cfg FILE] [--scaling 1,2,4] [KEY VALUE ...]
@@ -14,7 +15,7 @@ predict, export, calibrate.
     distribuuuu bench --compare single,dp,ddp,ddp+amp [--cfg FILE] [KEY VALUE ...]
                                                           one job, four ways
     distribuuuu bench --io [--workers 0,1,2] [--cfg FILE] [KEY VALUE ...]
-                                                          loader img/s: folder vs shards
+                                                          loader img/s: folder vs shards (vs tars)
     distribuuuu predict [--cfg FILE] --checkpoint PATH [KEY VALUE ...] IMAGE|FOLDER|'GLOB' ...
                         [--output F.csv|F.json]
     distribuuuu predict --model model.pt2|model.onnx IMAGE|FOLDER|'GLOB' ...
@@ -111,8 +112,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _add_data_commands(parser: argparse.ArgumentParser) -> None:
-    """`data export` and `data shard`, each with its options
-    (cli_help.DATA_COMMANDS)."""
+    """`data export`, `data shard` and `data index`, each with its
+    options (cli_help.DATA_COMMANDS)."""
     sub = parser.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     for name, (line, options) in cli_help.DATA_COMMANDS.items():
         chosen = sub.add_parser(name, help=line, epilog=cli_help.EXAMPLES.get(f"data {name}"))
@@ -442,6 +443,7 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
             (args.iters, args.warmup, args.repeats),
             args.io_shards,
             args.out,
+            args.io_tars,
         )
     from distribuuuu.tools import bench
 
@@ -449,8 +451,8 @@ def _run_bench(args: argparse.Namespace, opts: list[str]) -> int:
 
 
 def _run_data(args: argparse.Namespace) -> int:
-    """`data export SOURCE DIR`, `data shard SRC DEST` or `data split
-    RUN_DIR DEST`: one line per split written."""
+    """`data export SOURCE DIR`, `data shard SRC DEST`, `data index DIR`
+    or `data split RUN_DIR DEST`: one line per split written."""
     if args.data_command == "export":
         from distribuuuu import data
 
@@ -460,6 +462,8 @@ def _run_data(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} {v}" for k, v in counts.items())
         )
         return 0
+    if args.data_command == "index":
+        return _run_data_index(args)
     if args.data_command == "split":
         return _split_data(args.run_dir, args.dest)
     from distribuuuu.data import shards
@@ -474,6 +478,21 @@ def _run_data(args: argparse.Namespace) -> int:
             f"in {index.parent} ({sum(x.bytes for x in s.shards) / 2**20:.1f} MiB; index "
             f"{index.name})"
         )
+    return 0
+
+
+def _run_data_index(args: argparse.Namespace) -> int:
+    """`data index DIR`: one line per split indexed."""
+    from distribuuuu.data.shards import external
+
+    for path, index, note in external.index_tars(args.source, args.image_field, args.label_field):
+        print(
+            f"indexed {index['num_samples']} samples of {len(index['classes'])} classes in "
+            f"{len(index['shards'])} tar(s) (counts from {index['counted_by']}, labels from "
+            f"{index['label_field']}): {path}"
+        )
+        if note:
+            print(note)
     return 0
 
 

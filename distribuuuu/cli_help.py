@@ -213,6 +213,18 @@ BENCH_OPTIONS: list[Option] = [
             ),
         ),
     ),
+    (
+        ("--io-tars",),
+        dict(
+            dest="io_tars",
+            default=None,
+            metavar="DIR",
+            help=(
+                "--io: also time tars of the same images made by another tool and indexed by "
+                "`distribuuuu data index DIR` (default: none)"
+            ),
+        ),
+    ),
     (("--out",), dict(default=None, help="results folder (default OUT_DIR/bench)")),
 ]
 
@@ -381,7 +393,7 @@ COMMANDS: dict[str, tuple[str, list[Option]]] = {
 }
 
 # `distribuuuu data ...`: export a built-in dataset as files, write tar
-# shards.
+# shards, index tars made elsewhere.
 DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
     "export": (
         "write a dataset a package ships as an ImageFolder tree",
@@ -457,6 +469,47 @@ DATA_COMMANDS: dict[str, tuple[str, list[Option]]] = {
             ),
         ],
     ),
+    "index": (
+        "write the index.json that WebDataset tars made by other tools need to be TRAIN.DATASET "
+        "(data/shards/external.py)",
+        [
+            (
+                ("source",),
+                dict(
+                    metavar="DIR",
+                    help=(
+                        "DIR/<split>/*.tar, DIR/*.tar (one split), or tars listed by timm's "
+                        "DIR/_info.json; counts from _info.json or a wids index when there, else "
+                        "read from the tar headers"
+                    ),
+                ),
+            ),
+            (
+                ("--image-field",),
+                dict(
+                    dest="image_field",
+                    default="",
+                    metavar="EXT",
+                    help=(
+                        "the image member's extension, e.g. jpg or input.png (default: the first "
+                        "of jpg, jpeg, png, webp, ... in each sample)"
+                    ),
+                ),
+            ),
+            (
+                ("--label-field",),
+                dict(
+                    dest="label_field",
+                    default="cls",
+                    metavar="FIELD",
+                    help=(
+                        "the label: a member holding it as text (cls: the class index, "
+                        "webdataset's convention), or json:KEY for a key of the .json member"
+                    ),
+                ),
+            ),
+        ],
+    ),
     "split": (
         "the split a run held out (TRAIN.VAL_SPLIT), as DEST/train/ and DEST/val/ of links",
         [
@@ -517,7 +570,8 @@ EXAMPLES: dict[str, str] = {
   distribuuuu plot runs/a runs/b --out plots/""",
     "data": """examples:
   distribuuuu data export mnist5k digits
-  distribuuuu data shard digits shards/ --shard-size 64MB""",
+  distribuuuu data shard digits shards/ --shard-size 64MB
+  distribuuuu data index tars/                # tars/{train,val}/*.tar made elsewhere""",
     "data export": """examples:
   distribuuuu data export mnist5k digits      # digits/{train,val}/<0-9>/*.png
   distribuuuu data export digits digits8      # scikit-learn's 8x8 digits: digits8/<0-9>/*.png
@@ -525,6 +579,10 @@ EXAMPLES: dict[str, str] = {
     "data shard": """examples:
   distribuuuu data shard digits shards/ --shard-size 64MB
   distribuuuu data shard mnist5k shards/ --shard-samples 500""",
+    "data index": """examples:
+  distribuuuu data index tars/                # tars/train/*.tar, tars/val/*.tar: .jpg/.png + .cls
+  distribuuuu data index laion/ --label-field json:label   # the label in each sample's .json
+  distribuuuu data index in1k-wds/            # timm's _info.json beside the tars: its counts""",
     "data split": """examples:
   distribuuuu data split runs/digits digits_split   # digits_split/{train,val}/<0-9>/*.png""",
 }

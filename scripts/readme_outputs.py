@@ -71,7 +71,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 # The documents whose blocks run, in the order they run (paths relative to ROOT). A page added here must be
 # linked from the README's "Where to go next" (tests/test_readme.py checks it).
-DOCUMENTS = ("README.md", "docs/tour.md", "docs/configuration.md", "docs/run-folder.md")
+DOCUMENTS = ("README.md", "docs/tour.md", "docs/configuration.md", "docs/run-folder.md", "docs/data-formats.md")
 MARKER = re.compile(r"^<!--\s*readme:(\w+)\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\S*)\s*$")
 KINDS = {"run": {"id"}, "file": {"path"}, "output": {"of", "status", "grep", "from"}, "skip": {"reason"}}

@@ -332,7 +332,7 @@ def test_help_of_every_subcommand_shows_its_options_and_defaults():
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "config", "predict", "export", "bench", "plot", "data",
-                                     "data export", "data shard"])
+                                     "data export", "data shard", "data index"])
 def test_each_subcommands_help_ends_with_examples_that_parse(command):
     proc = check(cli_main(*command.split(), "--help"))
     head, _, examples = proc.stdout.rpartition("\nexamples:\n")

@@ -327,8 +327,9 @@ def test_the_model_card_of_a_shard_run_has_the_image_file_preprocessing(id_shard
     opts = {k: v for k, v in id_opts(id_shards, workers=0).items() if k not in ("TRAIN.MEAN", "TRAIN.STD")}
     cfg = make_cfg({**opts, "TEST.IM_SIZE": 10})
     card = model_card.describe(cfg, build_shard_loader(cfg, "TRAIN", True, Place(0, 1, torch.device("cpu")), 3).dataset)
-    stats = transforms.stats_for_channels(transforms.IMAGENET_STATS, 1)  # what the loader normalizes with
+    stats = transforms.image_stats(cfg)  # what the loader normalizes with: the images' own, as for a folder
     assert (card.mean, card.std) == (list(stats[0]), list(stats[1])) and card.resize == 10
+    assert stats != transforms.stats_for_channels(transforms.IMAGENET_STATS, 1)
     assert card.classes == list(CLASSES)
 
 

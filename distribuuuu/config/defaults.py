@@ -78,9 +78,11 @@ _C.TRAIN.DATASET = "./data/ILSVRC/"
 # Sub-folder (or split name) of DATASET used for training; a folder of
 # class folders without it is the split itself
 _C.TRAIN.SPLIT = "train"
-# The image column of a label file (a Hugging Face dataset's image feature); '' = the usual names
+# The image column of a label file (a Hugging Face dataset's image feature; the image member of a
+# tar's samples, e.g. jpg); '' = the usual names (a tar set: the field its index was made with)
 _C.TRAIN.IMAGE_FIELD = ""
-# The label column of a label file (a dataset's label feature); '' = the usual names
+# The label column of a label file (a dataset's label feature; for tars cls or json:KEY, as
+# `distribuuuu data index --label-field` indexed them); '' = the usual names
 _C.TRAIN.LABEL_FIELD = ""
 # Resume from OUT_DIR/checkpoints/last.pth when it exists; False starts
 # afresh, and refuses an OUT_DIR that already holds a run (checkpoints

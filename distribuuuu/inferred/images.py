@@ -29,6 +29,8 @@ from yacs.config import CfgNode
 
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.decoding.cpu import DECODE_ERRORS, as_mode, decode_error
+from distribuuuu.data.shards.index import load_shard_set
+from distribuuuu.data.shards.sample import sample_images
 from distribuuuu.errors import UserError
 from distribuuuu.inferred.decision import Decision
 from distribuuuu.models import default_size
@@ -116,12 +118,15 @@ def decide(cfg: CfgNode) -> list[Decision]:
     t = cfg.TRAIN
     if all(cfg[k.split(".")[0]][k.split(".")[1]] != unset for k, unset in UNSET.items()):
         return []
-    files = None
-    if sources.kind_of(cfg, "TRAIN") in sources.IMAGE_FILES:
-        try:
+    files, kind = None, sources.kind_of(cfg, "TRAIN")
+    try:
+        if kind in sources.IMAGE_FILES:
             files = sources.image_files(cfg, "TRAIN")
-        except (UserError, OSError):
-            files = None  # the preflight names what is wrong with the folder
+        elif kind == "shards":
+            shard_set = load_shard_set(t.DATASET, t.SPLIT, "TRAIN", t.IMAGE_FIELD, t.LABEL_FIELD)
+            files = sample_images(shard_set, SAMPLE_IMAGES)  # the fronts of a few shards
+    except (UserError, OSError):
+        files = None  # the preflight names what is wrong with the data
     seen = looks(files) if files is not None else None
     if seen is None:
         return _fallback(cfg, f"no folder of images read here ({t.DATASET})")

@@ -2,7 +2,8 @@
 against the number of loader workers.
 
     distribuuuu bench --io [--workers 0,1,2,4] [--iters N] [--warmup N] [--repeats R]
-                           [--io-shards DIR] [--cfg FILE] [--out DIR] [KEY VALUE ...]
+                           [--io-shards DIR] [--io-tars DIR] [--cfg FILE] [--out DIR]
+                           [KEY VALUE ...]
 
 What is timed is the train loader that training builds
 (data.build_train_loader: read, decode, augment, collate, and the
@@ -20,10 +21,12 @@ and Hugging Face datasets are timed alone. For a folder the same images are also
 (data.shards.write_shards, the encoded bytes as they are) and both
 formats are timed side by side; --io-shards DIR keeps those shards and
 reuses them next time (without it they go to a temporary folder under
---out, removed at the end). A shard set is timed alone: its index does
-not name the folder it came from. TRAIN.VAL_SPLIT is set to 0: each
-format reads its whole split. Results go to --out (default
-OUT_DIR/bench): io.csv and io.png.
+--out, removed at the end). --io-tars DIR adds tars of the same images
+that another tool wrote (`distribuuuu data index DIR` made their index;
+benchmarks/io_tars.py writes them with the webdataset package). A shard
+set is timed alone: its index does not name the folder it came from.
+TRAIN.VAL_SPLIT is set to 0: each format reads its whole split. Results
+go to --out (default OUT_DIR/bench): io.csv and io.png.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 
 from distribuuuu import config, data, inferred
 from distribuuuu.data import shards, sources
-from distribuuuu.data.shards.index import is_shard_set
+from distribuuuu.data.shards.index import is_shard_set, load_shard_set
 from distribuuuu.data.sources import folder, registry
 from distribuuuu.errors import UserError
 from distribuuuu.launch import comm, launcher
@@ -67,7 +70,8 @@ COLUMNS = [
 FORMAT_COLOURS = {
     "folder": "tab:blue",
     "shards": "tab:orange",
-    "labels": "tab:green",
+    "tars": "tab:green",
+    "labels": "tab:purple",
     "hf": "tab:red",
 }
 
@@ -295,8 +299,8 @@ def measure(
 # output
 # ---------------------------------------------------------------------------------------------
 def print_table(rows: Sequence[IoRow], header: str) -> None:
-    """The rows, and per worker count the shards / folder ratio when
-    both were timed."""
+    """The rows, and per worker count each other format's ratio to the
+    folder when both were timed."""
     print(f"\n{header}")
     print(
         f"{'format':<8}{'workers':>8}{'img/s':>10}{'min..max':>17}{'img/s/worker':>14}{'img/CPU-s':>11}"
@@ -310,19 +314,21 @@ def print_table(rows: Sequence[IoRow], header: str) -> None:
             f"{per_cpu:>11}{r.first_batch_s:>12.2f}"
         )
     by = {(r.format, r.workers): r for r in rows}
-    pairs = [
-        (w, by["shards", w], by["folder", w])
-        for f, w in by
-        if f == "folder" and ("shards", w) in by
-    ]
+    for fmt in dict.fromkeys(r.format for r in rows if r.format != "folder"):
+        counts = [w for f, w in by if f == "folder" and (fmt, w) in by]
+        _print_ratios(fmt, [(w, by[fmt, w], by["folder", w]) for w in counts])
+
+
+def _print_ratios(fmt: str, pairs: list[tuple[int, IoRow, IoRow]]) -> None:
+    """fmt / folder per worker count, in img/s and in img/CPU-s."""
     if pairs:
         print(
-            "shards / folder, img/s: "
+            f"{fmt} / folder, img/s: "
             + ", ".join(f"{w} workers {s.img_per_s / d.img_per_s:.2f}x" for w, s, d in pairs)
         )
     if pairs and all(s.img_per_cpu_s and d.img_per_cpu_s for _, s, d in pairs):
         print(
-            "shards / folder, img/CPU-s: "
+            f"{fmt} / folder, img/CPU-s: "
             + ", ".join(
                 f"{w} workers {s.img_per_cpu_s / d.img_per_cpu_s:.2f}x" for w, s, d in pairs
             )
@@ -387,26 +393,48 @@ def plot_io(rows: Sequence[IoRow], path: str, title: str) -> None:
 # the command
 # ---------------------------------------------------------------------------------------------
 def _formats(
-    cfg: Any, io_shards: str | None, out_dir: str
+    cfg: Any, io_shards: str | None, out_dir: str, io_tars: str | None = None
 ) -> tuple[list[tuple[str, Any]], str | None]:
     """[(format, cfg reading it)], and a temporary folder to remove
     afterwards (or None)."""
     fmt = dataset_format(cfg)
     if fmt != "folder":
+        if io_tars:
+            raise UserError(
+                f"--io-tars compares tars with an image folder: TRAIN.DATASET is {fmt}"
+            )
         return [(fmt, cfg)], None
     n_images = len(data.build_dataset(cfg, train=True))
+    tars = [("tars", _reading(cfg, io_tars))] if io_tars else []
+    if io_tars:  # checked before the shards are written
+        count = load_shard_set(io_tars, cfg.TRAIN.SPLIT, "--io-tars").num_samples
+        if count != n_images:
+            raise UserError(
+                f"--io-tars {io_tars!r} holds {count} images in split {cfg.TRAIN.SPLIT!r}, but the "
+                f"folder has {n_images}; give tars of the same images"
+            )
     tmp = None if io_shards else tempfile.mkdtemp(prefix="io_shards.", dir=out_dir)
     shard_dir = shard_copy(
         os.path.join(cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT), io_shards or tmp, n_images
     )
-    sharded = cfg.clone()
-    sharded.defrost()
-    sharded.TRAIN.DATASET = shard_dir
-    return [("folder", cfg), ("shards", sharded)], tmp
+    return [("folder", cfg), ("shards", _reading(cfg, shard_dir)), *tars], tmp
+
+
+def _reading(cfg: Any, dataset: str) -> Any:
+    """cfg with TRAIN.DATASET dataset."""
+    other = cfg.clone()
+    other.defrost()
+    other.TRAIN.DATASET = dataset
+    return other
 
 
 def run_io(
-    cfg: Any, workers: list[int], timing: tuple[int, int, int], io_shards: str | None, out_dir: str
+    cfg: Any,
+    workers: list[int],
+    timing: tuple[int, int, int],
+    io_shards: str | None,
+    out_dir: str,
+    io_tars: str | None = None,
 ) -> list[IoRow]:
     """Time each format at each worker count; print the table, write
     io.csv and io.png."""
@@ -415,7 +443,7 @@ def run_io(
             "`distribuuuu bench --io` measures one process; start it without a launcher"
         )
     os.makedirs(out_dir, exist_ok=True)
-    formats, tmp = _formats(cfg, io_shards, out_dir)
+    formats, tmp = _formats(cfg, io_shards, out_dir, io_tars)
     rows = []
     try:
         with comm.session(cfg) as ctx:
@@ -454,6 +482,7 @@ def main(
     timing: tuple[int, int, int],
     io_shards: str | None,
     out: str | None,
+    io_tars: str | None = None,
 ) -> int:
     """`distribuuuu bench --io`: the worker list and the config are
     checked before anything is read."""
@@ -461,5 +490,5 @@ def main(
     cfg = inferred.resolve(
         config.load_config(cfg_file, opts + ["TRAIN.VAL_SPLIT", "0.0"]), 1
     )  # one process
-    run_io(cfg, workers, timing, io_shards, out or os.path.join(cfg.OUT_DIR, "bench"))
+    run_io(cfg, workers, timing, io_shards, out or os.path.join(cfg.OUT_DIR, "bench"), io_tars)
     return 0

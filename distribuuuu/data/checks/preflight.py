@@ -73,7 +73,10 @@ def scan(cfg: CfgNode, key: str) -> tuple[list[str], int, dict[str, int] | None]
         counts = _scan_folder(cfg, key) if kind == "folder" else _scan_files(cfg, key)
         return list(counts), sum(counts.values()), counts
     if kind == "shards":
-        shard_set = index.load_shard_set(group.DATASET, group.SPLIT, key)
+        t = cfg.TRAIN
+        shard_set = index.load_shard_set(
+            group.DATASET, group.SPLIT, key, t.IMAGE_FIELD, t.LABEL_FIELD
+        )
         if key == "TRAIN" and cfg.TRAIN.CLASS_BALANCE != "none":
             raise UserError(balance.SHARDS_REFUSAL.format(mode=cfg.TRAIN.CLASS_BALANCE))
         return list(shard_set.classes), shard_set.num_samples, None

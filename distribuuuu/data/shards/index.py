@@ -19,6 +19,7 @@ import json
 import os
 import re
 
+from distribuuuu.data.shards.fields import SampleFields
 from distribuuuu.errors import UserError
 
 FORMAT = "distribuuuu-shards/1"  # index.json's "format": what this version reads and writes
@@ -39,6 +40,7 @@ class ShardSet:
     index_path: str
     classes: list[str]
     shards: tuple[Shard, ...]
+    fields: SampleFields = dataclasses.field(default_factory=SampleFields)
 
     @property
     def num_samples(self) -> int:
@@ -122,9 +124,12 @@ def index_path(dataset: str, split: str, key: str) -> str:
     return path
 
 
-def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
+def load_shard_set(
+    dataset: str, split: str, key: str, image_field: str = "", label_field: str = ""
+) -> ShardSet:
     """The shards cfg[key].DATASET names (a brace pattern: those it
-    lists, in its order), checked."""
+    lists, in its order), checked; image_field / label_field:
+    TRAIN.IMAGE_FIELD / LABEL_FIELD ('' = the index's)."""
     path = index_path(dataset, split, key)
     index = _read_index(path, key)
     folder = os.path.dirname(os.path.abspath(path))
@@ -143,9 +148,28 @@ def load_shard_set(dataset: str, split: str, key: str) -> ShardSet:
         Shard(os.path.join(folder, n), int(listed[n]["num_samples"]), int(listed[n]["bytes"]))
         for n in names
     )
-    result = ShardSet(path, list(index["classes"]), shards)
+    fields = sample_fields(index, path, key, image_field, label_field)
+    result = ShardSet(path, list(index["classes"]), shards, fields)
     verify(result, key)
     return result
+
+
+def sample_fields(
+    index: dict, path: str, key: str, image_field: str, label_field: str
+) -> SampleFields:
+    """How the samples are read: the fields the index was made with
+    (`distribuuuu data index`), the image field overridden by
+    TRAIN.IMAGE_FIELD. Its class names were read from its label field,
+    so another TRAIN.LABEL_FIELD is refused."""
+    indexed = index.get("label_field", "cls")
+    if label_field and label_field != indexed:
+        raise UserError(
+            f"TRAIN.LABEL_FIELD is {label_field!r}, but {key}.DATASET's index {path} was made "
+            f"with the label field {indexed!r}; leave TRAIN.LABEL_FIELD unset, or index the "
+            f"tars again with `distribuuuu data index` --label-field {label_field}"
+        )
+    names = list(index["classes"]) if index.get("labels") == "names" else None
+    return SampleFields(image_field or index.get("image_field", ""), indexed, names)
 
 
 def verify(shard_set: ShardSet, key: str) -> None:

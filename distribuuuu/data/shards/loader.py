@@ -19,6 +19,7 @@ whatever TRAIN.DATA_PIPELINE says (memory refuses it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,6 +47,7 @@ from distribuuuu.data.loading.batches import (
 from distribuuuu.data.loading.items import UnreadableImage
 from distribuuuu.data.loading.pipeline import Pipeline, Place
 from distribuuuu.data.shards import tar
+from distribuuuu.data.shards.fields import MissingField
 from distribuuuu.data.shards.index import ShardSet, load_shard_set
 from distribuuuu.data.shards.reader import ShardDataset, describe_plan
 from distribuuuu.data.transforms import augment_policy, folder_transform, image_stats, recipe_of
@@ -138,7 +140,9 @@ def build_shard_loader(cfg: CfgNode, key: str, train: bool, place: Place, seed: 
     """The loader of the shard set cfg[key].DATASET names: training
     batches (train) or exact evaluation."""
     group, device = cfg[key], place.device
-    shard_set = load_shard_set(group.DATASET, group.SPLIT, key)
+    shard_set = load_shard_set(
+        group.DATASET, group.SPLIT, key, cfg.TRAIN.IMAGE_FIELD, cfg.TRAIN.LABEL_FIELD
+    )
     decode, batched = _decoder(cfg, train)
     on_device = batched and decodes_on_device(cfg, place, lambda: _first_images(shard_set))
     if on_device:
@@ -183,7 +187,8 @@ def _first_images(shard_set: ShardSet) -> list[bytes]:
     TRAIN.IMAGE_DECODE auto times the CPU on."""
     found: list[bytes] = []
     for _, fields in tar.samples(shard_set.shards[0].path):
-        found += [fields[e] for e in tar.IMAGE_EXTS if e in fields][:1]
+        with contextlib.suppress(MissingField):
+            found.append(shard_set.fields.image(fields))
         if len(found) == AUTO_SAMPLES:
             break
     return found

@@ -66,6 +66,7 @@ class ShardDataset(IterableDataset):
         collate_images: Callable[[list], Any] = default_collate,
     ) -> None:
         self.shard_set, self.decode, self.classes = shard_set, decode, shard_set.classes
+        self.fields = shard_set.fields  # which members are the image and the label (fields.py)
         # a batch's decoded items -> its images (the device decode's: a list)
         self.collate_images = collate_images
         self.rank, self.world_size = rank, world_size
@@ -213,14 +214,8 @@ class ShardDataset(IterableDataset):
 
     def _item(self, sample: tar.Sample) -> tuple[torch.Tensor, int] | None:
         key, fields = sample
-        image = next((fields[e] for e in tar.IMAGE_EXTS if e in fields), None)
         try:
-            if image is None or "cls" not in fields:
-                raise ValueError(
-                    f"no {'image' if image is None else 'cls'} field (has "
-                    f"{', '.join(sorted(fields))})"
-                )
-            label = int(fields["cls"])
+            image, label = self.fields.read(fields)  # MissingField: a ValueError
             return self.decode(image), self.label_map[label] if self.label_map else label
         except DECODE_ERRORS as e:
             self.note_unreadable(f"record {key!r}", e)

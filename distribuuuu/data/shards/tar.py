@@ -21,7 +21,7 @@ are the rest of the name (``jpg``, ``cls``, ...).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from distribuuuu.errors import UserError
@@ -65,10 +65,11 @@ def _pax_path(data: bytes) -> str | None:
 
 
 def members(
-    f: BinaryIO, path: str, want_data: bool = True
+    f: BinaryIO, path: str, want_data: bool | Callable[[str], bool] = True
 ) -> Iterator[tuple[str, int, bytes | None]]:
     """(name, byte offset of its first header, data or None) of each
-    regular file in the shard, in order."""
+    regular file in the shard, in order; want_data: whether to read the
+    data, or which members' (by name)."""
     end = os.fstat(f.fileno()).st_size
     long_name, first = None, None
     while True:
@@ -95,7 +96,8 @@ def members(
                 f"shard {path} ends inside member {name!r} (header at byte {offset}, {size} data "
                 "bytes): truncated; restore it or re-run `distribuuuu data shard`"
             )
-        data = f.read(size) if want_data or kind in (b"x", b"L") else None
+        wanted = want_data(name) if callable(want_data) else want_data
+        data = f.read(size) if wanted or kind in (b"x", b"L") else None
         f.seek(offset + BLOCK + (size + BLOCK - 1) // BLOCK * BLOCK)
         if kind == b"x":
             long_name = _pax_path(data)
@@ -142,14 +144,17 @@ def _sample_offset(f: BinaryIO, path: str, skip: int) -> int:
     return f.tell()
 
 
-def samples(path: str, skip: int = 0) -> Iterator[Sample]:
+def samples(
+    path: str, skip: int = 0, want_data: bool | Callable[[str], bool] = True
+) -> Iterator[Sample]:
     """The shard's samples in order, from sample number ``skip`` on
-    (those before are not read)."""
+    (those before are not read); want_data as for members (a field not
+    read is None)."""
     with open(path, "rb") as f:
         if skip:
             f.seek(_sample_offset(f, path, skip))
         key, fields = None, {}
-        for name, _, data in members(f, path):
+        for name, _, data in members(f, path, want_data):
             k, field = split_name(name)
             if k != key and key is not None:
                 yield key, fields
