@@ -1,12 +1,14 @@
-"""A Hugging Face dataset against the folder it was made from: images per CPU-second reading and
-decoding, and the resident memory of reading every item (#43, docs/data-formats.md).
+"""Every format of the same images against the folder they came from: images per CPU-second reading
+and decoding, and the resident memory of reading every item (#43, docs/data-formats.md,
+docs/performance.md section 8).
 
     .venv/bin/python benchmarks/io_jpegs.py /tmp/hfio/jpegs --n 5000 --procs 0
-    .venv/bin/python benchmarks/io_hf.py /tmp/hfio/jpegs [--repeats 5] [--batch 64]
+    .venv/bin/python benchmarks/io_formats.py /tmp/hfio/jpegs [--repeats 5] [--batch 64]
 
-From DIR/train/<class>/<image> (ImageFolder's order) it writes DIR.saved (save_to_disk) and
-DIR.parquet (data/train-*.parquet, 1,000 rows a file), the encoded bytes as they are, with a ClassLabel
-(kept when they exist). Then, per format, in this one process:
+From DIR/train/<class>/<image> (ImageFolder's order) it writes DIR.labels (labels.csv naming the
+folder's files), DIR.saved (save_to_disk) and DIR.parquet (data/train-*.parquet, 1,000 rows a file),
+the encoded bytes as they are, with a ClassLabel, and DIR.tars (webdataset's ShardWriter, then `data
+index`: benchmarks/io_tars.py), each kept when it exists. Then, per format, in this one process:
 
 - memory: VmRSS, RssAnon and RssFile (/proc/self/status) after the reader is built and after every
   item has been read once. Arrow files are memory-mapped: the pages read show in RssFile (the page
@@ -15,6 +17,7 @@ DIR.parquet (data/train-*.parquet, 1,000 rows a file), the encoded bytes as they
   image in a shuffled order, CPU seconds of this process; the formats alternate, each repeated.
 - loader: the train loader that training builds, 0 workers (bench_io.measure: read, decode, augment,
   collate), images per CPU-second.
+Tars are read by the shard reader, a stream: the loader alone is timed for them.
 
 Prints one table with the ratios to the folder.
 """
@@ -29,10 +32,12 @@ import statistics
 import time
 
 import torch
+from io_tars import write_tars
 
 from distribuuuu import config, inferred
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.decoding import cpu
+from distribuuuu.data.shards import external
 from distribuuuu.launch import comm
 from distribuuuu.tools import bench_io
 
@@ -60,6 +65,29 @@ def write_formats(root: str) -> tuple[str, str]:
     return saved, parquet
 
 
+def write_labels(root: str) -> str:
+    """DIR.labels/labels.csv: DIR/train's files (absolute paths) and their class names."""
+    dest = root.rstrip("/") + ".labels"
+    path = os.path.join(dest, "labels.csv")
+    if not os.path.isfile(path):
+        cfg = config.load_config(None, ["TRAIN.DATASET", root, "TRAIN.SPLIT", "train"])
+        files = sources.image_files(cfg, "TRAIN")
+        os.makedirs(dest, exist_ok=True)
+        with open(path, "w") as f:
+            f.write("path,label\n")
+            f.writelines(f"{p},{files.classes[t]}\n" for p, t in zip(files.paths, files.targets))
+    return dest
+
+
+def write_webdataset(root: str) -> str:
+    """DIR.tars: DIR/train's images as webdataset tars, indexed by `data index`."""
+    dest = root.rstrip("/") + ".tars"
+    if not os.path.isfile(os.path.join(dest, "train", "index.json")):
+        write_tars(root, dest, maxcount=250)
+        list(external.index_tars(dest, label_field="cls", progress=False))
+    return dest
+
+
 def memory() -> dict[str, int]:
     """VmRSS, RssAnon, RssFile in MB."""
     with open("/proc/self/status") as f:
@@ -83,7 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     saved, parquet = write_formats(args.root)
-    paths = {"folder": args.root, "saved": saved, "parquet": parquet}
+    paths = {"folder": args.root, "labels": write_labels(args.root), "saved": saved, "parquet": parquet,
+             "tars": write_webdataset(args.root)}
     cfgs = {}
     for fmt, path in paths.items():
         opts = ["TRAIN.DATASET", path, "TEST.DATASET", path, "TRAIN.BATCH_SIZE", str(args.batch), "TRAIN.WORKERS", "0"]
@@ -93,6 +122,8 @@ def main() -> None:
         cfgs[fmt] = cfg
     readers, rss = {}, {}
     for fmt, cfg in cfgs.items():
+        if fmt == "tars":
+            continue  # a stream: its loader alone
         before = memory()
         readers[fmt] = sources.image_files(cfg, "TRAIN")
         built = memory()
@@ -100,7 +131,7 @@ def main() -> None:
             readers[fmt].read(i)
         rss[fmt] = (before, built, memory())
     n = len(readers["folder"])
-    assert all(len(r) == n and r.targets == readers["folder"].targets for r in readers.values())
+    assert all(len(r) == n and sorted(r.targets) == sorted(readers["folder"].targets) for r in readers.values())
     cfg = cfgs["folder"]
     decode = cpu.FastTrainDecode(cfg.TRAIN.IM_SIZE, "RGB", transforms.recipe_of(cfg))
     order = list(range(n))
@@ -111,7 +142,8 @@ def main() -> None:
     with comm.session(cfg) as ctx:
         for _ in range(args.repeats):  # the formats alternate: a slow spell hits each alike
             for fmt in paths:
-                decoded[fmt].append(decode_rate(readers[fmt], decode, order))
+                if fmt in readers:
+                    decoded[fmt].append(decode_rate(readers[fmt], decode, order))
                 loaded[fmt].append(bench_io.measure(cfgs[fmt], fmt, 0, ctx.device, timing).img_per_cpu_s)
     print(f"\n{n} images ({args.root}), {cfg.TRAIN.IM_SIZE} px crops, batch {args.batch}, 1 process, 0 workers, "
           f"median of {args.repeats}; MB before the reader / after building it / after reading every item")
@@ -119,7 +151,11 @@ def main() -> None:
           f"{'VmRSS MB':>16}{'RssAnon MB':>16}{'RssFile MB':>16}")
     base = statistics.median(decoded["folder"]), statistics.median(loaded["folder"])
     for fmt in paths:
-        d, ld = statistics.median(decoded[fmt]), statistics.median(loaded[fmt])
+        ld = statistics.median(loaded[fmt])
+        if fmt not in readers:
+            print(f"{fmt:<8}{'-':>18}{'-':>7}{ld:>18.0f}{ld / base[1]:>7.2f}{'-':>16}{'-':>16}{'-':>16}")
+            continue
+        d = statistics.median(decoded[fmt])
         mb = ["/".join(str(m[key]) for m in rss[fmt]) for key in ("VmRSS", "RssAnon", "RssFile")]
         print(f"{fmt:<8}{d:>18.0f}{d / base[0]:>7.2f}{ld:>18.0f}{ld / base[1]:>7.2f}{mb[0]:>16}{mb[1]:>16}{mb[2]:>16}")
 
