@@ -74,11 +74,15 @@ def free_threads(cores: int, local_world_size: int) -> tuple[int, str]:
     slurm = launcher.slurm_cpus_per_task() if launcher.detect().launcher == "slurm" else None
     procs = 1 if slurm else local_world_size
     share = max(1, min(cores, slurm) if slurm else cores // procs)
-    if procs == 1:
-        return share, f"from the cores: all {share} of this process's, alone here"
     load = (
         os.getloadavg()[0] * cores / (os.cpu_count() or cores) if hasattr(os, "getloadavg") else 0.0
     )
+    if procs == 1:
+        why = f"from the cores: all {share} of this process's, alone here, as torch's default"
+        if share > 1 and load >= share / 2:
+            why += f"; {load:.1f} busy by the load average: where other jobs keep these cores "
+            why += "busy, NUM_THREADS 1 trains faster (docs/performance.md, section 4)"
+        return share, why
     n = max(1, min(share, round(cores - load) // procs))
     why = f"from the cores: {share} of {cores} per process for {procs} processes here, "
     return n, why + f"{load:.1f} busy by the load average"
