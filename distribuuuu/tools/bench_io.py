@@ -400,9 +400,7 @@ def _formats(
     fmt = dataset_format(cfg)
     if fmt != "folder":
         if io_tars:
-            raise UserError(
-                f"--io-tars compares tars with an image folder: TRAIN.DATASET is {fmt}"
-            )
+            raise UserError(f"--io-tars compares tars with an image folder: TRAIN.DATASET is {fmt}")
         return [(fmt, cfg)], None
     n_images = len(data.build_dataset(cfg, train=True))
     tars = [("tars", _reading(cfg, io_tars))] if io_tars else []
