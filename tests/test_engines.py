@@ -52,6 +52,11 @@ def images(tmp_path_factory) -> str:
     return str(folder)
 
 
+def _held_out(run) -> int:
+    """How many images the run folder's heldout.txt lists."""
+    return len((run / "heldout.txt").read_text().splitlines())
+
+
 def _opts(images: str, out, *more: str) -> list[str]:
     return ["TRAIN.DATASET", images, "TEST.DATASET", "", "MODEL.NUM_CLASSES", "2", "TRAIN.IM_SIZE", "8",
             "TEST.IM_SIZE", "8", "TRAIN.BATCH_SIZE", "4", "OUT_DIR", str(out), *more]
@@ -166,7 +171,7 @@ def test_a_pytorchjob_trains_in_one_process_per_pod_and_evaluates_exactly(images
         assert (f"[dist] rank {rank}/2 | local rank 0/1 | node {rank} | master 127.0.0.1:{port} | device cpu "
                 "| backend gloo | launcher one-per-node") in pod.stdout, pod.stdout[-3000:]
     val = _numbers(tmp_path / "run")[-1]
-    assert val["split"] == "val" and val["n"] == 9
+    assert val["split"] == "val" and val["n"] == _held_out(tmp_path / "run") == 10  # 5 of a, 5 of b
 
     # The same checkpoint evaluated by one process: the 2-rank evaluation counted each image once
     check(distribuuuu("eval", "--cfg", TINY, *_opts(images, tmp_path / "run"),
@@ -196,7 +201,8 @@ def test_a_trainjob_runs_torchrun_from_the_pet_variables(images, tmp_path):
         assert f"| local rank 0/1 | node {node} | master 127.0.0.1:{port} " in pod.stdout, pod.stdout[-3000:]
         assert "| launcher torchrun" in pod.stdout
     rows = _numbers(tmp_path / "run")
-    assert [(r["epoch"], r["split"]) for r in rows] == [(1, "train"), (1, "val")] and rows[-1]["n"] == 9
+    assert [(r["epoch"], r["split"]) for r in rows] == [(1, "train"), (1, "val")]
+    assert rows[-1]["n"] == _held_out(tmp_path / "run") == 10
 
 
 def _unknown_keys(doc, schema, path: str = "") -> list[str]:
@@ -347,7 +353,7 @@ def test_ray_train_runs_distribuuuu_as_torchrun_does(ray_cluster, images, torchr
     assert rows == _numbers(torchrun_run)
     assert [(r["epoch"], r["split"]) for r in rows] == [(1, "train"), (1, "val"), (2, "train"), (2, "val")]
     # Ray's result: the last epoch's records, and a checkpoint that points at the run folder
-    assert (result.metrics["epoch"], result.metrics["val_top1"], result.metrics["val_n"]) == (2, rows[-1]["top1"], 9)
+    assert (result.metrics["epoch"], result.metrics["val_top1"], result.metrics["val_n"]) == (2, rows[-1]["top1"], 10)
     assert result.metrics["train_loss"] == rows[-2]["loss"]
     with open(os.path.join(result.checkpoint.path, "distribuuuu.json")) as f:
         assert json.load(f) == {"out_dir": str(tmp_path / "ray"), "epoch": 2,

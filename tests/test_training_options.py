@@ -115,8 +115,9 @@ def test_patience_stops_early_and_target_records_time_to_accuracy(tmp_path):
     out = str(tmp_path / "patience")
     proc = check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "6",
                              "OPTIM.BASE_LR", "1e-6", "TRAIN.PATIENCE", "1", "OPTIM.LR_POLICY", "constant"))
-    assert "early stop: no better top1 in 1 evaluations" in proc.stdout
-    assert len([m for m in read_metrics(out) if m["split"] == "train"]) < 6
+    assert "early stop: no progress in 1 evaluations" in proc.stdout
+    epochs = len([m for m in read_metrics(out) if m["split"] == "train"])
+    assert 4 <= epochs < 6  # evaluations count in the run's second half only: epochs 4 to 6 of 6
     out = str(tmp_path / "target")
     proc = check(distribuuuu("train", "--cfg", TINY, "OUT_DIR", out, "OPTIM.MAX_EPOCH", "6", "TRAIN.TARGET_TOP1", "90"))
     hit = [m for m in read_metrics(out) if "time_to_target_s" in m]

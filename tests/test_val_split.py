@@ -205,7 +205,8 @@ def test_best_on_valid_then_one_test_of_best_pth_at_the_end(tmp_path):
     assert len(tests) == 1 and lines[-1] == tests[0]  # the last line of the run
     vals = [m for m in lines if m["split"] == "val"]
     assert len(vals) == 4 and all(m["n"] == 32 for m in vals)
-    best_epoch = max(vals, key=lambda m: (m["top1"], -m["epoch"]))["epoch"]  # the first of the best
+    # best.pth: the best balanced top-1, then the lower loss, then the later epoch
+    best_epoch = max(vals, key=lambda m: (m["balanced_top1"], -m["loss"], m["epoch"]))["epoch"]
     assert tests[0]["epoch"] == best_epoch and tests[0]["n"] == 50 and tests[0]["weights"] == "best.pth"
     ev = check(distribuuuu("eval", "--cfg", TINY, "OUT_DIR", out))  # best.pth, on TEST (not the held-out part)
     assert read_metrics(out)[-1] == tests[0]  # eval leaves the run's metrics.jsonl alone
