@@ -34,6 +34,7 @@ import torch
 from yacs.config import CfgNode
 
 from distribuuuu import (
+    calibration,
     config,
     data,
     engine,
@@ -254,15 +255,17 @@ def run_eval(cfg: CfgNode, ctx: comm.DistContext) -> dict[str, Any]:
     else:
         _check_eval_overlap(cfg, ctx.is_main)
         loader = data.build_test_loader(cfg, ctx.rank, ctx.world_size, ctx.device)
+    card = inference.file_card(weights)  # its temperature: the ECE before and after
     start = time.perf_counter()
-    result = engine.evaluate(model, loader, cfg, ctx)
+    result = engine.evaluate(model, loader, cfg, ctx, temperature=card.temperature if card else 1.0)
     confusion, classes = result.pop("confusion"), model_card.describe(cfg, loader.dataset).classes
     log.info(
-        "[eval] %s | loss %.4f | %s | balanced top-1 %.2f%% | n %d | %.1fs%s",
+        "[eval] %s | loss %.4f | %s | balanced top-1 %.2f%% | %s | n %d | %.1fs%s",
         weights,
         result["loss"],
         accuracies(result["top1"], cfg.TRAIN.TOPK, result["topk_acc"], "top-", "%"),
         result["balanced_top1"],
+        calibration.ece_text(result),
         result["n"],
         time.perf_counter() - start,
         evaluation.thinly_judged(classes, confusion),

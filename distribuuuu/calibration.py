@@ -49,6 +49,15 @@ def line(fit: dict[str, Any]) -> str:
     )
 
 
+def ece_text(result: dict[str, Any]) -> str:
+    """'ECE 2.55% -> 2.26% at temperature 1.086' (an evaluation's
+    record), or 'ECE 2.55% (uncalibrated)' for a temperature of 1."""
+    before, after, temperature = result["ece"], result["ece_calibrated"], result["temperature"]
+    if temperature == 1.0:
+        return f"ECE {100 * before:.2f}% (uncalibrated)"
+    return f"ECE {100 * before:.2f}% -> {100 * after:.2f}% at temperature {temperature:.4g}"
+
+
 @torch.no_grad()
 def shard_logits(
     net: torch.nn.Module, loader: Any, device: torch.device, num_classes: int
@@ -97,7 +106,7 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def _bins(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def bins(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """[3, ECE_BINS]: the samples, the sum of their confidence (top-1
     probability) and of their hits, per bin (i/15, (i+1)/15]."""
     confidence, predicted = (logits / temperature).softmax(1).max(1)
@@ -106,6 +115,14 @@ def _bins(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tor
     for row, values in enumerate([torch.ones_like(confidence), confidence, predicted == labels]):
         sums[row].index_add_(0, index, values.double())
     return sums
+
+
+def ece(summed: torch.Tensor) -> list[float]:
+    """The ECE of each [3, ECE_BINS] in ``summed`` ([..., 3, ECE_BINS],
+    summed over all ranks): the gap between hits and confidence in each
+    bin, added up, over the samples."""
+    n = summed[..., 0, :].sum(-1).clamp(min=1)
+    return ((summed[..., 2, :] - summed[..., 1, :]).abs().sum(-1) / n).tolist()
 
 
 def calibrate(
@@ -117,19 +134,19 @@ def calibrate(
     logits, labels = shard_logits(net, loader, device, num_classes)
     temperature = fit_temperature(logits, labels)
     nll = _summed([_nll_sum(logits, labels, 0.0), _nll_sum(logits, labels, math.log(temperature))])
-    bins = _summed([_bins(logits, labels, 1.0), _bins(logits, labels, temperature)])
-    n = int(bins[0, 0].sum().item())
+    both = _summed([bins(logits, labels, 1.0), bins(logits, labels, temperature)])
+    n = int(both[0, 0].sum().item())
     if n == 0:
         raise UserError("the validation split holds no images to fit a temperature on")
-    nll, ece = (nll / n).tolist(), ((bins[:, 2] - bins[:, 1]).abs().sum(1) / n).tolist()
-    top1 = (100.0 * bins[:, 2].sum(1) / n).tolist()
+    nll, errors = (nll / n).tolist(), ece(both)
+    top1 = (100.0 * both[:, 2].sum(1) / n).tolist()
     return {
         "temperature": temperature,
         "n": n,
         "nll": nll[0],
         "nll_calibrated": nll[1],
-        "ece": ece[0],
-        "ece_calibrated": ece[1],
+        "ece": errors[0],
+        "ece_calibrated": errors[1],
         "top1": top1[0],
         "top1_calibrated": top1[1],
     }

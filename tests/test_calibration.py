@@ -55,6 +55,24 @@ def test_the_fit_undoes_overconfidence_and_keeps_top1():
     assert calibration.line(fit).startswith(f"temperature {fit['temperature']:.4f} | ECE ")
 
 
+def test_an_evaluation_counts_the_ece_before_and_after_a_temperature():
+    from distribuuuu.engine.evaluation import CalibratedCounter, ClassCounter
+
+    logits, labels = _overconfident(n=3000, classes=5)
+    counters = [ClassCounter(torch.device("cpu"), 2, 5), CalibratedCounter(torch.device("cpu"), 2, 5, 2.5)]
+    for counter in counters:
+        for i in range(0, 3000, 512):  # batches, as a loader gives them
+            z, y = logits[i : i + 512], labels[i : i + 512]
+            counter.update(z, y, torch.nn.functional.cross_entropy(z, y))
+    plain, calibrated = (counter.reduce().result() for counter in counters)
+    assert calibrated["ece"] == pytest.approx(_ece_by_hand(logits, labels, 1.0), abs=1e-12)
+    assert calibrated["ece_calibrated"] == pytest.approx(_ece_by_hand(logits, labels, 2.5), abs=1e-12)
+    assert calibrated["ece_calibrated"] < calibrated["ece"] and calibrated["temperature"] == 2.5
+    assert {k: v for k, v in calibrated.items() if not k.startswith(("ece", "temp"))} == plain  # the rest as before
+    assert calibration.ece_text(calibrated).endswith("at temperature 2.5")
+    assert calibration.ece_text({**calibrated, "temperature": 1.0}).endswith("(uncalibrated)")
+
+
 def test_the_fit_is_the_least_nll_on_a_fine_grid():
     logits, labels = _overconfident(n=2000, sharpen=0.6, seed=1)  # under-confident: T below 1
     fit = _fit(logits, labels)

@@ -222,8 +222,14 @@ def _without_distribuuuu(program: str, *args: str, cwd: str):
 def test_exported_files_score_the_val_split_as_eval_does_without_distribuuuu(trained, exported, digits, tmp_path):
     cfg, weights, _ = trained
     out, _ = exported
-    check(distribuuuu("eval", "--checkpoint", weights))
+    proc = check(distribuuuu("eval", "--checkpoint", weights))
     evaluated = json.loads(open(os.path.join(os.path.dirname(os.path.dirname(weights)), "eval.jsonl")).readlines()[-1])
+    fit = load_checkpoint(weights)["card"]["calibration"]  # fitted on the same 1,000 val digits
+    assert evaluated["temperature"] == fit["temperature"]
+    assert evaluated["ece"] == pytest.approx(fit["ece"], abs=1e-6)
+    assert evaluated["ece_calibrated"] == pytest.approx(fit["ece_calibrated"], abs=1e-6)
+    ece = f"ECE {100 * evaluated['ece']:.2f}% -> {100 * evaluated['ece_calibrated']:.2f}% at temperature "
+    assert ece + f"{fit['temperature']:.4g} | n 1000" in proc.stdout + proc.stderr
     images, labels, paths = _val(cfg, digits)
     with torch.no_grad():
         eager = _eager(cfg)(images).argmax(1).tolist()  # what eval counts, image by image

@@ -1,5 +1,6 @@
 """Evaluation: exact counting of loss and top-k hits (Counter, also the
-training epoch's; ClassCounter adds the confusion matrix), exact metrics
+training epoch's; ClassCounter adds the confusion matrix,
+CalibratedCounter the calibration error), exact metrics
 over a whole split (``evaluate``: the epoch's validation, the test of
 the chosen checkpoint and the ``eval`` command, api.run_eval), and the
 epoch's validation records (``validate``).
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
-from distribuuuu import data, models
+from distribuuuu import calibration, data, models
 from distribuuuu.launch import comm
 from distribuuuu.launch.comm import DistContext
 from distribuuuu.logger import accuracies
@@ -120,8 +121,9 @@ class ClassCounter(Counter):
         self.confusion += cells.to(torch.float64)
 
     def reduce(self, extra: torch.Tensor | None = None) -> ClassCounter:
-        super().reduce(self.confusion)
-        self.confusion = self.reduced_extra
+        cells = self.confusion.numel()
+        super().reduce(self.confusion if extra is None else torch.cat([self.confusion, extra]))
+        self.confusion, self.reduced_extra = self.reduced_extra[:cells], self.reduced_extra[cells:]
         return self
 
     def result(self) -> dict[str, Any]:
@@ -142,6 +144,40 @@ class ClassCounter(Counter):
         }
 
 
+class CalibratedCounter(ClassCounter):
+    """A ClassCounter that also sums the calibration bins of the logits
+    as they are and divided by the checkpoint's temperature
+    (calibration.py), in the same one all-reduce: the eval command's
+    ECE before and after."""
+
+    def __init__(self, device: torch.device, topk: int, num_classes: int, temperature: float):
+        super().__init__(device, topk, num_classes)
+        self.temperature = temperature
+        self.bins = torch.zeros(2, 3, calibration.ECE_BINS, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        super().update(logits, target, loss)
+        for row, temperature in enumerate((1.0, self.temperature)):
+            self.bins[row] += calibration.bins(logits.double(), target, temperature)
+
+    def reduce(self, extra: torch.Tensor | None = None) -> CalibratedCounter:
+        super().reduce(self.bins.flatten())
+        self.bins = self.reduced_extra.view_as(self.bins)
+        return self
+
+    def result(self) -> dict[str, Any]:
+        """ClassCounter's, with ece and ece_calibrated (fractions, 15
+        bins) and the temperature."""
+        before, after = calibration.ece(self.bins)
+        return {
+            **super().result(),
+            "ece": before,
+            "ece_calibrated": after,
+            "temperature": self.temperature,
+        }
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -149,13 +185,20 @@ def evaluate(
     cfg: CfgNode,
     ctx: DistContext,
     stepper: Stepper | None = None,
+    temperature: float | None = None,
 ) -> dict[str, Any]:
     """Exact loss/top-1/top-k and per-class top-1 (with the confusion
-    matrix) over the whole split, whatever the world size."""
+    matrix) over the whole split, whatever the world size; with a
+    ``temperature``, the ECE before and after it too."""
     net = models.unwrap(model)
     net.eval()
     criterion = torch.nn.CrossEntropyLoss()  # plain: val loss is comparable across recipes
-    counter = ClassCounter(ctx.device, cfg.TRAIN.TOPK, cfg.MODEL.NUM_CLASSES)
+    classes = cfg.MODEL.NUM_CLASSES
+    counter = (
+        ClassCounter(ctx.device, cfg.TRAIN.TOPK, classes)
+        if temperature is None
+        else CalibratedCounter(ctx.device, cfg.TRAIN.TOPK, classes, temperature)
+    )
     iters = len(loader)
     for it, (images, target) in enumerate(loader):
         images = images.to(ctx.device, non_blocking=True)
