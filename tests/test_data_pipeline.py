@@ -1,6 +1,6 @@
 """The input pipelines' seam: one Pipeline class per pipeline, chosen in one place
-(loading.pipeline_class) once per split key, every loader keeping the contract of lpipeline.Pipeline;
-a new pipeline is one module (its class as PIPELINE) and one line in loading.PIPELINES."""
+(loading.pipeline_class) once per split key, every loader keeping the contract of loading.pipeline.Pipeline;
+a new pipeline is one module and one branch of the chooser."""
 
 from __future__ import annotations
 

@@ -527,3 +527,12 @@ def test_a_tracker_named_twice_or_an_unusable_start_time_is_refused():
     check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.TRACKER_START_S", "0"), "must be positive")
     check_user_error(cli_main("train", "--cfg", TINY, "TRAIN.TRACKER_START_S", "4000"),
                      "TRAIN.TRACKER_START_S 4000.0 must be below DIST.TIMEOUT_S 1800")
+
+
+def test_the_config_allows_exactly_the_trackers_there_are():
+    """TRAIN.TRACKERS' choices (config/validate.py, below trackers.py in the layers) are
+    trackers.CLIENTS' names."""
+    from distribuuuu import trackers
+    from distribuuuu.config.validate import TRACKERS
+
+    assert set(TRACKERS) == set(trackers.CLIENTS)

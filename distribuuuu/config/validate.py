@@ -28,7 +28,7 @@ LR_SCALINGS = ("none", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("ddp", "zero1", "fsdp", "dp")  # strategies.strategy_class's names (and "single")
-DATA_PIPELINES = ("auto", "memory", "loader")  # 'auto', then the names of data.pipeline.PIPELINES
+DATA_PIPELINES = ("auto", "memory", "loader")  # data.loading.pipeline_class's choices
 IMAGE_DECODERS = ("fast", "pil", "gpu", "auto")
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment", "autoaugment")
 CLASS_BALANCES = ("none", "sampler", "loss")  # data/loading/balance.py
@@ -38,7 +38,7 @@ BAD_IMAGE_MODES = ("skip", "fail")
 DUPLICATE_IMAGE_MODES = ("fail", "keep")
 OVERLAP_MODES = ("warn", "error", "off")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION, or '' for the default
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION ('' = the default)
 TRACKERS = ("mlflow", "wandb")  # trackers.CLIENTS's names
 
 Condition = Callable[[Any, CN], bool]  # (the key's value, the config) -> the rule holds

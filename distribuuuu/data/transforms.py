@@ -36,6 +36,8 @@ import torch
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
+from distribuuuu.config.validate import INTERPOLATIONS
+
 Stats = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std) per channel, of pixels in [0, 1]
 
 IMAGENET_STATS: Stats = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -43,7 +45,6 @@ MNIST_STATS: Stats = ((0.1307,), (0.3081,))
 CIFAR10_STATS: Stats = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 CIFAR100_STATS: Stats = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
 
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # TRAIN.INTERPOLATION ('' = the default)
 DEFAULT_INTERPOLATION = "bilinear"  # torchvision's, what every path used before the key existed
 
 log = logging.getLogger("distribuuuu")

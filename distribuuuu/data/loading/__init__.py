@@ -20,12 +20,11 @@ from typing import Any
 import torch
 from yacs.config import CfgNode
 
+from distribuuuu.config.validate import DATA_PIPELINES
 from distribuuuu.data import sources, transforms
 from distribuuuu.data.loading.pipeline import LoaderPipeline, Pipeline, Place
 from distribuuuu.data.sources import registry
 from distribuuuu.errors import UserError
-
-PIPELINES = ("auto", "memory", "loader")  # TRAIN.DATA_PIPELINE's choices
 
 
 def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
@@ -40,9 +39,9 @@ def pipeline_class(cfg: CfgNode, key: str) -> type[Pipeline]:
         sources.kind_of(cfg, key),
         cfg.TRAIN.IMAGE_DECODE,
     )
-    if choice not in PIPELINES:
+    if choice not in DATA_PIPELINES:
         raise UserError(
-            f"TRAIN.DATA_PIPELINE must be one of {', '.join(PIPELINES)}, got {choice!r}"
+            f"TRAIN.DATA_PIPELINE must be one of {', '.join(DATA_PIPELINES)}, got {choice!r}"
         )
     if kind == "dummy":
         return LoaderPipeline
