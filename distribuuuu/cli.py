@@ -52,8 +52,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distribuuuu import cli_help  # data only: the commands' help lines, options and examples
-from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_error, report_line
+from distribuuuu.errors import USER_ERROR_EXIT, UserError, report_line
 from distribuuuu.launch.launcher import rank_label  # light: no torch; the rank for message prefixes
+from distribuuuu.launch.relay import report_error  # light: a rank's error to the spawner
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

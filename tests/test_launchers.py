@@ -77,22 +77,22 @@ SPAWN_DUMP = textwrap.dedent("""
 
 
 def test_the_spawner_prints_each_ranks_error_once_and_the_ranks_that_differ(tmp_path, monkeypatch, capsys):
-    """Under the spawner a rank leaves its error in the spawner's folder (errors.report_error); the
-    spawner prints each distinct message once (errors.spawned_errors): the usual refusal that every
+    """Under the spawner a rank leaves its error in the spawner's folder (relay.report_error); the
+    spawner prints each distinct message once (relay.spawned_errors): the usual refusal that every
     rank finds together is one line, not one per rank."""
-    from distribuuuu import errors
+    from distribuuuu.launch import relay
 
-    monkeypatch.setenv(errors.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(relay.ERROR_DIR_ENV, str(tmp_path))
     for rank, message in [("0", "bad input"), ("1", "bad input"), ("2", "rank 2's own"), ("3", "rank 2's own"),
                           ("10", "bad input")]:
-        errors.report_error(message, rank)
+        relay.report_error(message, rank)
     assert capsys.readouterr().err == ""  # nothing printed by the ranks themselves
-    assert errors.spawned_errors(str(tmp_path)) == ["error: bad input", "error (ranks 2, 3): rank 2's own"]
+    assert relay.spawned_errors(str(tmp_path)) == ["error: bad input", "error (ranks 2, 3): rank 2's own"]
     assert os.listdir(tmp_path) == []  # taken away: printed once
-    errors.report_error("alone", "1")
-    assert errors.spawned_errors(str(tmp_path)) == ["error (rank 1): alone"]
-    monkeypatch.setenv(errors.ERROR_DIR_ENV, str(tmp_path / "gone"))  # no folder: the rank prints it
-    errors.report_error("still said", "1")
+    relay.report_error("alone", "1")
+    assert relay.spawned_errors(str(tmp_path)) == ["error (rank 1): alone"]
+    monkeypatch.setenv(relay.ERROR_DIR_ENV, str(tmp_path / "gone"))  # no folder: the rank prints it
+    relay.report_error("still said", "1")
     assert capsys.readouterr().err == "error (rank 1): still said\n"
 
 

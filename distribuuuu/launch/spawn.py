@@ -24,16 +24,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distribuuuu.errors import (
-    ERROR_DIR_ENV,
-    USER_ERROR_EXIT,
-    UserError,
-    report_error,
-    spawned_errors,
-)
+from distribuuuu.errors import USER_ERROR_EXIT, UserError
 from distribuuuu.launch import launcher, signals
 from distribuuuu.launch.comm import is_addr_in_use
 from distribuuuu.launch.launcher import SPAWN_MASTER_ADDR
+from distribuuuu.launch.relay import ERROR_DIR_ENV, report_error, spawned_errors
 
 __all__ = ["spawn", "STOP_GRACE_S", "FAILURE_GRACE_S"]
 
