@@ -270,14 +270,16 @@ def test_what_a_strategy_allows_passes_its_check_and_dp_alone_stays_dp():
 
 
 def test_every_strategy_the_config_allows_is_in_the_registry():
-    """DIST.STRATEGY's choices (config/validate.py) are the registry: ddp, the default, is built into
-    strategies/__init__.py (no module of its name); strategy_class imports the module of any other."""
+    """DIST.STRATEGY's choices (config/validate.py) are the registry: ddp, the default, and single
+    (the base class) are built into strategies/__init__.py (no module of their name);
+    strategy_class imports the module of any other."""
     import importlib.util
 
     from distribuuuu import strategies
     from distribuuuu.config.validate import STRATEGIES
 
-    assert set(strategies.BUILT_IN) == {"ddp"} and importlib.util.find_spec("distribuuuu.strategies.ddp") is None
+    assert set(strategies.BUILT_IN) == {"single", "ddp"}  # defined in strategies/__init__.py
+    assert importlib.util.find_spec("distribuuuu.strategies.ddp") is None
     for name in (*STRATEGIES, "single"):
         cls = strategies.strategy_class(name)
         module = "distribuuuu.strategies" if name in strategies.BUILT_IN else f"distribuuuu.strategies.{name}"

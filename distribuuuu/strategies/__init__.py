@@ -7,7 +7,7 @@ there is nothing to distribute: ddp / zero1 / fsdp train as ``single``
 several processes is refused before any starts (DP.check_config).
 ``strategy_class(name)`` is the class that DIST.STRATEGY names, asked
 before the run for its config rules, process-group backend and
-collectives: ``BUILT_IN`` (ddp, defined here), else the ``STRATEGY`` of
+collectives: ``BUILT_IN`` (single and ddp, defined here), else the ``STRATEGY`` of
 the module of that name, imported on first use. Adding a strategy: a
 module here, named as the strategy, with a ``STRATEGY`` class (a
 subclass of Strategy), and that name among the config's DIST.STRATEGY
@@ -20,8 +20,8 @@ over the sharded parameters without fused SGD (fsdp.py).
 The Strategy interface is everything that differs between the ways of
 training. The engine, the stepper and the run-state code call these
 methods and never test the strategy's name. The defaults here are those
-of one plain process; a subclass (DDPStrategy below, single.py,
-zero1.py, fsdp.py, dp.py) overrides what differs:
+of one plain process (the base class is ``single``); a subclass
+(DDPStrategy below, zero1.py, fsdp.py, dp.py) overrides what differs:
   wrap_model       SyncBN -> device -> channels_last -> activation checkpointing -> ``wrap``
                    (DDP, FSDP, DataParallel) -> torch.compile
   build_optimizer  the optimizer over the wrapped model's parameters (ZeRO differs)
@@ -287,9 +287,8 @@ class DDPStrategy(Strategy):
 # ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
-BUILT_IN: dict[str, type[Strategy]] = {
-    "ddp": DDPStrategy
-}  # the others: a module each, imported on first use
+# the others: a module each, imported on first use
+BUILT_IN: dict[str, type[Strategy]] = {"single": Strategy, "ddp": DDPStrategy}
 
 
 def resolve(name: str, distributed: bool) -> str:
@@ -307,4 +306,7 @@ def strategy_class(name: str) -> type[Strategy]:
 def build(cfg: CfgNode, ctx: Any) -> Strategy:
     """The Strategy of this run (see the module docstring for the
     one-process cases)."""
-    return strategy_class(resolve(cfg.DIST.STRATEGY, ctx.distributed))(cfg, ctx)
+    name = resolve(cfg.DIST.STRATEGY, ctx.distributed)
+    if name == "single" and cfg.DIST.STRATEGY == "fsdp":
+        log.warning("DIST.STRATEGY fsdp with one process: nothing to shard, training unsharded")
+    return strategy_class(name)(cfg, ctx)
