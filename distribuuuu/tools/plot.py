@@ -20,7 +20,7 @@ from typing import Any
 
 from distribuuuu.errors import UserError
 from distribuuuu.files import output_problem
-from distribuuuu.run_folder.metrics_files import read_jsonl
+from distribuuuu.run_folder.metrics_files import METRICS, read_jsonl
 
 Series = tuple[list[int], list[float]]
 # (file name, panel title, the series of it: (split, key)), in the order
@@ -53,7 +53,7 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
         raise UserError(
             f"run folder {run_dir!r} does not exist; give the OUT_DIR of a training run"
         )
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, METRICS)
     if not os.path.isfile(path):
         raise UserError(
             f"{run_dir!r} has no metrics.jsonl; give the OUT_DIR of a training run (it is written "
