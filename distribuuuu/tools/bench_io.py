@@ -25,8 +25,9 @@ reuses them next time (without it they go to a temporary folder under
 that another tool wrote (`distribuuuu data index DIR` made their index;
 benchmarks/io_tars.py writes them with the webdataset package). A shard
 set is timed alone: its index does not name the folder it came from.
-TRAIN.VAL_SPLIT is set to 0: each format reads its whole split. Results
-go to --out (default OUT_DIR/bench): io.csv and io.png.
+Each format reads its training split as a run would: a folder or label
+file without a val split keeps its held-out tenth out. Results go to
+--out (default OUT_DIR/bench): io.csv and io.png.
 """
 
 from __future__ import annotations
@@ -485,8 +486,6 @@ def main(
     """`distribuuuu bench --io`: the worker list and the config are
     checked before anything is read."""
     workers = parse_workers(workers_text, cores())
-    cfg = inferred.resolve(
-        config.load_config(cfg_file, opts + ["TRAIN.VAL_SPLIT", "0.0"]), 1
-    )  # one process
+    cfg = inferred.resolve(config.load_config(cfg_file, opts), 1)  # one process
     run_io(cfg, workers, timing, io_shards, out or os.path.join(cfg.OUT_DIR, "bench"), io_tars)
     return 0
