@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pathlib
 
+from distribuuuu.errors import UserError
+
 
 class ImageFiles:
     """The items of one split: item i is the encoded image ``read(i)``
@@ -35,3 +37,22 @@ class ImageFiles:
 
     def name(self, i: int) -> str:
         return self.paths[i]
+
+
+def class_indices(where: str, labels: list, classes: list[str]) -> list[int]:
+    """Each label's index in ``classes``: whole numbers are indices
+    already, names are looked up; a UserError names a label that is not
+    a class (a TEST split's labels must be training classes)."""
+    if all(isinstance(v, int) for v in labels):
+        bad = next((v for v in labels if v >= len(classes)), None)
+        if bad is not None:
+            raise UserError(f"{where}: label {bad} is not one of the {len(classes)} classes")
+        return labels
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = sorted(set(labels) - set(index))
+    if unknown:
+        raise UserError(
+            f"{where} has labels that are not classes of the training data: "
+            f"{', '.join(unknown[:5])}; evaluate on data of the training classes"
+        )
+    return [index[v] for v in labels]

@@ -24,7 +24,7 @@ import os
 import pathlib
 from typing import Any
 
-from distribuuuu.data.sources.files import ImageFiles
+from distribuuuu.data.sources.files import ImageFiles, class_indices
 from distribuuuu.errors import UserError
 
 DICT, STATE = "dataset_dict.json", "state.json"  # what save_to_disk writes
@@ -205,20 +205,10 @@ def _classes(
         values = [names[v] for v in values]
     if all(isinstance(v, int) for v in values):
         classes = train or [str(c) for c in range(max(values, default=-1) + 1)]
-        bad = next((v for v in values if v >= len(classes)), None)
-        if bad is not None:
-            raise UserError(f"{where}: label {bad} is not one of the {len(classes)} classes")
-        return classes, values
-    values = [str(v) for v in values]
-    classes = train or sorted(set(values))
-    index = {c: i for i, c in enumerate(classes)}
-    unknown = sorted(set(values) - set(index))
-    if unknown:
-        raise UserError(
-            f"{where} has labels that are not classes of the training data: "
-            f"{', '.join(unknown[:5])}; evaluate on data of the training classes"
-        )
-    return classes, [index[v] for v in values]
+    else:
+        values = [str(v) for v in values]
+        classes = train or sorted(set(values))
+    return classes, class_indices(where, values, classes)
 
 
 def _negative(value: object) -> bool:

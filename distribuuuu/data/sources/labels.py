@@ -25,7 +25,7 @@ from collections import Counter
 
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from distribuuuu.data.sources.files import ImageFiles
+from distribuuuu.data.sources.files import ImageFiles, class_indices
 from distribuuuu.errors import UserError
 
 SUFFIXES = (".csv", ".tsv", ".jsonl", ".txt")
@@ -178,21 +178,9 @@ def _classes(
         if bad is not None:
             raise UserError(f"{path}: label {bad} is not a class of {listed} ({count} classes)")
         classes = train or named or [str(i) for i in range(count)]
-        bad = next((n for n in labels if n >= len(classes)), None)
-        if bad is not None:
-            raise UserError(f"{path}: label {bad} is not one of the {len(classes)} classes")
-        return classes, labels
-    classes = named or sorted(set(names))
-    if train is not None:
-        classes = train
-    index = {c: i for i, c in enumerate(classes)}
-    unknown = sorted(set(names) - set(index))
-    if unknown:
-        raise UserError(
-            f"{path} has labels that are not classes of the training data: "
-            f"{', '.join(unknown[:5])}; evaluate on data of the training classes"
-        )
-    return classes, [index[n] for n in names]
+        return classes, class_indices(path, labels, classes)
+    classes = train if train is not None else named or sorted(set(names))
+    return classes, class_indices(path, names, classes)
 
 
 def _read_classes(path: str) -> list[str]:
